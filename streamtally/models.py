@@ -1,0 +1,162 @@
+"""The normalised data model: one `Chunk` per raw event, one `Tokens` per request.
+
+Every adapter turns its provider's raw events into `Chunk`s; `fold` turns a
+request's chunks into `Tokens`.  Usage on a chunk is always the provider's
+running total for the request as known after that event (never an increment),
+already converted to the five-field meaning of `Usage`.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Any
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeInt
+
+
+class Source(StrEnum):
+    """The wire format a raw event comes in."""
+
+    OPENAI = "openai"
+    OPENAI_RESPONSES = "openai-responses"
+    ANTHROPIC = "anthropic"
+    GEMINI = "gemini"
+    DYNAMO = "dynamo"
+    VLLM = "vllm"
+    ATOMR = "atomr"
+
+    @property
+    def is_sse(self) -> bool:
+        return self in _SSE_SOURCES
+
+
+_SSE_SOURCES = frozenset({Source.OPENAI, Source.OPENAI_RESPONSES, Source.ANTHROPIC, Source.GEMINI})
+
+
+class FinishReason(StrEnum):
+    """Normalised finish reasons, in no particular order (see `PRECEDENCE`)."""
+
+    STOP = "stop"
+    LENGTH = "length"
+    TOOL_CALLS = "tool_calls"
+    CONTENT_FILTER = "content_filter"
+    ERROR = "error"
+    CANCELLED = "cancelled"
+
+
+#: Higher wins when several finish signals apply to one choice.
+PRECEDENCE: dict[FinishReason, int] = {
+    FinishReason.STOP: 0,
+    FinishReason.TOOL_CALLS: 1,
+    FinishReason.CONTENT_FILTER: 2,
+    FinishReason.LENGTH: 3,
+    FinishReason.CANCELLED: 4,
+    FinishReason.ERROR: 4,
+}
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class Usage(_Frozen):
+    """Five token counts with one meaning across every provider.
+
+    `cached_tokens` and `cache_write_tokens` are parts of `input_tokens`;
+    `reasoning_tokens` is part of `output_tokens`.
+    """
+
+    input_tokens: NonNegativeInt = 0
+    output_tokens: NonNegativeInt = 0
+    reasoning_tokens: NonNegativeInt = 0
+    cached_tokens: NonNegativeInt = 0
+    cache_write_tokens: NonNegativeInt = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+            reasoning_tokens=self.reasoning_tokens + other.reasoning_tokens,
+            cached_tokens=self.cached_tokens + other.cached_tokens,
+            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
+        )
+
+
+ZERO_USAGE = Usage()
+
+
+class ToolCallDelta(_Frozen):
+    """A piece of one tool call: `index` keys the call within its choice."""
+
+    index: NonNegativeInt
+    id: str | None = None
+    name: str | None = None
+    arguments_delta: str = ""
+
+
+class Chunk(_Frozen):
+    """What one raw event carried, normalised.  `seq` is its position in the request."""
+
+    request_id: str
+    seq: NonNegativeInt
+    source: Source
+    model: str | None = None
+    choice: NonNegativeInt = 0
+    text_delta: str = ""
+    reasoning_delta: str = ""
+    tool_call_deltas: tuple[ToolCallDelta, ...] = ()
+    usage: Usage | None = None
+    finish_reason: FinishReason | None = None
+    finish_reason_raw: str | None = None
+    error: str | None = None
+    event_time: AwareDatetime
+
+
+class ToolCall(_Frozen):
+    index: NonNegativeInt
+    id: str | None
+    name: str | None
+    arguments: str
+
+
+class ChoiceTokens(_Frozen):
+    """One choice of a request with several (`n > 1`)."""
+
+    index: NonNegativeInt
+    text: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...]
+    finish_reason: FinishReason
+    finish_reason_raw: str | None
+
+
+class Tokens(_Frozen):
+    """The final record of one request.  Top-level fields describe choice 0."""
+
+    request_id: str
+    source: Source
+    model: str | None
+    text: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...]
+    usage: Usage
+    finish_reason: FinishReason
+    finish_reason_raw: str | None
+    error: str | None
+    chunks: NonNegativeInt
+    #: Every choice, choice 0 included; empty when the request had one choice.
+    choices: tuple[ChoiceTokens, ...] = Field(default=())
+
+    def to_json_dict(self) -> dict[str, Any]:
+        """The public JSON shape printed by `streamtally fold` and `tokens get`."""
+        out = self.model_dump(mode="json")
+        if not self.choices:
+            del out["choices"]
+        return out
+
+
+def utc_now() -> datetime:
+    from datetime import UTC
+
+    return datetime.now(UTC)
