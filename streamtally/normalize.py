@@ -149,12 +149,13 @@ def fold_stream(
     """Normalise and fold one whole request: what `streamtally fold` prints."""
     normalizer = Normalizer(source, request_id, options)
     chunks: list[Chunk] = []
+    now = utc_now()
     for number, event in enumerate(events, start=1):
         try:
-            chunks.extend(normalizer.feed(event))
+            chunks.extend(normalizer.feed(event, now))
         except InvalidEvent as exc:
             raise InvalidEvent(f"event {number}: {exc}") from exc
-    chunks.extend(normalizer.end(fallback_request_id=fallback_request_id))
+    chunks.extend(normalizer.end(now, fallback_request_id=fallback_request_id))
     if not chunks:
         what = "SSE events" if source.is_sse else "lines"
         raise NotAStream(

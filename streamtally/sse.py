@@ -17,6 +17,7 @@ Two deliberate, documented leniencies:
 
 from __future__ import annotations
 
+import codecs
 import json
 import re
 from collections.abc import Iterable, Iterator
@@ -27,7 +28,7 @@ __all__ = ["STRAY", "SseDecoder", "SseEvent", "iter_events"]
 #: Event type given to text found outside any SSE field.
 STRAY = "__stray__"
 
-_LINE_END = re.compile(rb"\r\n|\r|\n")
+_LINE_END = re.compile(r"\r\n|\r|\n")
 _BOM = "\ufeff"
 
 
@@ -43,10 +44,21 @@ class SseEvent:
 class SseDecoder:
     """Feed bytes with `feed`, then call `close` once at end of input."""
 
-    __slots__ = ("_at_start", "_buf", "_data", "_event", "_last_id", "_skip_lf", "_stray")
+    __slots__ = (
+        "_at_start",
+        "_data",
+        "_decoder",
+        "_event",
+        "_last_id",
+        "_skip_lf",
+        "_stray",
+        "_tail",
+    )
 
     def __init__(self) -> None:
-        self._buf = b""
+        # Incremental: a multi-byte character split across reads waits for its end.
+        self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self._tail = ""
         self._skip_lf = False
         self._at_start = True
         self._data: list[str] = []
@@ -55,28 +67,52 @@ class SseDecoder:
         self._stray: list[str] = []
 
     def feed(self, data: bytes) -> list[SseEvent]:
-        if not data:
+        text = self._decoder.decode(data)
+        if not text:
             return []
         if self._skip_lf:
             self._skip_lf = False
-            if data[:1] == b"\n":
-                data = data[1:]
-        buf = self._buf + data if self._buf else data
-        parts = _LINE_END.split(buf)
-        self._buf = parts.pop()
-        # A CR ending the buffer may be the first half of a CRLF.
-        self._skip_lf = not self._buf and buf[-1:] == b"\r"
+            if text[0] == "\n":
+                text = text[1:]
+        if self._at_start and text:
+            self._at_start = False
+            if text[0] == _BOM:
+                text = text[1:]
+        if self._tail:
+            text = self._tail + text
+        # Only CR and LF end lines (never U+2028, U+0085, …): no str.splitlines().
+        lines = text.split("\n") if "\r" not in text else _LINE_END.split(text)
+        self._tail = lines.pop()
+        # A CR ending the input so far may be the first half of a CRLF.
+        self._skip_lf = not self._tail and text[-1] == "\r"
         out: list[SseEvent] = []
-        for raw in parts:
-            self._line(raw.decode("utf-8", "replace"), out)
+        data_lines = self._data
+        for line in lines:
+            if not line:
+                if data_lines or self._stray:
+                    self._dispatch(out)
+                    data_lines = self._data
+                else:
+                    self._event = ""
+            elif line[0] == ":":
+                continue
+            elif line[:5] == "data:":
+                data_lines.append(line[6:] if line[5:6] == " " else line[5:])
+            else:
+                self._field(line)
         return out
 
     def close(self) -> list[SseEvent]:
         """End of input: flush the unterminated last line and a complete last event."""
         out: list[SseEvent] = []
-        if self._buf:
-            self._line(self._buf.decode("utf-8", "replace"), out)
-            self._buf = b""
+        tail = self._tail + self._decoder.decode(b"", final=True)
+        self._tail = ""
+        if tail:
+            if tail[0] != ":":
+                if tail[:5] == "data:":
+                    self._data.append(tail[6:] if tail[5:6] == " " else tail[5:])
+                else:
+                    self._field(tail)
         if self._data:
             data = "\n".join(self._data)
             if _is_complete_json(data):
@@ -88,16 +124,7 @@ class SseDecoder:
         self._flush_stray(out)
         return out
 
-    def _line(self, line: str, out: list[SseEvent]) -> None:
-        if self._at_start:
-            self._at_start = False
-            if line.startswith(_BOM):
-                line = line[1:]
-        if not line:
-            self._dispatch(out)
-            return
-        if line[0] == ":":
-            return
+    def _field(self, line: str) -> None:
         field, sep, value = line.partition(":")
         if sep and value[:1] == " ":
             value = value[1:]
@@ -114,7 +141,7 @@ class SseDecoder:
     def _dispatch(self, out: list[SseEvent]) -> None:
         if self._data:
             out.append(SseEvent("\n".join(self._data), self._event or "message", self._last_id))
-        self._data = []
+            self._data = []
         self._event = ""
         self._flush_stray(out)
 

@@ -10,6 +10,8 @@ them (a block's type, a running token count, a cumulative text to diff).
 from __future__ import annotations
 
 import json
+
+import orjson
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -124,10 +126,15 @@ class ToolKeys:
 
 def parse_json_object(text: str) -> dict[str, Any] | None:
     """The JSON object in `text`, or None when `text` is not JSON (keep-alives, `[DONE]`)."""
+    if not text or (text[0] != "{" and text.lstrip()[:1] != "{"):
+        return None  # `[DONE]`, keep-alives and other non-object payloads
     try:
-        value = json.loads(text)
-    except ValueError:
-        return None
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses but JSON allows (integers beyond 64 bits)
+            value = json.loads(text)
+        except ValueError:
+            return None
     return value if isinstance(value, dict) else None
 
 

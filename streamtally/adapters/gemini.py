@@ -128,15 +128,17 @@ class GeminiAdapter(Adapter):
         obj = parse_json_object(event.data)
         if obj is None:
             return []
-        if not any(key in obj for key in _SHAPE_KEYS):
+        if obj.keys().isdisjoint(_SHAPE_KEYS):
             raise InvalidEvent(
                 "not a Gemini GenerateContentResponse "
                 f"(expected one of {', '.join(_SHAPE_KEYS)}; got keys {', '.join(sorted(obj)[:8])})"
             )
         if obj.get("error"):
             return [self._error(obj["error"])]
-        self._see_id(obj.get("responseId"))
-        self._see_model(obj.get("modelVersion"))
+        if self.provider_request_id is None:
+            self._see_id(obj.get("responseId"))
+        if self.model is None:
+            self._see_model(obj.get("modelVersion"))
         drafts: list[Draft] = []
         candidates = obj.get("candidates")
         if isinstance(candidates, list):
@@ -150,8 +152,13 @@ class GeminiAdapter(Adapter):
             raw = as_str(feedback["blockReason"])
             drafts.append(Draft(finish=FinishReason.CONTENT_FILTER, finish_raw=raw))
         usage = obj.get("usageMetadata")
-        if isinstance(usage, dict) and any(usage.get(name) is not None for name in _USAGE_FIELDS):
-            total = self._usage.report({name: usage.get(name) for name in _USAGE_FIELDS})
+        reported = (
+            {name: usage[name] for name in _USAGE_FIELDS if name in usage}
+            if isinstance(usage, dict)
+            else None
+        )
+        if reported:
+            total = self._usage.report(reported)
             if drafts:
                 drafts[0].usage = total
             else:

@@ -131,14 +131,16 @@ class OpenAIChatAdapter(Adapter):
         obj = parse_json_object(data)
         if obj is None:
             return []  # keep-alive or other non-JSON payload
-        if not any(key in obj for key in _SHAPE_KEYS):
+        if obj.keys().isdisjoint(_SHAPE_KEYS):
             raise InvalidEvent(
                 "not an OpenAI-compatible chat completion chunk "
                 f"(expected one of {', '.join(_SHAPE_KEYS)}; got keys {', '.join(sorted(obj)[:8])})"
             )
-        self._see_id(obj.get("id"))
-        self._see_id(obj.get("request_id"))
-        self._see_model(obj.get("model"))
+        if self.provider_request_id is None:
+            self._see_id(obj.get("id"))
+            self._see_id(obj.get("request_id"))
+        if self.model is None:
+            self._see_model(obj.get("model"))
         drafts: list[Draft] = []
         if obj.get("error"):
             drafts.extend(self._error(obj["error"]))

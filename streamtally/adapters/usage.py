@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from streamtally.adapters.base import as_int
+from streamtally.errors import InvalidEvent
 from streamtally.models import Usage
 
 __all__ = ["RawUsage"]
@@ -21,19 +22,30 @@ __all__ = ["RawUsage"]
 class RawUsage:
     """Last-reported-wins store of a provider's raw usage fields."""
 
-    __slots__ = ("_convert", "_fields")
+    __slots__ = ("_convert", "_fields", "_last")
 
     def __init__(self, convert: Callable[[Mapping[str, int]], Usage]) -> None:
         self._fields: dict[str, int] = {}
         self._convert = convert
+        self._last: Usage | None = None
 
     def report(self, fields: Mapping[str, object]) -> Usage:
         """Record one usage report (None means "not reported") and return the running total."""
+        stored = self._fields
+        changed = self._last is None
         for name, value in fields.items():
-            count = as_int(value, f"usage field {name}")
-            if count is not None:
-                self._fields[name] = count
-        return self._convert(self._fields)
+            if value is None:
+                continue
+            if type(value) is not int:
+                value = as_int(value, f"usage field {name}")  # raises unless an int subclass
+            if value < 0:
+                raise InvalidEvent(f"usage field {name} is negative: {value}")
+            if stored.get(name) != value:
+                stored[name] = value
+                changed = True
+        if changed or self._last is None:
+            self._last = self._convert(stored)
+        return self._last
 
     def raw(self) -> dict[str, int]:
         return dict(self._fields)
