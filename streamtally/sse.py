@@ -107,12 +107,11 @@ class SseDecoder:
         out: list[SseEvent] = []
         tail = self._tail + self._decoder.decode(b"", final=True)
         self._tail = ""
-        if tail:
-            if tail[0] != ":":
-                if tail[:5] == "data:":
-                    self._data.append(tail[6:] if tail[5:6] == " " else tail[5:])
-                else:
-                    self._field(tail)
+        if tail and tail[0] != ":":
+            if tail[:5] == "data:":
+                self._data.append(tail[6:] if tail[5:6] == " " else tail[5:])
+            else:
+                self._field(tail)
         if self._data:
             data = "\n".join(self._data)
             if _is_complete_json(data):

@@ -10,12 +10,12 @@ them (a block's type, a running token count, a cumulative text to diff).
 from __future__ import annotations
 
 import json
-
-import orjson
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
+
+import orjson
 
 from streamtally.errors import InvalidEvent
 from streamtally.models import FinishReason, Source, ToolCallDelta, Usage

@@ -13,7 +13,6 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 
 from streamtally.adapters.base import as_int
-from streamtally.errors import InvalidEvent
 from streamtally.models import Usage
 
 __all__ = ["RawUsage"]
@@ -36,12 +35,12 @@ class RawUsage:
         for name, value in fields.items():
             if value is None:
                 continue
-            if type(value) is not int:
-                value = as_int(value, f"usage field {name}")  # raises unless an int subclass
-            if value < 0:
-                raise InvalidEvent(f"usage field {name} is negative: {value}")
-            if stored.get(name) != value:
-                stored[name] = value
+            if type(value) is int and value >= 0:
+                count = value
+            else:
+                count = as_int(value, f"usage field {name}") or 0  # raises: not a count
+            if stored.get(name) != count:
+                stored[name] = count
                 changed = True
         if changed or self._last is None:
             self._last = self._convert(stored)
