@@ -113,6 +113,26 @@ class Chunk(_Frozen):
     event_time: AwareDatetime
 
 
+_CHUNK_FIELDS = frozenset(Chunk.model_fields)
+_set = object.__setattr__
+
+
+def trusted_chunk(**fields: Any) -> Chunk:
+    """A `Chunk` from values the caller has already checked, without re-validation.
+
+    The normaliser's hot path builds every field from checked values, and
+    validating them again costs more than all the rest of a chunk's work.
+    Every field must be given.  Chunks from anywhere else (a topic, a file)
+    go through normal validation.
+    """
+    chunk = Chunk.__new__(Chunk)
+    _set(chunk, "__dict__", fields)
+    _set(chunk, "__pydantic_fields_set__", _CHUNK_FIELDS)
+    _set(chunk, "__pydantic_extra__", None)
+    _set(chunk, "__pydantic_private__", None)
+    return chunk
+
+
 class ToolCall(_Frozen):
     index: NonNegativeInt
     id: str | None

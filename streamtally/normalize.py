@@ -8,6 +8,7 @@ drafts wait until the provider's own id shows up.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterable, Iterator
 from datetime import datetime
@@ -21,10 +22,18 @@ from streamtally.adapters.openai import OpenAIChatAdapter
 from streamtally.adapters.openai_responses import OpenAIResponsesAdapter
 from streamtally.errors import InvalidEvent, NotAStream
 from streamtally.fold import Fold
-from streamtally.models import Chunk, Source, Tokens, utc_now
+from streamtally.models import Chunk, Source, Tokens, trusted_chunk, utc_now
 from streamtally.sse import SseDecoder, SseEvent
 
-__all__ = ["ADAPTERS", "Normalizer", "fold_stream", "make_adapter", "read_events"]
+__all__ = [
+    "ADAPTERS",
+    "Normalizer",
+    "discover_request_id",
+    "fallback_request_id",
+    "fold_stream",
+    "make_adapter",
+    "read_events",
+]
 
 ADAPTERS: dict[Source, type[Adapter]] = {
     Source.OPENAI: OpenAIChatAdapter,
@@ -102,7 +111,7 @@ class Normalizer:
     def _chunk(self, draft: Draft, when: datetime) -> Chunk:
         request_id = self.request_id
         assert request_id is not None
-        chunk = Chunk(
+        chunk = trusted_chunk(
             request_id=request_id,
             seq=self._seq,
             source=self.source,
@@ -166,3 +175,23 @@ def fold_stream(
     for chunk in chunks:
         acc.add(chunk)
     return acc.result()
+
+
+def fallback_request_id(data: bytes) -> str:
+    """The id of a request whose stream names none: derived from its bytes, so stable."""
+    return "sha256-" + hashlib.sha256(data).hexdigest()[:24]
+
+
+def discover_request_id(
+    source: Source, events: Iterable[SseEvent | Any], options: AdapterOptions | None = None
+) -> str | None:
+    """The provider's own id for the request, as `streamtally fold` reports it."""
+    adapter = make_adapter(source, options)
+    for event in events:
+        try:
+            adapter.feed(event)
+        except InvalidEvent:
+            continue  # the worker will dead-letter it; the id may still come later
+        if adapter.provider_request_id is not None:
+            return adapter.provider_request_id
+    return None

@@ -80,6 +80,8 @@ class SseDecoder:
                 text = text[1:]
         if self._tail:
             text = self._tail + text
+        if not text:
+            return []
         # Only CR and LF end lines (never U+2028, U+0085, …): no str.splitlines().
         lines = text.split("\n") if "\r" not in text else _LINE_END.split(text)
         self._tail = lines.pop()

@@ -109,6 +109,14 @@ class DynamoAdapter(Adapter):
         return [draft] if draft.carries_anything() else []
 
 
+def _convert_request_output_usage(raw: Mapping[str, int]) -> Usage:
+    return Usage(
+        input_tokens=raw.get("input", 0),
+        output_tokens=raw.get("output", 0),
+        cached_tokens=raw.get("cached", 0),
+    )
+
+
 class VllmAdapter(Adapter):
     source = Source.VLLM
 
@@ -116,6 +124,7 @@ class VllmAdapter(Adapter):
         super().__init__(options)
         self._text_len: dict[int, int] = {}
         self._token_count: dict[int, int] = {}
+        self._usage = RawUsage(_convert_request_output_usage)
 
     def feed(self, event: object) -> list[Draft]:
         obj = _object(event, "vLLM RequestOutput")
@@ -123,7 +132,9 @@ class VllmAdapter(Adapter):
         if not isinstance(outputs, list):
             raise InvalidEvent('not a vLLM RequestOutput (no "outputs" list)')
         self._see_id(obj.get("request_id"))
-        kind = obj.get("output_kind") or self.options.vllm_output_kind
+        kind = obj.get("output_kind")
+        if kind is None:
+            kind = self.options.vllm_output_kind
         if kind not in ("DELTA", "CUMULATIVE", 0, 1):
             raise InvalidEvent(f"unknown vLLM output_kind: {kind!r} (DELTA or CUMULATIVE)")
         cumulative = kind in ("CUMULATIVE", 0)
@@ -135,10 +146,12 @@ class VllmAdapter(Adapter):
         if not drafts:
             drafts.append(Draft())
         prompt = obj.get("prompt_token_ids")
-        drafts[0].usage = Usage(
-            input_tokens=len(_token_ids(prompt, "prompt_token_ids")),
-            output_tokens=sum(self._token_count.values()),
-            cached_tokens=as_int(obj.get("num_cached_tokens"), "num_cached_tokens") or 0,
+        drafts[0].usage = self._usage.report(
+            {
+                "input": None if prompt is None else len(_token_ids(prompt, "prompt_token_ids")),
+                "output": sum(self._token_count.values()),
+                "cached": obj.get("num_cached_tokens"),
+            }
         )
         if obj.get("finished") is True and not outputs:
             drafts[0].finish, drafts[0].finish_raw = FinishReason.ERROR, "error"

@@ -119,12 +119,12 @@ class OpenAIChatAdapter(Adapter):
         self._done = False
 
     def feed(self, event: SseEvent) -> list[Draft]:
+        if self._done:
+            return []  # nothing after `[DONE]` belongs to the stream
         data = event.data
         if event.event == STRAY:
             obj = parse_json_object(data)
             return self._error(obj["error"]) if obj and obj.get("error") else []
-        if self._done:
-            return []
         if data.startswith("[DONE]"):
             self._done = True
             return []

@@ -1,0 +1,373 @@
+"""The incremental SSE decoder against the WHATWG event-stream rules (contract "SSE decoding")."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from itertools import pairwise
+
+import pytest
+
+from streamtally.sse import STRAY, SseDecoder, SseEvent, iter_events
+
+
+def decode(reads: Iterable[bytes]) -> list[SseEvent]:
+    """Feed every read to one decoder, then close it."""
+    decoder = SseDecoder()
+    out: list[SseEvent] = []
+    for data in reads:
+        out.extend(decoder.feed(data))
+    out.extend(decoder.close())
+    return out
+
+
+def decode_split(data: bytes, cuts: Sequence[int]) -> list[SseEvent]:
+    """Decode `data` fed in pieces cut at the given offsets."""
+    bounds = [0, *cuts, len(data)]
+    return decode(data[a:b] for a, b in pairwise(bounds))
+
+
+def datas(events: Iterable[SseEvent]) -> list[str]:
+    return [e.data for e in events if e.event != STRAY]
+
+
+# --- line endings -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r", b"\r\n"], ids=["LF", "CR", "CRLF"])
+def test_each_line_ending_ends_lines_and_events(eol: bytes) -> None:
+    body = eol.join([b"event: e1", b"data: a", b"data: b", b"", b"data: c", b"", b""])
+    assert decode([body]) == [SseEvent("a\nb", "e1"), SseEvent("c")]
+
+
+def test_mixed_line_endings_in_one_stream() -> None:
+    body = b"data: a\r\n\r\ndata: b\r\rdata: c\n\ndata: d\r\n\n"
+    assert datas(decode([body])) == ["a", "b", "c", "d"]
+
+
+def test_crlf_split_across_two_feeds_is_one_line_end() -> None:
+    decoder = SseDecoder()
+    # If the CR and the LF were taken as two line ends, the LF would be a blank
+    # line and dispatch "a" alone.
+    first = decoder.feed(b"data: a\r")
+    second = decoder.feed(b"\ndata: b\r\n\r\n")
+    assert first == []
+    assert second == [SseEvent("a\nb")]
+    assert decoder.close() == []
+
+
+def test_cr_at_end_of_feed_followed_by_a_non_lf_is_still_a_line_end() -> None:
+    decoder = SseDecoder()
+    assert decoder.feed(b"data: a\r") == []
+    assert decoder.feed(b"\rdata: b\n\n") == [SseEvent("a"), SseEvent("b")]
+
+
+def test_lone_lf_after_crlf_boundary_is_a_blank_line() -> None:
+    decoder = SseDecoder()
+    assert decoder.feed(b"data: a\r") == []
+    assert decoder.feed(b"\n") == []
+    assert decoder.feed(b"\n") == [SseEvent("a")]
+
+
+def test_every_chunk_boundary_two_feeds() -> None:
+    body = b"data:ok\r\n\r\n"
+    for cut in range(len(body) + 1):
+        assert decode_split(body, [cut]) == [SseEvent("ok")], cut
+
+
+def test_every_chunk_boundary_three_feeds() -> None:
+    body = b"data:ok\r\n\r\n"
+    for a in range(len(body) + 1):
+        for b in range(a, len(body) + 1):
+            assert decode_split(body, [a, b]) == [SseEvent("ok")], (a, b)
+
+
+RICH = (
+    b"\xef\xbb\xbf: keep-alive\r\n"
+    b"event: first\r\n"
+    b"id: 7\r\n"
+    b'data: {"t":"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80"}\r\n'
+    b"\r\n"
+    b"data: x\r"
+    b":HTTP_STATUS/200\r"
+    b"data:  y\r"
+    b"\r"
+    b"data\n"
+    b"\n"
+    b"data: last\n\n"
+)
+RICH_EVENTS = [
+    SseEvent('{"t":"café € 😀"}', "first", "7"),
+    SseEvent("x\n y", "message", "7"),
+    SseEvent("", "message", "7"),
+    SseEvent("last", "message", "7"),
+]
+
+
+def test_rich_stream_in_one_feed() -> None:
+    assert decode([RICH]) == RICH_EVENTS
+
+
+def test_rich_stream_split_at_every_byte_boundary() -> None:
+    for cut in range(len(RICH) + 1):
+        assert decode_split(RICH, [cut]) == RICH_EVENTS, cut
+
+
+def test_rich_stream_fed_one_byte_at_a_time() -> None:
+    assert decode(RICH[i : i + 1] for i in range(len(RICH))) == RICH_EVENTS
+
+
+# --- UTF-8 --------------------------------------------------------------------------------
+
+
+def test_multi_byte_character_split_across_feeds() -> None:
+    snowman = "☃".encode()  # 3 bytes
+    face = "😀".encode()  # 4 bytes
+    body = b"data: " + snowman + face + b"\n\n"
+    start = len(b"data: ")
+    for cut in range(start + 1, start + len(snowman) + len(face)):
+        assert decode_split(body, [cut]) == [SseEvent("☃😀")], cut
+
+
+def test_multi_byte_character_over_many_feeds() -> None:
+    face = "😀".encode()
+    reads = [b"data: ", face[:1], face[1:2], face[2:3], face[3:], b"\n", b"\n"]
+    assert decode(reads) == [SseEvent("😀")]
+
+
+@pytest.mark.parametrize("char", ["\u2028", "\u2029", "\u0085", "\x1c", "\x0b", "\x0c"])
+def test_unicode_line_separators_are_not_line_breaks(char: str) -> None:
+    payload = json.dumps({"content": f"a{char}b"}, ensure_ascii=False)
+    body = f"data: {payload}\n\n".encode()
+    events = decode([body])
+    assert events == [SseEvent(payload)]
+    assert json.loads(events[0].data)["content"] == f"a{char}b"
+
+
+def test_invalid_utf8_is_replaced_not_raised() -> None:
+    assert decode([b"data: a\xffb\n\n"]) == [SseEvent("a\ufffdb")]
+
+
+# --- comments and fields ------------------------------------------------------------------
+
+
+def test_comments_are_ignored_at_start_and_mid_stream() -> None:
+    body = (
+        b": keep-alive\n"
+        b": OPENROUTER PROCESSING\n"
+        b"data: a\n"
+        b": keep-alive\n"
+        b"data: b\n"
+        b"\n"
+        b":HTTP_STATUS/200\n"
+        b"data:c\n"
+        b"\n"
+    )
+    assert decode([body]) == [SseEvent("a\nb"), SseEvent("c")]
+
+
+def test_comment_only_stream_yields_nothing() -> None:
+    assert decode([b": keep-alive\n\n: keep-alive\n\n"]) == []
+
+
+@pytest.mark.parametrize(
+    ("line", "value"),
+    [
+        (b"data:x", "x"),
+        (b"data: x", "x"),
+        (b"data:  x", " x"),
+        (b"data:x ", "x "),
+        (b"data: ", ""),
+        (b"data:", ""),
+        (b"data", ""),
+        (b"data: a: b", "a: b"),
+    ],
+)
+def test_exactly_one_space_after_the_colon_is_dropped(line: bytes, value: str) -> None:
+    assert decode([line + b"\n\n"]) == [SseEvent(value)]
+
+
+def test_multi_line_data_joined_with_lf_openai_python_example() -> None:
+    body = b'data: {\ndata: "foo":\ndata: \ndata:\ndata: true}\n\n'
+    assert decode([body]) == [SseEvent('{\n"foo":\n\n\ntrue}')]
+
+
+def test_event_field_sets_type_and_is_reset_after_dispatch() -> None:
+    body = b"event: message_start\ndata: 1\n\ndata: 2\n\nevent:x\ndata: 3\n\n"
+    assert [(e.event, e.data) for e in decode([body])] == [
+        ("message_start", "1"),
+        ("message", "2"),
+        ("x", "3"),
+    ]
+
+
+def test_empty_event_field_means_message() -> None:
+    assert decode([b"event:\ndata: a\n\n"]) == [SseEvent("a", "message")]
+
+
+def test_id_persists_across_events() -> None:
+    body = b"id: 1\ndata: a\n\ndata: b\n\nid: 2\ndata: c\n\n"
+    assert [(e.data, e.id) for e in decode([body])] == [("a", "1"), ("b", "1"), ("c", "2")]
+
+
+def test_id_without_any_id_line_is_none() -> None:
+    assert decode([b"data: a\n\n"]) == [SseEvent("a", "message", None)]
+
+
+def test_id_containing_nul_is_ignored() -> None:
+    body = b"id: 1\ndata: a\n\nid: 2\x003\ndata: b\n\n"
+    assert [(e.data, e.id) for e in decode([body])] == [("a", "1"), ("b", "1")]
+
+
+def test_retry_field_is_neither_data_nor_stray() -> None:
+    assert decode([b"retry: 1000\ndata: a\n\nretry: soon\ndata: b\n\n"]) == [
+        SseEvent("a"),
+        SseEvent("b"),
+    ]
+
+
+def test_event_without_data_is_not_dispatched() -> None:
+    body = b"event: ping\n\nid: 9\n\nevent: x\nid: 10\n\n"
+    assert decode([body]) == []
+
+
+def test_event_without_data_does_not_leak_its_type_into_the_next() -> None:
+    body = b"event: ping\n\ndata: a\n\n"
+    assert decode([body]) == [SseEvent("a", "message")]
+
+
+def test_id_set_by_an_event_without_data_still_persists() -> None:
+    assert decode([b"id: 5\n\ndata: a\n\n"]) == [SseEvent("a", "message", "5")]
+
+
+def test_blank_lines_alone_dispatch_nothing() -> None:
+    assert decode([b"\n\n\r\n\r\r"]) == []
+
+
+# --- BOM ------------------------------------------------------------------------------------
+
+
+def test_leading_bom_is_stripped() -> None:
+    assert decode([b"\xef\xbb\xbfdata: a\n\n"]) == [SseEvent("a")]
+
+
+def test_leading_bom_split_across_feeds_is_stripped() -> None:
+    assert decode([b"\xef", b"\xbb", b"\xbfdata: a\n\n"]) == [SseEvent("a")]
+
+
+def test_leading_bom_alone_in_the_first_read_is_stripped() -> None:
+    assert decode([b"\xef\xbb\xbf", b"data: a\n\n"]) == [SseEvent("a")]
+
+
+def test_only_one_leading_bom_is_stripped_and_only_at_the_start() -> None:
+    body = b"data: a\n\n\xef\xbb\xbfdata: b\n\n"
+    assert datas(decode([body])) == ["a"]
+
+
+# --- end of input -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tail", [b"", b"\n", b"\r\n", b"\r"])
+def test_last_event_without_blank_line_is_taken_when_complete_json(tail: bytes) -> None:
+    body = b'data: {"a": 1}\n\ndata: {"b": [1, 2]}' + tail
+    assert decode([body]) == [SseEvent('{"a": 1}'), SseEvent('{"b": [1, 2]}')]
+
+
+def test_last_multi_line_json_event_without_blank_line_is_taken() -> None:
+    assert decode([b"event: e\ndata: {\ndata: }\n"]) == [SseEvent("{\n}", "e")]
+
+
+@pytest.mark.parametrize("tail", [b"data: unfinished", b'data: {"a": ', b"data: [DONE"])
+def test_last_event_without_blank_line_is_not_dispatched_unless_complete_json(
+    tail: bytes,
+) -> None:
+    events = decode([b"data: a\n\n" + tail + b"\n"])
+    assert datas(events) == ["a"]
+
+
+def test_close_without_pending_input_returns_nothing() -> None:
+    decoder = SseDecoder()
+    assert decoder.feed(b"data: a\n\n") == [SseEvent("a")]
+    assert decoder.close() == []
+
+
+def test_empty_feed_returns_nothing() -> None:
+    decoder = SseDecoder()
+    assert decoder.feed(b"") == []
+    assert decoder.feed(b"data: a\n\n") == [SseEvent("a")]
+
+
+# --- stray (non-field) text ----------------------------------------------------------------
+
+GEMINI_ERROR_TAIL = (
+    b"{\n"
+    b'  "error": {\n'
+    b'    "code": 503,\n'
+    b'    "message": "The model is overloaded. Please try again later.",\n'
+    b'    "status": "UNAVAILABLE"\n'
+    b"  }\n"
+    b"}\n"
+)
+
+
+@pytest.mark.parametrize("eol", [b"\n", b"\r\n"], ids=["LF", "CRLF"])
+def test_raw_json_error_tail_surfaces_as_one_stray_event(eol: bytes) -> None:
+    body = b'data: {"candidates": []}\r\n\r\n' + GEMINI_ERROR_TAIL.replace(b"\n", eol)
+    events = decode([body])
+    assert [e.event for e in events] == ["message", STRAY]
+    assert events[0].data == '{"candidates": []}'
+    assert json.loads(events[1].data) == {
+        "error": {
+            "code": 503,
+            "message": "The model is overloaded. Please try again later.",
+            "status": "UNAVAILABLE",
+        }
+    }
+
+
+def test_raw_json_error_tail_without_final_newline() -> None:
+    body = b'data: {"candidates": []}\n\n' + GEMINI_ERROR_TAIL.rstrip(b"\n")
+    events = decode([body])
+    strays = [e for e in events if e.event == STRAY]
+    assert len(strays) == 1
+    assert json.loads(strays[0].data)["error"]["code"] == 503
+
+
+def test_raw_json_error_tail_split_at_every_boundary_gives_the_same_events() -> None:
+    body = b'data: {"candidates": []}\r\n\r\n' + GEMINI_ERROR_TAIL
+    whole = decode([body])
+    for cut in range(len(body) + 1):
+        assert decode_split(body, [cut]) == whole, cut
+
+
+def test_stray_text_does_not_become_data() -> None:
+    events = decode([b'{"error": {"code": 1}}\n\ndata: a\n\n'])
+    assert [e.event for e in events] == [STRAY, "message"]
+    assert events[1].data == "a"
+    assert json.loads(events[0].data) == {"error": {"code": 1}}
+
+
+# --- iter_events ------------------------------------------------------------------------------
+
+
+def test_iter_events_matches_feed_and_close() -> None:
+    reads = [RICH[:10], RICH[10:47], RICH[47:]]
+    assert list(iter_events(reads)) == RICH_EVENTS
+
+
+def test_iter_events_is_lazy_per_read() -> None:
+    produced: list[int] = []
+
+    def reads() -> Iterable[bytes]:
+        for n, piece in enumerate([b"data: a\n\n", b"data: b\n\n"]):
+            produced.append(n)
+            yield piece
+
+    it = iter_events(reads())
+    assert next(it) == SseEvent("a")
+    assert produced == [0]
+    assert list(it) == [SseEvent("b")]
+
+
+def test_iter_events_flushes_a_complete_json_tail() -> None:
+    assert list(iter_events([b'data: {"a":1}'])) == [SseEvent('{"a":1}')]
