@@ -1,0 +1,249 @@
+"""`streamtally billing export`: every billing event on the billing topic, up to its current end.
+
+The end offset of each partition is taken once, at start; the export reads
+each partition from its beginning to that offset (committed records only:
+isolation level read_committed), so it always terminates and never waits for
+new events.  No consumer group is used and no offsets are committed.
+
+Events are decoded with `streamtally.avro.decode_billing_event`, replays
+(a second record with an `event_id` already seen) are dropped unless
+``--keep-replays``, and the rest is printed ordered by (event_time, event_id).
+A record that does not decode is reported on stderr with its partition and
+offset, the export goes on, and the exit status is 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from streamtally.avro import AvroDecodeError, decode_billing_event
+from streamtally.errors import StackError
+from streamtally.records import BillingEvent, scaled_cost
+from streamtally.stack.config import bootstrap_servers
+from topics import BILLING
+
+__all__ = ["Export", "add_parser", "event_json", "read_billing_events"]
+
+#: Give up when no partition has moved for this long while records remain before the end.
+STALL_TIMEOUT_S: Final = 30.0
+
+_EPILOG = """\
+output: one JSON object per line with --json (cost as an exact decimal string,
+        event_time ISO-8601 with offset), else a short table.
+exit status: 0 exported, 1 some records did not decode (reported on stderr),
+             2 Kafka unreachable, topic missing or a bad argument
+"""
+
+
+@dataclass(slots=True)
+class Export:
+    """What `read_billing_events` read."""
+
+    events: list[BillingEvent] = field(default_factory=list)
+    #: (partition, offset, reason) of every record that did not decode.
+    bad: list[tuple[int, int, str]] = field(default_factory=list)
+    #: Records dropped because their event_id was already seen.
+    replays: int = 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "billing",
+        help="read billing events from Kafka",
+        description="Read the billing events of the billing topic.",
+    )
+    commands = parser.add_subparsers(dest="billing_command", metavar="{export}", required=True)
+    export = commands.add_parser(
+        "export",
+        help="print every billing event, up to the topic's current end",
+        description=(
+            f"Read topic {BILLING.name} from the beginning to its current end (end offsets "
+            "taken at start, per partition) and print the events ordered by "
+            "(event_time, event_id)."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    export.add_argument("--json", action="store_true", help="print one JSON object per line")
+    export.add_argument(
+        "--keep-replays",
+        action="store_true",
+        help="also print records whose event_id was already seen (default: drop them)",
+    )
+    export.add_argument(
+        "--bootstrap-servers",
+        metavar="HOST:PORT[,...]",
+        help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
+    )
+    export.set_defaults(func=run_export)
+
+
+def run_export(args: argparse.Namespace) -> int:
+    # aiokafka logs every failed connection attempt; the error raised says it in one line.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    servers: str = args.bootstrap_servers or bootstrap_servers()
+    result = asyncio.run(read_billing_events(servers, keep_replays=args.keep_replays))
+    events = sorted(result.events, key=lambda e: (e.event_time, e.event_id))
+    try:
+        if args.json:
+            for event in events:
+                sys.stdout.write(json.dumps(event_json(event), ensure_ascii=False) + "\n")
+        else:
+            sys.stdout.write(format_table(events))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if result.replays:
+        print(
+            f"streamtally billing: dropped {result.replays} replayed events (same event_id)",
+            file=sys.stderr,
+        )
+    for partition, offset, reason in result.bad:
+        print(
+            f"streamtally billing: {BILLING.name}[{partition}]@{offset} is not a billing event: "
+            f"{reason}",
+            file=sys.stderr,
+        )
+    return 1 if result.bad else 0
+
+
+def event_json(event: BillingEvent) -> dict[str, Any]:
+    """A billing event as a JSON object: cost an exact decimal string, times ISO-8601."""
+    return {
+        "event_id": event.event_id,
+        "request_id": event.request_id,
+        "tenant": event.tenant,
+        "model": event.model,
+        "source": event.source.value,
+        "finish_reason": event.finish_reason.value,
+        "input_tokens": event.input_tokens,
+        "output_tokens": event.output_tokens,
+        "reasoning_tokens": event.reasoning_tokens,
+        "cached_tokens": event.cached_tokens,
+        "cache_write_tokens": event.cache_write_tokens,
+        "cost": format(scaled_cost(event.cost), "f"),
+        "currency": event.currency,
+        "price_table_version": event.price_table_version,
+        "event_time": event.event_time.isoformat(),
+    }
+
+
+def format_table(events: Sequence[BillingEvent]) -> str:
+    """A short table: one line per event, then a count."""
+    headers = ("EVENT_TIME", "TENANT", "MODEL", "REQUEST_ID", "INPUT", "OUTPUT", "COST")
+    rows = [
+        (
+            e.event_time.isoformat(timespec="seconds"),
+            e.tenant,
+            e.model or "-",
+            e.request_id,
+            str(e.input_tokens),
+            str(e.output_tokens),
+            f"{format(scaled_cost(e.cost), 'f')} {e.currency}",
+        )
+        for e in events
+    ]
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+    right = {4, 5, 6}
+
+    def line(cells: Sequence[str]) -> str:
+        return (
+            "  ".join(
+                c.rjust(w) if i in right else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+            + "\n"
+        )
+
+    count = f"{len(events)} billing event{'s' if len(events) != 1 else ''}\n"
+    return (line(headers) + "".join(line(r) for r in rows) + count) if rows else count
+
+
+async def read_billing_events(
+    servers: str, *, keep_replays: bool = False, topic: str = BILLING.name
+) -> Export:
+    """Every billing event of `topic` up to its end offsets at the time of the call."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.errors import KafkaConnectionError, KafkaError
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=servers,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        request_timeout_ms=15000,
+    )
+    try:
+        await consumer.start()
+    except KafkaConnectionError as exc:
+        await consumer.stop()
+        raise StackError(
+            f"cannot reach Kafka at {servers}: start the local stack with `streamtally stack up`, "
+            "or pass --bootstrap-servers / set KAFKA_BOOTSTRAP_SERVERS"
+        ) from exc
+    export = Export()
+    try:
+        # `consumer.topics()` fetches this very metadata but returns only the names.
+        cluster = await consumer._client.fetch_all_metadata()
+        partitions = cluster.partitions_for_topic(topic)
+        if not partitions:
+            raise StackError(
+                f"topic {topic} does not exist on {servers}: nothing was billed there yet "
+                "(`streamtally worker` creates the topics), or it is the wrong Kafka"
+            )
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        ends: dict[Any, int] = await consumer.end_offsets(tps)
+        begins: dict[Any, int] = await consumer.beginning_offsets(tps)
+        await consumer.seek_to_beginning(*tps)
+        remaining = {tp for tp in tps if ends[tp] > begins[tp]}
+        seen: set[str] = set()
+        positions = dict(begins)
+        last_progress = time.monotonic()
+        while remaining:
+            batches = await consumer.getmany(*remaining, timeout_ms=500)
+            for tp, records in batches.items():
+                for record in records:
+                    if record.offset >= ends[tp]:
+                        continue
+                    if record.value is None:
+                        export.bad.append((tp.partition, record.offset, "no value (tombstone)"))
+                        continue
+                    try:
+                        event = decode_billing_event(record.value)
+                    except AvroDecodeError as exc:
+                        export.bad.append((tp.partition, record.offset, str(exc)))
+                        continue
+                    if event.event_id in seen and not keep_replays:
+                        export.replays += 1
+                        continue
+                    seen.add(event.event_id)
+                    export.events.append(event)
+            for tp in list(remaining):
+                position = await consumer.position(tp)
+                if position != positions[tp]:
+                    positions[tp] = position
+                    last_progress = time.monotonic()
+                if position >= ends[tp]:
+                    remaining.discard(tp)
+            if remaining and time.monotonic() - last_progress > STALL_TIMEOUT_S:
+                stuck = ", ".join(f"{tp.partition}" for tp in sorted(remaining))
+                raise StackError(
+                    f"reading {topic} stalled for {STALL_TIMEOUT_S:.0f} s before its end "
+                    f"(partitions {stuck})"
+                )
+    except KafkaError as exc:
+        raise StackError(f"reading {topic} from Kafka at {servers} failed: {exc}") from exc
+    finally:
+        await consumer.stop()
+    return export

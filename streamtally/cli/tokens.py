@@ -1,0 +1,99 @@
+"""`streamtally tokens get REQUEST_ID`: a finished request's Tokens JSON, from Redis.
+
+Also home of the small Redis helpers the read commands share (`add_redis_url`,
+`run_redis`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from processors.redis_keys import get_tokens_text
+from streamtally.errors import InputError, StackError
+from streamtally.stack.config import redis_url
+
+__all__ = ["add_parser", "add_redis_url", "run_redis"]
+
+T = TypeVar("T")
+
+_EPILOG = """\
+exit status: 0 printed, 2 not found (unknown request, or still streaming),
+             Redis unreachable or a bad argument (message on stderr)
+"""
+
+
+def add_redis_url(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--redis-url",
+        metavar="URL",
+        help="Redis to read (default: $REDIS_URL, else the local stack's redis://127.0.0.1:6379/0)",
+    )
+
+
+def run_redis(url: str | None, work: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
+    """Run `work` with a client of `url` (default: the configured Redis), with clear errors.
+
+    Raises `StackError` when Redis cannot be reached or fails, `InputError`
+    for a URL that is not a Redis URL.
+    """
+    target = url or redis_url()
+
+    async def main() -> T:
+        try:
+            client = aioredis.from_url(target, socket_connect_timeout=5, socket_timeout=30)
+        except ValueError as exc:
+            raise InputError(f"bad Redis URL {target!r}: {exc}") from exc
+        try:
+            return await work(client)
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise StackError(
+                f"cannot reach Redis at {target} ({exc}): start the local stack with "
+                "`streamtally stack up`, or pass --redis-url / set REDIS_URL"
+            ) from exc
+        except RedisError as exc:
+            raise StackError(f"Redis at {target} failed: {exc}") from exc
+        finally:
+            await client.aclose()
+
+    return asyncio.run(main())
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "tokens",
+        help="read finished requests' Tokens from Redis",
+        description="Read the Tokens the worker stored in Redis for finished requests.",
+    )
+    commands = parser.add_subparsers(dest="tokens_command", metavar="{get}", required=True)
+    get = commands.add_parser(
+        "get",
+        help="print one request's Tokens JSON",
+        description="Print the stored Tokens JSON of REQUEST_ID (exactly as stored) and a newline.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    get.add_argument("request_id", metavar="REQUEST_ID", help="the request id")
+    add_redis_url(get)
+    get.set_defaults(func=run_get)
+
+
+def run_get(args: argparse.Namespace) -> int:
+    request_id: str = args.request_id
+    if not request_id:
+        raise InputError("REQUEST_ID must not be empty")
+    text = run_redis(args.redis_url, lambda client: get_tokens_text(client, request_id))
+    if text is None:
+        raise InputError(f"{request_id} not found (unknown, or still streaming)")
+    sys.stdout.flush()
+    sys.stdout.buffer.write(text.encode("utf-8") + b"\n")  # the stored bytes, whatever the locale
+    sys.stdout.buffer.flush()
+    return 0

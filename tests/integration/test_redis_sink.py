@@ -1,0 +1,395 @@
+"""The Redis sink against a real Redis: layout, idempotency, exact cost carry, reading back.
+
+Every test writes only keys of its own (a unique request id prefix and
+tenants) and deletes them afterwards, so it can run against the shared stack.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from decimal import Decimal
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ResponseError
+
+from processors.redis_keys import ROWS_KEY, tokens_key, usage_key
+from processors.redis_sink import RedisSink, get_tokens, get_tokens_text, tokens_json, usage_rows
+from streamtally.billing import bill
+from streamtally.cli import main
+from streamtally.models import FinishReason, Source, Tokens, Usage
+from streamtally.pricing import PriceTable
+from streamtally.records import BillingEvent
+
+pytestmark = pytest.mark.integration
+
+PRICES = PriceTable.from_dict(
+    {
+        "version": "it-1",
+        "currency": "USD",
+        "unit": 1_000_000,
+        "models": {"gpt-4o": {"input": "2.50", "cached_input": "1.25", "output": "10.00"}},
+    }
+)
+WHEN = datetime(2026, 11, 21, 23, 59, 59, tzinfo=UTC)
+DAY = "2026-11-21"
+
+
+class Scope:
+    """Unique names for one test, and cleanup of everything written under them."""
+
+    def __init__(self) -> None:
+        self.tag = uuid.uuid4().hex[:12]
+        self.tenants: set[str] = set()
+
+    def rid(self, n: int | str) -> str:
+        return f"it-{self.tag}-{n}"
+
+    def tenant(self, name: str = "acme") -> str:
+        tenant = f"{name}-{self.tag}"
+        self.tenants.add(tenant)
+        return tenant
+
+    async def cleanup(self, client: aioredis.Redis) -> None:
+        async for key in client.scan_iter(match=f"st:tokens:it-{self.tag}-*"):
+            await client.delete(key)
+        for member in await client.smembers(ROWS_KEY):
+            day, tenant, model = json.loads(member)
+            if tenant in self.tenants:
+                await client.delete(usage_key(day, tenant, model))
+                await client.srem(ROWS_KEY, member)
+
+
+@pytest.fixture
+async def scope(redis_client: aioredis.Redis) -> AsyncIterator[Scope]:
+    s = Scope()
+    yield s
+    await s.cleanup(redis_client)
+
+
+def make_tokens(
+    request_id: str, usage: Usage | None = None, model: str | None = "gpt-4o-2024-08-06"
+) -> Tokens:
+    return Tokens(
+        request_id=request_id,
+        source=Source.OPENAI,
+        model=model,
+        text="Grüße, 世界",
+        reasoning="",
+        tool_calls=(),
+        usage=usage or Usage(input_tokens=1000, cached_tokens=400, output_tokens=200),
+        finish_reason=FinishReason.STOP,
+        finish_reason_raw="stop",
+        error=None,
+        chunks=3,
+    )
+
+
+def billed(tokens: Tokens, tenant: str, cost: str | None = None) -> BillingEvent:
+    event = bill(tokens, tenant, WHEN, PRICES)
+    return event if cost is None else dataclasses.replace(event, cost=Decimal(cost))
+
+
+async def hash_of(client: aioredis.Redis, key: str) -> dict[str, str]:
+    raw = await client.hgetall(key)
+    return {_str(k): _str(v) for k, v in raw.items()}
+
+
+def _str(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+# --------------------------------------------------------------------------- apply / replay
+
+
+async def test_apply_writes_tokens_row_and_index(
+    redis_client: aioredis.Redis, scope: Scope
+) -> None:
+    tenant = scope.tenant()
+    tokens = make_tokens(scope.rid(1))
+    sink = RedisSink(redis_client)
+    sink.add(tokens, billed(tokens, tenant))
+    assert await sink.flush() == [True]
+    assert len(sink) == 0
+
+    stored = await redis_client.get(tokens_key(tokens.request_id))
+    expected = json.dumps(tokens.to_json_dict(), ensure_ascii=False, separators=(",", ":"))
+    assert stored == expected.encode("utf-8")
+    assert await get_tokens_text(redis_client, tokens.request_id) == expected
+    assert await get_tokens(redis_client, tokens.request_id) == tokens.to_json_dict()
+
+    # (600 * 2.50 + 400 * 1.25 + 200 * 10) / 1e6 = 0.004
+    assert await hash_of(redis_client, f"st:usage:{DAY}:{tenant}:gpt-4o-2024-08-06") == {
+        "requests": "1",
+        "input_tokens": "1000",
+        "output_tokens": "200",
+        "reasoning_tokens": "0",
+        "cached_tokens": "400",
+        "cache_write_tokens": "0",
+        "cost_units": "0",
+        "cost_pico": "4000000000",
+    }
+    member = json.dumps([DAY, tenant, "gpt-4o-2024-08-06"], separators=(",", ":"))
+    assert await redis_client.sismember(ROWS_KEY, member)
+
+
+async def test_reapplying_is_a_no_op(redis_client: aioredis.Redis, scope: Scope) -> None:
+    tenant = scope.tenant()
+    tokens = make_tokens(scope.rid(1))
+    row = usage_key(DAY, tenant, "gpt-4o-2024-08-06")
+    sink = RedisSink(redis_client)
+    sink.add(tokens, billed(tokens, tenant))
+    assert await sink.flush() == [True]
+    before = await hash_of(redis_client, row)
+
+    replay = RedisSink(redis_client)  # a new process after a crash
+    changed = make_tokens(scope.rid(1), usage=Usage(input_tokens=5))  # even if it differs
+    replay.add(changed, billed(changed, tenant))
+    replay.add(tokens, billed(tokens, tenant))
+    assert await replay.flush() == [False, False]
+    assert await hash_of(redis_client, row) == before
+    assert await get_tokens(redis_client, tokens.request_id) == tokens.to_json_dict()
+
+
+async def test_duplicate_within_one_batch_counts_once(
+    redis_client: aioredis.Redis, scope: Scope
+) -> None:
+    tenant = scope.tenant()
+    sink = RedisSink(redis_client)
+    for n in (1, 2, 1):
+        tokens = make_tokens(scope.rid(n))
+        sink.add(tokens, billed(tokens, tenant))
+    assert await sink.flush() == [True, True, False]
+    rows = await usage_rows(redis_client, tenant=tenant)
+    assert [r["requests"] for r in rows] == [2]
+
+
+async def test_a_bad_key_fails_the_whole_batch_before_any_write(
+    redis_client: aioredis.Redis, scope: Scope
+) -> None:
+    good, bad = scope.tenant("good"), scope.tenant("bad")
+    await redis_client.set(usage_key(DAY, bad, "gpt-4o-2024-08-06"), "not a hash")
+    await redis_client.sadd(ROWS_KEY, json.dumps([DAY, bad, "gpt-4o-2024-08-06"]))  # for cleanup
+    first, second = make_tokens(scope.rid(1)), make_tokens(scope.rid(2))
+    sink = RedisSink(redis_client)
+    sink.add(first, billed(first, good))
+    sink.add(second, billed(second, bad))
+    with pytest.raises(ResponseError, match="not a hash"):
+        await sink.flush()
+    assert not await redis_client.exists(tokens_key(first.request_id))
+    assert not await redis_client.exists(usage_key(DAY, good, "gpt-4o-2024-08-06"))
+    assert len(sink) == 2  # still queued for a retry
+
+
+# --------------------------------------------------------------------------- exact cost
+
+
+async def test_cost_carries_exactly_across_the_pico_boundary(
+    redis_client: aioredis.Redis, scope: Scope
+) -> None:
+    tenant = scope.tenant()
+    row = usage_key(DAY, tenant, "gpt-4o-2024-08-06")
+    sink = RedisSink(redis_client)
+    costs = ["0.999999999999", "0.000000000001", "0.600000000001", "123456789012.400000000000"]
+    for n, cost in enumerate(costs):
+        tokens = make_tokens(scope.rid(n))
+        sink.add(tokens, billed(tokens, tenant, cost))
+        assert await sink.flush() == [True]
+        if n == 1:  # 0.999999999999 + 0.000000000001 == 1 exactly: carried into the units
+            fields = await hash_of(redis_client, row)
+            assert (fields["cost_units"], fields["cost_pico"]) == ("1", "0")
+    fields = await hash_of(redis_client, row)
+    # 1 + 0.600000000001 + 123456789012.4 = 123456789014.000000000001
+    assert (fields["cost_units"], fields["cost_pico"]) == ("123456789014", "1")
+    [usage] = await usage_rows(redis_client, tenant=tenant)
+    assert usage["cost"] == "123456789014.000000000001"
+    assert Decimal(usage["cost"]) == sum((Decimal(c) for c in costs), Decimal(0))
+
+
+async def test_many_large_picos_never_leave_the_range(
+    redis_client: aioredis.Redis, scope: Scope
+) -> None:
+    tenant = scope.tenant()
+    sink = RedisSink(redis_client)
+    for n in range(25):
+        tokens = make_tokens(scope.rid(n))
+        sink.add(tokens, billed(tokens, tenant, "7.999999999999"))
+    assert all(await sink.flush())
+    fields = await hash_of(redis_client, usage_key(DAY, tenant, "gpt-4o-2024-08-06"))
+    assert (fields["cost_units"], fields["cost_pico"]) == ("199", "999999999975")
+
+
+# --------------------------------------------------------------------------- reading
+
+
+async def test_usage_rows_sum_requests_and_filter(
+    redis_client: aioredis.Redis, scope: Scope
+) -> None:
+    acme, other = scope.tenant("acme:eu"), scope.tenant("other")
+    a = make_tokens(scope.rid("a"), usage=Usage(input_tokens=1000, output_tokens=100))
+    b = make_tokens(
+        scope.rid("b"),
+        usage=Usage(input_tokens=3000, cached_tokens=2000, output_tokens=50, reasoning_tokens=20),
+    )
+    c = make_tokens(scope.rid("c"), model=None, usage=Usage(input_tokens=7))
+    d = make_tokens(scope.rid("d"))
+    sink = RedisSink(redis_client)
+    sink.add(a, billed(a, acme))
+    sink.add(b, billed(b, acme))
+    sink.add(c, billed(c, acme))
+    sink.add(d, billed(d, other))
+    assert await sink.flush() == [True] * 4
+
+    rows = await usage_rows(redis_client, tenant=acme)
+    assert rows == [
+        {
+            "tenant": acme,
+            "model": "gpt-4o-2024-08-06",
+            "day": DAY,
+            "requests": 2,
+            "input_tokens": 4000,
+            "output_tokens": 150,
+            "reasoning_tokens": 20,
+            "cached_tokens": 2000,
+            "cache_write_tokens": 0,
+            # a: 1000*2.5 + 100*10 = 3500; b: 1000*2.5 + 2000*1.25 + 50*10 = 5500 (per 1e6)
+            "cost": "0.009000000000",
+        },
+        {
+            "tenant": acme,
+            "model": "unknown",
+            "day": DAY,
+            "requests": 1,
+            "input_tokens": 7,
+            "output_tokens": 0,
+            "reasoning_tokens": 0,
+            "cached_tokens": 0,
+            "cache_write_tokens": 0,
+            "cost": "0.000000000000",
+        },
+    ]
+    # the ":" in the tenant is escaped in the key, so it cannot collide with another row
+    assert await redis_client.exists(usage_key(DAY, acme, "gpt-4o-2024-08-06"))
+    assert usage_key(DAY, acme, "m") != usage_key(DAY, acme.split(":")[0], "eu-x:m")
+    assert [r["tenant"] for r in await usage_rows(redis_client, tenant=other)] == [other]
+    assert await usage_rows(redis_client, tenant=acme, day="2026-11-22") == []
+    assert len(await usage_rows(redis_client, tenant=acme, day=DAY)) == 2
+    everything = await usage_rows(redis_client)
+    assert {r["tenant"] for r in everything} >= {acme, other}
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+@pytest.fixture
+def sync_scope(redis_url: str) -> Iterator[Scope]:
+    """A `Scope` for synchronous tests (the CLI runs its own event loop)."""
+    s = Scope()
+
+    async def ping() -> None:
+        client = aioredis.from_url(redis_url, socket_connect_timeout=3)
+        try:
+            await client.ping()
+        finally:
+            await client.aclose()
+
+    try:
+        asyncio.run(ping())
+    except Exception as exc:  # noqa: BLE001 - any failure to reach Redis means skip
+        pytest.skip(f"Redis at {redis_url} does not answer ({exc})")
+    yield s
+
+    async def cleanup() -> None:
+        client = aioredis.from_url(redis_url)
+        try:
+            await s.cleanup(client)
+        finally:
+            await client.aclose()
+
+    asyncio.run(cleanup())
+
+
+def write(redis_url: str, *pairs: tuple[Tokens, BillingEvent]) -> list[bool]:
+    async def run() -> list[bool]:
+        client = aioredis.from_url(redis_url)
+        try:
+            sink = RedisSink(client)
+            for tokens, event in pairs:
+                sink.add(tokens, event)
+            return await sink.flush()
+        finally:
+            await client.aclose()
+
+    return asyncio.run(run())
+
+
+def test_cli_tokens_get_prints_the_stored_text(
+    redis_url: str, sync_scope: Scope, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    tokens = make_tokens(sync_scope.rid(1))
+    assert write(redis_url, (tokens, billed(tokens, sync_scope.tenant()))) == [True]
+    assert main(["tokens", "get", tokens.request_id, "--redis-url", redis_url]) == 0
+    out = capsysbinary.readouterr().out
+    assert out == (tokens_json(tokens) + "\n").encode("utf-8")
+
+
+def test_cli_tokens_get_unknown_exits_2(
+    redis_url: str, sync_scope: Scope, capsys: pytest.CaptureFixture[str]
+) -> None:
+    missing = sync_scope.rid("missing")
+    assert main(["tokens", "get", missing, "--redis-url", redis_url]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"streamtally tokens: {missing} not found (unknown, or still streaming)\n"
+    )
+
+
+def test_cli_usage_json_and_table(
+    redis_url: str, sync_scope: Scope, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tenant = sync_scope.tenant()
+    a, b = make_tokens(sync_scope.rid("a")), make_tokens(sync_scope.rid("b"))
+    write(redis_url, (a, billed(a, tenant)), (b, billed(b, tenant, "1.000000000001")))
+    assert main(["usage", "--tenant", tenant, "--json", "--redis-url", redis_url]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows == [
+        {
+            "tenant": tenant,
+            "model": "gpt-4o-2024-08-06",
+            "day": DAY,
+            "requests": 2,
+            "input_tokens": 2000,
+            "output_tokens": 400,
+            "reasoning_tokens": 0,
+            "cached_tokens": 800,
+            "cache_write_tokens": 0,
+            "cost": "1.004000000001",
+        }
+    ]
+    assert main(["usage", "--tenant", tenant, "--day", DAY, "--redis-url", redis_url]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "DAY", "TENANT", "MODEL", "REQUESTS", "INPUT", "CACHED", "CACHE_WRITE", "OUTPUT",
+        "REASONING", "COST",
+    ]  # fmt: skip
+    assert lines[2].split() == [
+        DAY, tenant, "gpt-4o-2024-08-06", "2", "2000", "800", "0", "400", "0", "1.004000000001",
+    ]  # fmt: skip
+    assert lines[-1].split() == ["TOTAL", "2", "2000", "800", "0", "400", "0", "1.004000000001"]
+    assert len({len(line) for line in lines[:3]}) == 1  # aligned
+
+
+def test_cli_unreachable_redis_says_how_to_start_the_stack(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["usage", "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "cannot reach Redis at redis://127.0.0.1:1/0" in err
+    assert "streamtally stack up" in err

@@ -1,0 +1,137 @@
+"""Billing: deterministic event ids, one priced event per finished request."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from datetime import UTC, datetime, timedelta, timezone
+from decimal import Decimal
+
+import pytest
+
+from streamtally.avro import decode_billing_event, encode_billing_event
+from streamtally.billing import bill, event_id, price_request
+from streamtally.models import FinishReason, Source, Tokens, Usage
+from streamtally.pricing import PriceTable
+
+PRICES = PriceTable.from_dict(
+    {
+        "version": "2026-11-01",
+        "currency": "USD",
+        "unit": 1_000_000,
+        "models": {
+            "gpt-4.1": {"input": "2.00", "cached_input": "0.50", "output": "8.00"},
+            "claude-sonnet-4": {
+                "input": "3.00",
+                "cached_input": "0.30",
+                "cache_write": "3.75",
+                "output": "15.00",
+            },
+        },
+    }
+)
+WHEN = datetime(2026, 11, 21, 12, 30, 45, 123456, tzinfo=UTC)
+
+
+def make_tokens(
+    request_id: str = "chatcmpl-1",
+    model: str | None = "gpt-4.1-2025-04-14",
+    usage: Usage | None = None,
+    finish: FinishReason = FinishReason.STOP,
+    error: str | None = None,
+) -> Tokens:
+    return Tokens(
+        request_id=request_id,
+        source=Source.OPENAI,
+        model=model,
+        text="Hello, wörld",
+        reasoning="",
+        tool_calls=(),
+        usage=usage or Usage(input_tokens=1520, cached_tokens=1408, output_tokens=48),
+        finish_reason=finish,
+        finish_reason_raw=finish.value,
+        error=error,
+        chunks=4,
+    )
+
+
+def test_event_id_is_a_versioned_sha256_of_the_request_id() -> None:
+    expected = hashlib.sha256(b"streamtally.billing.v1\x00chatcmpl-1").hexdigest()[:32]
+    assert event_id("chatcmpl-1") == expected
+    assert event_id("chatcmpl-1") == event_id("chatcmpl-1")
+    assert event_id("chatcmpl-2") != expected
+    assert len(expected) == 32
+    assert int(expected, 16) >= 0  # hex
+
+
+def test_event_id_refuses_an_empty_request_id() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        event_id("")
+
+
+def test_bill_prices_the_request_exactly() -> None:
+    event = bill(make_tokens(), "acme", WHEN, PRICES)
+    assert event.event_id == event_id("chatcmpl-1")
+    assert event.tenant == "acme"
+    assert event.model == "gpt-4.1-2025-04-14"
+    assert event.cost == Decimal("0.001312")  # 112*2 + 1408*0.5 + 48*8 per million
+    assert (event.input_tokens, event.cached_tokens, event.output_tokens) == (1520, 1408, 48)
+    assert event.currency == "USD"
+    assert event.price_table_version == "2026-11-01"
+    assert event.event_time == WHEN
+    assert event.finish_reason is FinishReason.STOP
+
+
+def test_same_tokens_twice_give_identical_events_and_avro_bytes() -> None:
+    first = bill(make_tokens(), "acme", WHEN, PRICES)
+    second = bill(make_tokens(), "acme", WHEN, PRICES)
+    assert first == second
+    data = encode_billing_event(first)
+    assert data == encode_billing_event(second)
+    decoded = decode_billing_event(data)
+    assert decoded == first
+    assert encode_billing_event(decoded) == data  # a decoded event re-encodes byte for byte
+
+
+def test_an_errored_request_is_billed_too() -> None:
+    tokens = make_tokens(
+        usage=Usage(input_tokens=10, output_tokens=2),
+        finish=FinishReason.ERROR,
+        error="overloaded",
+    )
+    event = bill(tokens, "acme", WHEN, PRICES)
+    assert event.finish_reason is FinishReason.ERROR
+    assert event.cost == Decimal("0.000036")  # 10*2 + 2*8 per million
+
+
+def test_unpriced_model_is_billed_at_zero_flagged_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    tokens = make_tokens(model="mystery-1")
+    with caplog.at_level(logging.WARNING, logger="streamtally.billing"):
+        billed = price_request(tokens, "acme", WHEN, PRICES)
+    assert not billed.priced
+    assert billed.event.cost == Decimal(0)
+    assert billed.event.input_tokens == 1520  # the usage still goes out
+    assert "unpriced model 'mystery-1'" in caplog.text
+    encode_billing_event(billed.event)  # and it is a valid event
+
+
+def test_request_without_model_is_unpriced() -> None:
+    billed = price_request(make_tokens(model=None), "acme", WHEN, PRICES)
+    assert not billed.priced
+    assert billed.event.model is None
+
+
+def test_priced_request_is_flagged_priced() -> None:
+    billed = price_request(make_tokens(model="claude-sonnet-4-20250514"), "t", WHEN, PRICES)
+    assert billed.priced
+    assert billed.quote.entry == "claude-sonnet-4"
+
+
+def test_event_time_must_be_aware_and_keeps_its_instant() -> None:
+    with pytest.raises(ValueError, match="timezone-aware"):
+        bill(make_tokens(), "acme", datetime(2026, 11, 21, 12, 0), PRICES)  # noqa: DTZ001
+    plus_two = WHEN.astimezone(timezone(timedelta(hours=2)))
+    event = bill(make_tokens(), "acme", plus_two, PRICES)
+    assert decode_billing_event(encode_billing_event(event)).event_time == WHEN
