@@ -13,7 +13,7 @@ from streamtally.errors import StreamtallyError
 __all__ = ["main"]
 
 #: Command modules, in the order `--help` lists them.
-COMMANDS = ("fold",)
+COMMANDS = ("fold", "produce", "worker", "tokens", "usage", "billing", "demo", "bench", "stack")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import hashlib
 import io
 import json
 import sys
@@ -13,7 +12,7 @@ from typing import IO
 from streamtally.adapters.base import AdapterOptions
 from streamtally.errors import InputError
 from streamtally.models import Source
-from streamtally.normalize import fold_stream, read_events
+from streamtally.normalize import fallback_request_id, fold_stream, read_events
 
 __all__ = ["add_parser"]
 
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         read_events(args.source, stream),
         request_id=args.request_id,
         options=options,
-        fallback_request_id="sha256-" + hashlib.sha256(data).hexdigest()[:24],
+        fallback_request_id=fallback_request_id(data),
     )
     json.dump(tokens.to_json_dict(), sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")

@@ -1,0 +1,14 @@
+"""Producers: raw provider SSE events and engine outputs onto their Kafka topics.
+
+    async with RawProducer("localhost:9092") as producer:
+        sent = await producer.send_transcript(Source.OPENAI, data, tenant="acme")
+
+One Kafka message per raw event (an SSE event, or one engine output line),
+keyed by the request id, with its sequence number, receive time and tenant,
+then an end-of-stream marker.  The producer is idempotent (acks=all,
+enable_idempotence), so its own retries never duplicate a record.
+"""
+
+from producers.raw import RawProducer, SentRequest, raw_records
+
+__all__ = ["RawProducer", "SentRequest", "raw_records"]

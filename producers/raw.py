@@ -1,0 +1,151 @@
+"""The raw-event producer (see the package docstring)."""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any
+
+from aiokafka import AIOKafkaProducer
+from aiokafka.errors import KafkaConnectionError
+
+from streamtally import avro
+from streamtally.adapters.base import AdapterOptions
+from streamtally.errors import StackError
+from streamtally.models import Source, utc_now
+from streamtally.normalize import discover_request_id, fallback_request_id, read_events
+from streamtally.records import RawEngineOutput, RawSseEvent
+from streamtally.sse import SseEvent
+from topics import RAW_ENGINE, RAW_SSE, encode_key
+
+__all__ = ["RawProducer", "SentRequest", "raw_records"]
+
+
+@dataclass(frozen=True, slots=True)
+class SentRequest:
+    request_id: str
+    tenant: str
+    source: Source
+    #: Raw events sent, the end-of-stream marker not included.
+    events: int
+
+
+def raw_records(
+    source: Source,
+    data: bytes,
+    *,
+    tenant: str,
+    request_id: str | None = None,
+    options: AdapterOptions | None = None,
+    clock: Any = utc_now,
+) -> tuple[str, list[bytes]]:
+    """The request id and the encoded raw records (events, then END) of one transcript."""
+    events = list(read_events(source, io.BytesIO(data)))
+    rid = request_id or discover_request_id(source, events, options) or fallback_request_id(data)
+    return rid, list(_encode(source, events, rid, tenant, clock))
+
+
+def _encode(
+    source: Source, events: list[Any], request_id: str, tenant: str, clock: Any
+) -> Iterator[bytes]:
+    seq = 0
+    for event in events:
+        received: datetime = clock()
+        if source.is_sse:
+            assert isinstance(event, SseEvent)
+            yield avro.encode_raw_sse_event(
+                RawSseEvent(
+                    request_id=request_id,
+                    seq=seq,
+                    source=source,
+                    tenant=tenant,
+                    received_at=received,
+                    event=event.event,
+                    data=event.data,
+                    sse_id=event.id,
+                )
+            )
+        else:
+            yield avro.encode_raw_engine_output(
+                RawEngineOutput(
+                    request_id=request_id,
+                    seq=seq,
+                    source=source,
+                    tenant=tenant,
+                    received_at=received,
+                    payload=event,
+                )
+            )
+        seq += 1
+    end_type = RawSseEvent if source.is_sse else RawEngineOutput
+    marker = end_type.end(
+        request_id=request_id, seq=seq, source=source, tenant=tenant, received_at=clock()
+    )
+    if isinstance(marker, RawSseEvent):
+        yield avro.encode_raw_sse_event(marker)
+    else:
+        yield avro.encode_raw_engine_output(marker)
+
+
+class RawProducer:
+    """An idempotent Kafka producer of raw records."""
+
+    def __init__(self, bootstrap_servers: str, *, linger_ms: int = 5) -> None:
+        self.bootstrap_servers = bootstrap_servers
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap_servers,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=linger_ms,
+            max_batch_size=1 << 20,
+            max_request_size=8 << 20,
+        )
+
+    async def __aenter__(self) -> RawProducer:
+        try:
+            await self._producer.start()
+        except KafkaConnectionError as exc:
+            raise StackError(
+                f"cannot reach Kafka at {self.bootstrap_servers}: start it with "
+                "`streamtally stack up` or set KAFKA_BOOTSTRAP_SERVERS"
+            ) from exc
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._producer.stop()
+
+    async def send_transcript(
+        self,
+        source: Source,
+        data: bytes,
+        *,
+        tenant: str,
+        request_id: str | None = None,
+        options: AdapterOptions | None = None,
+    ) -> SentRequest:
+        """Send one request's raw events and its end marker; wait until Kafka has them."""
+        rid, records = raw_records(
+            source, data, tenant=tenant, request_id=request_id, options=options
+        )
+        await self.send_records(source, rid, records)
+        return SentRequest(rid, tenant, source, len(records) - 1)
+
+    async def send_records(self, source: Source, request_id: str, records: list[bytes]) -> None:
+        topic = RAW_SSE.name if source.is_sse else RAW_ENGINE.name
+        key = encode_key(request_id)
+        futures = [
+            await self._producer.send(topic, records_value, key=key) for records_value in records
+        ]
+        for future in futures:
+            await future
+
+    async def flush(self) -> None:
+        await self._producer.flush()

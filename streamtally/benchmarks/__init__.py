@@ -1,0 +1,1 @@
+"""Benchmarks: they report figures; nothing here passes or fails on speed."""

@@ -1,0 +1,5 @@
+import sys
+
+from streamtally.cli import main
+
+sys.exit(main())

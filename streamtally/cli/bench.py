@@ -1,0 +1,56 @@
+"""`streamtally bench`: benchmarks that report figures (never pass/fail)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+
+__all__ = ["add_parser"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "bench",
+        help="measure fold and pipeline throughput (reports figures)",
+        description="Benchmarks. They print figures; they never fail on speed.",
+    )
+    which = parser.add_subparsers(dest="bench", metavar="BENCH", required=True)
+    fold = which.add_parser("fold", help="chunks per second of the fold, per source, one core")
+    fold.add_argument("--seconds", type=float, default=2.0, help="time per source (2)")
+    fold.add_argument("--json", action="store_true", help="print results as JSON")
+    fold.set_defaults(func=run_fold)
+
+
+def _say(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def run_fold(args: argparse.Namespace) -> int:
+    from streamtally.benchmarks import fold
+
+    results = fold.run(args.seconds, progress=_say)
+    if args.json:
+        rows = [
+            {
+                "source": r.source.value,
+                "chunks_per_second": round(r.chunks_per_second),
+                "mib_per_second": round(r.mib_per_second, 2),
+                "chunks_per_stream": r.chunks_per_stream,
+                "streams_folded": r.repeats,
+            }
+            for r in results
+        ]
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(
+        f"fold throughput, one thread, Python {platform.python_version()} on {platform.machine()}"
+    )
+    print(f"{'source':<18}{'chunks/s':>12}{'MiB/s':>9}{'chunks/stream':>15}{'streams':>9}")
+    for r in results:
+        print(
+            f"{r.source.value:<18}{r.chunks_per_second:>12,.0f}{r.mib_per_second:>9.2f}"
+            f"{r.chunks_per_stream:>15}{r.repeats:>9}"
+        )
+    return 0

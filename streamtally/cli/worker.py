@@ -1,0 +1,53 @@
+"""`streamtally worker`: run the stream processors until SIGTERM or Ctrl-C."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any, NoReturn
+
+from streamtally.kafka import ensure_topics
+
+__all__ = ["add_parser"]
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "worker",
+        help="run the stream processors (faust) until SIGTERM",
+        description=(
+            "Consume the raw topics, write chunks, completed Tokens, billing events and "
+            "dead letters to their topics and Tokens and usage rows to Redis. Settings come "
+            "from the environment: KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, STREAMTALLY_PRICES, "
+            "STREAMTALLY_REQUEST_TIMEOUT (seconds), STREAMTALLY_BATCH_SIZE."
+        ),
+    )
+    parser.add_argument("--loglevel", default="warning", choices=("debug", "info", "warning"))
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> NoReturn:
+    import faust
+    import redis.asyncio as aioredis
+
+    from processors.app import create_app
+    from processors.redis_sink import RedisSink
+    from processors.settings import WorkerSettings
+    from processors.sinks import KafkaSink, RedisOutputs, Sinks
+
+    settings = WorkerSettings.from_env()
+    asyncio.run(ensure_topics(settings.bootstrap_servers))
+
+    def make_sinks(app: Any) -> Sinks:
+        client = aioredis.from_url(settings.redis_url)
+        return Sinks(KafkaSink(app.producer), RedisOutputs(RedisSink(client)))
+
+    pipeline = create_app(settings, make_sinks)
+    print(
+        f"streamtally worker: kafka {settings.bootstrap_servers}, redis {settings.redis_url}, "
+        f"prices {settings.prices}",
+        file=sys.stderr,
+    )
+    worker = faust.Worker(pipeline.app, loglevel=args.loglevel.upper(), quiet=True)
+    worker.execute_from_commandline()  # runs until SIGTERM/SIGINT, then exits the process

@@ -1,0 +1,187 @@
+"""Agent tier: the faust agents, driven through `test_context()` (no broker).
+
+The agents only move messages between topics and `RequestProcessor`; here the
+sinks record what the agents hand them, and the raw records are real Avro
+bytes produced by `producers.raw_records` from our own sample transcripts.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import faust
+import pytest
+
+from processors.app import Pipeline, create_app
+from processors.requests import Outputs
+from processors.settings import WorkerSettings
+from processors.sinks import Sinks
+from producers import raw_records
+from streamtally.models import Source
+from streamtally.normalize import fold_stream, read_events
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "samples"
+
+
+class RecordingSink:
+    def __init__(self) -> None:
+        self.batches: list[Outputs] = []
+        self.flushes = 0
+
+    def add(self, outputs: Outputs) -> None:
+        self.batches.append(outputs)
+
+    async def flush(self) -> None:
+        self.flushes += 1
+
+    @property
+    def outputs(self) -> Outputs:
+        total = Outputs()
+        for batch in self.batches:
+            total.extend(batch)
+        return total
+
+
+@pytest.fixture
+def recording() -> RecordingSink:
+    return RecordingSink()
+
+
+@pytest.fixture
+def pipeline(recording: RecordingSink) -> Pipeline:
+    settings = WorkerSettings(
+        bootstrap_servers="127.0.0.1:1",  # never contacted: test_context() needs no broker
+        redis_url="redis://127.0.0.1:1/0",
+        prices=SAMPLES / "prices.json",
+        batch_size=1,
+    )
+
+    def make_sinks(app: faust.App) -> Sinks:
+        return Sinks(recording)
+
+    return create_app(settings, make_sinks)
+
+
+async def _put_transcript(agent: Any, source: Source, name: str, request_id: str) -> None:
+    _, records = raw_records(
+        source, (SAMPLES / name).read_bytes(), tenant="acme", request_id=request_id
+    )
+    key = request_id.encode()
+    for record in records:
+        await agent.put(record, key=key)
+
+
+def _fold(source: Source, name: str, request_id: str) -> dict[str, Any]:
+    with (SAMPLES / name).open("rb") as stream:
+        return fold_stream(
+            source, read_events(source, stream), request_id=request_id
+        ).to_json_dict()
+
+
+@pytest.mark.parametrize(
+    ("source", "name"),
+    [
+        (Source.OPENAI, "openai/parallel_tool_calls_cached.sse"),
+        (Source.ANTHROPIC, "anthropic/thinking_then_text.sse"),
+        (Source.GEMINI, "gemini/error_raw_json_tail.sse"),
+        (Source.OPENAI_RESPONSES, "openai-responses/reasoning_parallel_calls.sse"),
+    ],
+)
+async def test_sse_agent_folds_a_request_like_the_fold_command(
+    pipeline: Pipeline, recording: RecordingSink, source: Source, name: str
+) -> None:
+    async with pipeline.agents["normalize-sse"].test_context() as agent:
+        await _put_transcript(agent, source, name, "req-1")
+    out = recording.outputs
+    assert len(out.completed) == 1
+    done = out.completed[0]
+    assert done.tokens.to_json_dict() == _fold(source, name, "req-1")
+    assert done.billing.request_id == "req-1"
+    assert done.billing.tenant == "acme"
+    assert [c.seq for c in out.chunks] == list(range(len(out.chunks)))
+    assert len(out.chunks) == done.tokens.chunks
+    assert out.dead_letters == []
+
+
+@pytest.mark.parametrize(
+    ("source", "name"),
+    [
+        (Source.DYNAMO, "dynamo/eos_no_usage.jsonl"),
+        (Source.VLLM, "vllm/cumulative_length.jsonl"),
+        (Source.ATOMR, "atomr/parallel_tool_fragments.jsonl"),
+    ],
+)
+async def test_engine_agent_folds_a_request_like_the_fold_command(
+    pipeline: Pipeline, recording: RecordingSink, source: Source, name: str
+) -> None:
+    async with pipeline.agents["normalize-engine"].test_context() as agent:
+        await _put_transcript(agent, source, name, "eng-1")
+    (done,) = recording.outputs.completed
+    assert done.tokens.to_json_dict() == _fold(source, name, "eng-1")
+
+
+async def test_undecodable_message_is_dead_lettered_and_counted(
+    pipeline: Pipeline, recording: RecordingSink
+) -> None:
+    async with pipeline.agents["normalize-sse"].test_context() as agent:
+        await agent.put(b"\x00not avro at all", key=b"bad-1")
+        await _put_transcript(agent, Source.OPENAI, "openai/text_usage.sse", "good-1")
+    out = recording.outputs
+    (letter,) = out.dead_letters
+    assert letter.value == b"\x00not avro at all"
+    assert letter.key == b"bad-1"
+    assert letter.reason
+    assert len(out.completed) == 1
+    counters = pipeline.processor.counters
+    assert counters.received == counters.applied + counters.duplicates + counters.dead_lettered
+    assert counters.dead_lettered == 1
+
+
+async def test_a_resent_record_is_applied_once(
+    pipeline: Pipeline, recording: RecordingSink
+) -> None:
+    _, records = raw_records(
+        Source.OPENAI,
+        (SAMPLES / "openai/text_usage.sse").read_bytes(),
+        tenant="acme",
+        request_id="dup-1",
+    )
+    async with pipeline.agents["normalize-sse"].test_context() as agent:
+        for record in records[:3] + records[1:]:  # records 1 and 2 delivered twice
+            await agent.put(record, key=b"dup-1")
+    (done,) = recording.outputs.completed
+    assert done.tokens.to_json_dict() == _fold(Source.OPENAI, "openai/text_usage.sse", "dup-1")
+    assert pipeline.processor.counters.duplicates == 2
+
+
+async def test_event_after_the_end_marker_is_dead_lettered(
+    pipeline: Pipeline, recording: RecordingSink
+) -> None:
+    _, records = raw_records(
+        Source.ANTHROPIC,
+        (SAMPLES / "anthropic/text_end_turn.sse").read_bytes(),
+        tenant="t",
+        request_id="late-1",
+    )
+    late = raw_records(
+        Source.ANTHROPIC,
+        (SAMPLES / "anthropic/text_end_turn.sse").read_bytes(),
+        tenant="t",
+        request_id="late-1",
+    )[1][0]
+    async with pipeline.agents["normalize-sse"].test_context() as agent:
+        for record in records:
+            await agent.put(record, key=b"late-1")
+        await agent.put(late, key=b"late-1")
+    out = recording.outputs
+    assert len(out.completed) == 1
+    (letter,) = out.dead_letters
+    assert "already closed" in letter.reason
+
+
+def test_sample_prices_cover_every_sample_model() -> None:
+    prices = json.loads((SAMPLES / "prices.json").read_text())
+    assert prices["models"]
