@@ -29,19 +29,24 @@ import redis.asyncio as aioredis
 from streamtally.records import COST_SCALE, scaled_cost
 
 __all__ = [
+    "CLOSED_KEY",
     "COST_FIELDS",
+    "DEAD_SEEN_KEY",
     "PICO",
     "PREFIX",
     "ROWS_KEY",
+    "STATS_KEY",
     "TOKEN_FIELDS",
     "UNKNOWN_MODEL",
     "USAGE_FIELDS",
+    "closed_markers",
     "cost_parts",
     "cost_text",
     "day_of",
     "get_tokens",
     "get_tokens_text",
     "row_member",
+    "stats",
     "tokens_key",
     "usage_key",
     "usage_rows",
@@ -49,6 +54,12 @@ __all__ = [
 
 PREFIX: Final = "st:"
 ROWS_KEY: Final = "st:usage:rows"
+#: Hash request_id -> "offset reason" of every closed (or closing) request.
+CLOSED_KEY: Final = "st:closed"
+#: Hash of raw-record counts: records, duplicates, requests, dead_lettered.
+STATS_KEY: Final = "st:stats"
+#: Set of "topic:partition:offset" of every dead-lettered raw record.
+DEAD_SEEN_KEY: Final = "st:deadletter:seen"
 #: Model name of a usage row whose request reported none.
 UNKNOWN_MODEL: Final = "unknown"
 #: `cost_pico` is the cost remainder in units of 10**-12 currency units.
@@ -221,4 +232,34 @@ async def usage_rows(
                 "cost": cost_text(_int(fields, "cost_units", key), _int(fields, "cost_pico", key)),
             }
         )
+    return out
+
+
+async def closed_markers(
+    client: aioredis.Redis, request_ids: list[str]
+) -> dict[str, tuple[str, bool]]:
+    """For each id that closed (or was deciding to): its marker and whether it was applied."""
+    if not request_ids:
+        return {}
+    async with client.pipeline(transaction=False) as pipe:
+        pipe.hmget(CLOSED_KEY, request_ids)
+        for request_id in request_ids:
+            pipe.exists(tokens_key(request_id))
+        replies = await pipe.execute()
+    markers, applied = replies[0], replies[1:]
+    found: dict[str, tuple[str, bool]] = {}
+    for request_id, marker, exists in zip(request_ids, markers, applied, strict=True):
+        if marker is not None:
+            text = marker.decode() if isinstance(marker, bytes) else str(marker)
+            found[request_id] = (text, bool(exists))
+    return found
+
+
+async def stats(client: aioredis.Redis) -> dict[str, int]:
+    """The pipeline's raw-record counts (`st:stats`)."""
+    raw = await client.hgetall(STATS_KEY)
+    out = {"records": 0, "duplicates": 0, "dead_lettered": 0, "requests": 0}
+    for name, value in raw.items():
+        key = name.decode() if isinstance(name, bytes) else str(name)
+        out[key] = int(value)
     return out

@@ -63,13 +63,17 @@ values that cannot fit one increment.  Reading: `processors.redis_keys`
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final, cast
 
 import redis.asyncio as aioredis
 
 from processors.redis_keys import (
+    CLOSED_KEY,
+    DEAD_SEEN_KEY,
     ROWS_KEY,
+    STATS_KEY,
     UNKNOWN_MODEL,
     cost_parts,
     day_of,
@@ -96,10 +100,13 @@ _INT64_MAX: Final = 2**63 - 1
 
 FLUSH_SCRIPT: Final = """
 -- KEYS[1]            st:usage:rows
--- KEYS[2i], KEYS[2i+1] (i = 1..n)  st:tokens:{request_id}, st:usage:{day}:{tenant}:{model}
+-- KEYS[2]            st:closed   (request_id -> "offset reason")
+-- KEYS[3]            st:stats    (records, duplicates, requests, dead_lettered)
+-- KEYS[2i+2], KEYS[2i+3] (i = 1..n)  st:tokens:{request_id}, st:usage:{day}:{tenant}:{model}
 -- ARGV[1]            n
--- ARGV[2 + 9(i-1) ..] tokens_json, row_member, input, output, reasoning, cached,
---                     cache_write, cost_units, cost_pico   (integers as decimal strings)
+-- ARGV[2 + 13(i-1) ..] tokens_json, row_member, input, output, reasoning, cached,
+--                     cache_write, cost_units, cost_pico, request_id, closed marker,
+--                     records, duplicates   (integers as decimal strings)
 local PICO = 1000000000000
 local FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_tokens',
                 'cache_write_tokens'}
@@ -118,8 +125,14 @@ local rows_type = kind(KEYS[1])
 if rows_type ~= 'none' and rows_type ~= 'set' then
   return redis.error_reply('streamtally: ' .. KEYS[1] .. ' is a ' .. rows_type .. ', not a set')
 end
+for _, k in ipairs({KEYS[2], KEYS[3]}) do
+  local t = kind(k)
+  if t ~= 'none' and t ~= 'hash' then
+    return redis.error_reply('streamtally: ' .. k .. ' is a ' .. t .. ', not a hash')
+  end
+end
 for i = 1, n do
-  local tk, uk = KEYS[2 * i], KEYS[2 * i + 1]
+  local tk, uk = KEYS[2 * i + 2], KEYS[2 * i + 3]
   local tt = kind(tk)
   if tt ~= 'none' and tt ~= 'string' then
     return redis.error_reply('streamtally: ' .. tk .. ' is a ' .. tt .. ', not a string')
@@ -145,11 +158,15 @@ end
 -- 2. apply, request by request
 local applied = {}
 for i = 1, n do
-  local tk, uk = KEYS[2 * i], KEYS[2 * i + 1]
-  local a = 2 + 9 * (i - 1)
+  local tk, uk = KEYS[2 * i + 2], KEYS[2 * i + 3]
+  local a = 2 + 13 * (i - 1)
   if redis.call('EXISTS', tk) == 1 then
     applied[i] = 0
   else
+    redis.call('HSET', KEYS[2], ARGV[a + 9], ARGV[a + 10])
+    redis.call('HINCRBY', KEYS[3], 'records', ARGV[a + 11])
+    redis.call('HINCRBY', KEYS[3], 'duplicates', ARGV[a + 12])
+    redis.call('HINCRBY', KEYS[3], 'requests', 1)
     redis.call('SET', tk, ARGV[a])
     redis.call('HINCRBY', uk, 'requests', 1)
     for j = 1, 5 do
@@ -171,6 +188,20 @@ for i = 1, n do
   end
 end
 return applied
+"""
+
+
+DEAD_LETTER_SCRIPT: Final = """
+-- KEYS[1] st:deadletter:seen (set of "topic:partition:offset"), KEYS[2] st:stats
+-- ARGV: positions; each counts once, however often it is dead-lettered again
+local new = 0
+for _, position in ipairs(ARGV) do
+  new = new + redis.call('SADD', KEYS[1], position)
+end
+if new > 0 then
+  redis.call('HINCRBY', KEYS[2], 'dead_lettered', new)
+end
+return new
 """
 
 
@@ -201,14 +232,42 @@ class RedisSink:
     def __init__(self, client: aioredis.Redis) -> None:
         self._client = client
         self._script = client.register_script(FLUSH_SCRIPT)
+        self._dead_script = client.register_script(DEAD_LETTER_SCRIPT)
         self._pending: list[_Item] = []
+
+    async def mark_closing(self, markers: dict[str, str]) -> None:
+        """Record close decisions ("offset reason") before their outputs are sent.
+
+        A replay that finds a decision but no Tokens closes the request again
+        at the same offset for the same reason, so its outputs do not change.
+        """
+        if markers:
+            await self._client.hset(CLOSED_KEY, mapping=cast("Mapping[Any, Any]", markers))
+
+    async def count_dead_letters(self, positions: list[str]) -> int:
+        """Count dead letters once per source position; returns how many were new."""
+        if not positions:
+            return 0
+        return int(await self._dead_script(keys=[DEAD_SEEN_KEY, STATS_KEY], args=positions))
 
     def __len__(self) -> int:
         """How many requests wait for the next flush."""
         return len(self._pending)
 
-    def add(self, tokens: Tokens, billing: BillingEvent) -> None:
+    def add(
+        self,
+        tokens: Tokens,
+        billing: BillingEvent,
+        *,
+        closed: str = "0 end",
+        records: int = 0,
+        duplicates: int = 0,
+    ) -> None:
         """Queue one finished request for the next `flush`.
+
+        `closed` is the request's closing marker ("offset reason", kept in
+        `st:closed`); `records` and `duplicates` are its raw-record counts,
+        added to `st:stats` when the request is applied.
 
         Raises ValueError when `billing` is not the billing event of `tokens`
         (another request id, model or usage) or a value cannot be counted.
@@ -244,6 +303,10 @@ class RedisSink:
             _counter("cache_write_tokens", usage.cache_write_tokens),
             str(units),
             str(pico),
+            tokens.request_id,
+            closed,
+            _counter("records", records),
+            _counter("duplicates", duplicates),
         )
         self._pending.append(
             _Item(
@@ -266,7 +329,7 @@ class RedisSink:
         if not self._pending:
             return []
         batch = list(self._pending)
-        keys: list[str] = [ROWS_KEY]
+        keys: list[str] = [ROWS_KEY, CLOSED_KEY, STATS_KEY]
         argv: list[str] = [str(len(batch))]
         for item in batch:
             keys += (item.tokens_key, item.usage_key)

@@ -1,57 +1,112 @@
 """The stream-processing logic, free of Kafka and Redis: raw records in, outputs out.
 
 `RequestProcessor` keeps one `_Open` state per request in flight (its
-`Normalizer` and its `Fold`), applies each raw record, and closes a request at
-its end-of-stream marker or when it has been quiet for longer than the
-timeout.  The faust agents (`processors.agents`) only move bytes between
-topics and this class; `streamtally fold` runs the same `Normalizer` and
-`Fold`, so the pipeline and the command cannot disagree.
+`Normalizer` and its `Fold`), applies each raw record in sequence order, and
+closes a request at its end-of-stream marker or when it has been quiet for
+longer than the timeout.  The faust agents (`processors.app`) only move
+bytes between topics, Redis and this class; `streamtally fold` runs the same
+`Normalizer` and `Fold`, so the pipeline and the command cannot disagree.
+
+Replays.  The worker acknowledges a request's raw records only once the
+request is closed and its outputs are durable, so after a crash Kafka
+redelivers every record of every request that was still open.  What the
+processor cannot know by itself is which requests an earlier run already
+closed: the agent asks Redis for every request id it has not seen yet and
+hands the answers to `learn_closed` before the batch is applied.  A record of
+a closed request at or before its closing offset is a replay (dropped, it was
+counted when the request closed); after it, a late event (dead-lettered).  A
+request an earlier run decided to close but did not finish writing is closed
+again at the same offset for the same reason, so its outputs are the same.
 
 Every raw record ends in exactly one of: applied, duplicate (a re-sent
-sequence number, dropped), or dead-lettered (with the reason), so the
-counts reconcile: in = applied + duplicates + dead-lettered.
+sequence number, dropped), dead-lettered (with the reason), or replayed
+(counted by the run that closed its request).  Per closed request the
+counts of applied records and duplicates travel with its outputs; dead
+letters are counted by position, so a replay never counts twice.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from streamtally import avro
 from streamtally.billing import bill
 from streamtally.errors import InputError
 from streamtally.fold import NO_FINISH, Fold
-from streamtally.models import Chunk, Tokens, utc_now
+from streamtally.models import Chunk, Tokens
 from streamtally.normalize import Normalizer
 from streamtally.pricing import PriceTable
 from streamtally.records import BillingEvent, DeadLetter, EventKind, RawEngineOutput, RawSseEvent
 from streamtally.sse import SseEvent
 
-__all__ = ["Completed", "Counters", "Outputs", "Position", "RequestProcessor"]
+__all__ = [
+    "CloseReason",
+    "Closed",
+    "Completed",
+    "Counters",
+    "Outputs",
+    "Position",
+    "RequestProcessor",
+]
 
-#: How many closed request ids are remembered to dead-letter late events.
+#: How many closed requests are remembered locally (Redis remembers them all).
 CLOSED_MEMORY = 200_000
+#: Raw records larger than this are dead-lettered.
+MAX_RECORD_BYTES = 4 << 20
+
+RawRecord = RawSseEvent | RawEngineOutput
+
+
+class CloseReason(StrEnum):
+    END = "end"  #: the producer's end-of-stream marker
+    TIMEOUT = "timeout"  #: quiet for longer than the timeout
+    GAP = "gap"  #: quiet for longer than the timeout with sequence numbers missing
 
 
 @dataclass(frozen=True, slots=True)
 class Position:
-    """Where a raw record came from."""
+    """Where a raw record came from; `timestamp` is the Kafka record time (seconds)."""
 
     topic: str
     partition: int
     offset: int
+    timestamp: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """What is known of a closed request: where and why it closed, and if it was applied."""
+
+    offset: int
+    reason: CloseReason
+    applied: bool = True
+
+    def marker(self) -> str:
+        return f"{self.offset} {self.reason.value}"
+
+    @classmethod
+    def from_marker(cls, text: str, *, applied: bool) -> Closed:
+        offset, _, reason = text.partition(" ")
+        return cls(int(offset), CloseReason(reason or "end"), applied)
 
 
 @dataclass(frozen=True, slots=True)
 class Completed:
-    """A finished request: its record and its billing event."""
+    """A finished request: its record, its billing event and its record counts."""
 
     tokens: Tokens
     billing: BillingEvent
+    closed: Closed
+    #: Raw records applied to it (its events and its end marker).
+    records: int
+    #: Re-sent records dropped as duplicates.
+    duplicates: int
 
 
 @dataclass(slots=True)
@@ -71,12 +126,17 @@ class Outputs:
 
 @dataclass(slots=True)
 class Counters:
-    """Raw records by outcome; `received == applied + duplicates + dead_lettered`."""
+    """Raw records of this process by outcome.
+
+    `received == applied + duplicates + dead_lettered + replayed + waiting`,
+    where `waiting` are records held for a missing sequence number.
+    """
 
     received: int = 0
     applied: int = 0
     duplicates: int = 0
     dead_lettered: int = 0
+    replayed: int = 0
     requests_completed: int = 0
     requests_timed_out: int = 0
 
@@ -86,9 +146,18 @@ class _Open:
     normalizer: Normalizer
     fold: Fold
     tenant: str
+    source: str
     next_seq: int
     last_time: datetime
     last_seen: float
+    last_offset: int
+    topic_partition: tuple[str, int]
+    records: int = 0
+    duplicates: int = 0
+    #: Records that arrived ahead of a missing sequence number, by seq.
+    waiting: dict[int, tuple[RawRecord, Position]] = field(default_factory=dict)
+    #: Set when an earlier run decided to close this request here.
+    close_at: Closed | None = None
 
 
 class RequestProcessor:
@@ -106,49 +175,112 @@ class RequestProcessor:
         self.counters = Counters()
         self._clock = clock
         self._open: dict[str, _Open] = {}
-        self._closed: OrderedDict[str, None] = OrderedDict()
+        self._closed: OrderedDict[str, Closed] = OrderedDict()
+        self._pending_close: dict[str, Closed] = {}
 
     @property
     def open_requests(self) -> int:
         return len(self._open)
 
+    # -- what the agent asks Redis about ------------------------------------------------
+
+    def unknown(self, request_ids: Iterable[str]) -> set[str]:
+        """Request ids this process knows nothing of: ask Redis whether they closed."""
+        return {
+            r
+            for r in request_ids
+            if r not in self._open and r not in self._closed and r not in self._pending_close
+        }
+
+    def is_open(self, request_id: str) -> bool:
+        return request_id in self._open
+
+    def learn_closed(self, request_id: str, closed: Closed) -> None:
+        """An earlier run closed `request_id` (applied) or decided to (not yet applied)."""
+        if closed.applied:
+            self._remember(request_id, closed)
+        else:
+            self._pending_close[request_id] = closed
+
+    # -- records ------------------------------------------------------------------------
+
+    @staticmethod
+    def request_id_of(key: bytes | None) -> str | None:
+        """The request id a message key names (None when there is no usable key)."""
+        if not key:
+            return None
+        try:
+            return key.decode()
+        except UnicodeDecodeError:
+            return None
+
     def handle_sse(self, key: bytes | None, value: bytes, position: Position) -> Outputs:
         """One message of the raw SSE topic."""
         self.counters.received += 1
+        if len(value) > MAX_RECORD_BYTES:
+            return self._dead(_oversized(value), key, value, position)
         try:
-            record = avro.decode_raw_sse_event(value)
+            record: RawRecord = avro.decode_raw_sse_event(value)
         except InputError as exc:
             return self._dead(exc, key, value, position)
-        event = SseEvent(record.data, record.event, record.sse_id)
-        return self._apply(record, event, key, value, position)
+        return self._arrive(record, key, value, position)
 
     def handle_engine(self, key: bytes | None, value: bytes, position: Position) -> Outputs:
         """One message of the raw engine-output topic."""
         self.counters.received += 1
+        if len(value) > MAX_RECORD_BYTES:
+            return self._dead(_oversized(value), key, value, position)
         try:
-            record = avro.decode_raw_engine_output(value)
+            record: RawRecord = avro.decode_raw_engine_output(value)
         except InputError as exc:
             return self._dead(exc, key, value, position)
-        return self._apply(record, record.payload, key, value, position)
+        return self._arrive(record, key, value, position)
 
     def expire(self) -> Outputs:
         """Close every request that has been quiet for longer than the timeout."""
         out = Outputs()
         deadline = self._clock() - self.timeout
         for request_id in [r for r, s in self._open.items() if s.last_seen < deadline]:
-            state = self._open.pop(request_id)
-            reason = f"request timed out: no end-of-stream marker within {self.timeout:g}s"
-            out.extend(self._close(request_id, state, state.last_time, reason))
-            self.counters.requests_timed_out += 1
+            state = self._open[request_id]
+            if state.waiting:
+                # The gap is recorded: apply what came after it, in order.
+                reason = CloseReason.GAP
+                first_missing = state.next_seq
+                for seq in sorted(state.waiting):
+                    record, position = state.waiting.pop(seq)
+                    state.next_seq = seq
+                    out.extend(self._apply(request_id, state, record, position, record.kind))
+                    if request_id not in self._open:
+                        break
+                message = (
+                    f"raw events missing from seq {first_missing}: closed after "
+                    f"{self.timeout:g}s without them"
+                )
+            else:
+                reason = CloseReason.TIMEOUT
+                message = f"request timed out: no end-of-stream marker within {self.timeout:g}s"
+            if request_id in self._open:
+                del self._open[request_id]
+                closed = Closed(state.last_offset, reason, applied=False)
+                out.extend(self._close(request_id, state, state.last_time, message, closed))
+                self.counters.requests_timed_out += 1
         return out
 
-    def _apply(
-        self,
-        record: RawSseEvent | RawEngineOutput,
-        event: Any,
-        key: bytes | None,
-        value: bytes,
-        position: Position,
+    def drop_partitions(self, topic_partitions: set[tuple[str, int]]) -> list[str]:
+        """Forget the open requests of partitions this worker no longer owns (a rebalance).
+
+        Their records were not acknowledged, so the partition's next owner
+        receives them all again.
+        """
+        dropped = [r for r, s in self._open.items() if s.topic_partition in topic_partitions]
+        for request_id in dropped:
+            del self._open[request_id]
+        return dropped
+
+    # -- internals ----------------------------------------------------------------------
+
+    def _arrive(
+        self, record: RawRecord, key: bytes | None, value: bytes, position: Position
     ) -> Outputs:
         request_id = record.request_id
         source = record.source.value
@@ -157,7 +289,11 @@ class RequestProcessor:
                 f"message key {key!r} is not the record's request id {request_id!r}"
             )
             return self._dead(reason, key, value, position, source=source, request_id=request_id)
-        if request_id in self._closed:
+        closed = self._closed.get(request_id)
+        if closed is not None:
+            if position.offset <= closed.offset:
+                self.counters.replayed += 1
+                return Outputs()
             late = InputError(f"event for request {request_id!r}, which is already closed")
             return self._dead(late, key, value, position, source=source, request_id=request_id)
         state = self._open.get(request_id)
@@ -166,46 +302,114 @@ class RequestProcessor:
                 normalizer=Normalizer(record.source, request_id),
                 fold=Fold(request_id, record.source),
                 tenant=record.tenant,
+                source=source,
                 next_seq=0,
                 last_time=record.received_at,
                 last_seen=self._clock(),
+                last_offset=position.offset,
+                topic_partition=(position.topic, position.partition),
+                close_at=self._pending_close.pop(request_id, None),
             )
-        elif record.source.value != state.normalizer.source.value or record.tenant != state.tenant:
+        elif source != state.source or record.tenant != state.tenant:
             mixed = InputError(
                 f"request {request_id!r} changed source or tenant mid-stream "
-                f"({state.normalizer.source.value}/{state.tenant} → {source}/{record.tenant})"
+                f"({state.source}/{state.tenant} → {source}/{record.tenant})"
             )
             return self._dead(mixed, key, value, position, source=source, request_id=request_id)
-        if record.seq < state.next_seq:
+        state.last_seen = self._clock()
+        if record.seq < state.next_seq or record.seq in state.waiting:
             self.counters.duplicates += 1
+            state.duplicates += 1
             return Outputs()
+        if record.seq > state.next_seq:
+            state.waiting[record.seq] = (record, position)  # wait for the missing ones
+            return Outputs()
+        out = self._apply(request_id, state, record, position, record.kind, key=key, value=value)
+        while request_id in self._open and state.next_seq in state.waiting:
+            record, position = state.waiting.pop(state.next_seq)
+            out.extend(self._apply(request_id, state, record, position, record.kind))
+        return out
+
+    def _apply(
+        self,
+        request_id: str,
+        state: _Open,
+        record: RawRecord,
+        position: Position,
+        kind: EventKind,
+        *,
+        key: bytes | None = None,
+        value: bytes | None = None,
+    ) -> Outputs:
         state.next_seq = record.seq + 1
         state.last_time = record.received_at
-        state.last_seen = self._clock()
-        if record.kind is EventKind.END:
+        state.last_offset = position.offset
+        out = Outputs()
+        if kind is EventKind.END:
+            state.records += 1
             self.counters.applied += 1
+        else:
+            event: Any = (
+                SseEvent(record.data, record.event, record.sse_id)
+                if isinstance(record, RawSseEvent)
+                else record.payload
+            )
+            try:
+                chunks = state.normalizer.feed(event, record.received_at)
+            except InputError as exc:
+                raw = value if value is not None else _encode_again(record)
+                out.extend(
+                    self._dead(
+                        exc,
+                        key or request_id.encode(),
+                        raw,
+                        position,
+                        source=state.source,
+                        request_id=request_id,
+                    )
+                )
+                chunks = []
+            else:
+                state.records += 1
+                self.counters.applied += 1
+            for chunk in chunks:
+                state.fold.add(chunk)
+            out.chunks.extend(chunks)
+        planned = state.close_at
+        if planned is not None and position.offset >= planned.offset:
             del self._open[request_id]
-            return self._close(request_id, state, record.received_at, NO_FINISH)
-        try:
-            chunks = state.normalizer.feed(event, record.received_at)
-        except InputError as exc:
-            return self._dead(exc, key, value, position, source=source, request_id=request_id)
-        self.counters.applied += 1
-        for chunk in chunks:
-            state.fold.add(chunk)
-        return Outputs(chunks=chunks)
+            message = {
+                CloseReason.END: NO_FINISH,
+                CloseReason.TIMEOUT: (
+                    f"request timed out: no end-of-stream marker within {self.timeout:g}s"
+                ),
+                CloseReason.GAP: "raw events missing: closed without them",
+            }[planned.reason]
+            out.extend(self._close(request_id, state, record.received_at, message, planned))
+        elif kind is EventKind.END:
+            del self._open[request_id]
+            closed = Closed(position.offset, CloseReason.END, applied=False)
+            out.extend(self._close(request_id, state, record.received_at, NO_FINISH, closed))
+        return out
 
-    def _close(self, request_id: str, state: _Open, when: datetime, reason: str) -> Outputs:
+    def _close(
+        self, request_id: str, state: _Open, when: datetime, reason: str, closed: Closed
+    ) -> Outputs:
         chunks = state.normalizer.end(when, fallback_request_id=request_id)
         for chunk in chunks:
             state.fold.add(chunk)
         tokens = state.fold.result(ended=True, reason=reason)
         billing = bill(tokens, state.tenant, when, self.prices)
-        self._closed[request_id] = None
+        self._remember(request_id, Closed(closed.offset, closed.reason, applied=True))
+        self.counters.requests_completed += 1
+        done = Completed(tokens, billing, closed, state.records, state.duplicates)
+        return Outputs(chunks=chunks, completed=[done])
+
+    def _remember(self, request_id: str, closed: Closed) -> None:
+        self._closed[request_id] = closed
+        self._closed.move_to_end(request_id)
         if len(self._closed) > CLOSED_MEMORY:
             self._closed.popitem(last=False)
-        self.counters.requests_completed += 1
-        return Outputs(chunks=chunks, completed=[Completed(tokens, billing)])
 
     def _dead(
         self,
@@ -218,6 +422,13 @@ class RequestProcessor:
         request_id: str | None = None,
     ) -> Outputs:
         self.counters.dead_lettered += 1
+        # The record's own Kafka time, not the wall clock: a replay dead-letters
+        # the same record into the same bytes.
+        when = (
+            datetime.fromtimestamp(position.timestamp, UTC)
+            if position.timestamp is not None
+            else datetime(1970, 1, 1, tzinfo=UTC)
+        )
         letter = DeadLetter(
             topic=position.topic,
             partition=position.partition,
@@ -228,6 +439,16 @@ class RequestProcessor:
             error_type=type(exc).__name__,
             source=source,
             request_id=request_id,
-            dead_lettered_at=utc_now(),
+            dead_lettered_at=when,
         )
         return Outputs(dead_letters=[letter])
+
+
+def _oversized(value: bytes) -> InputError:
+    return InputError(f"record of {len(value)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")
+
+
+def _encode_again(record: RawRecord) -> bytes:
+    if isinstance(record, RawSseEvent):
+        return avro.encode_raw_sse_event(record)
+    return avro.encode_raw_engine_output(record)

@@ -24,6 +24,8 @@ class WorkerSettings:
     batch_size: int = 2000
     #: Seconds to wait for a batch to fill.
     batch_within: float = 0.005
+    #: Seconds without heartbeats before the group gives a dead worker's partitions away.
+    session_timeout: float = 10.0
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> WorkerSettings:

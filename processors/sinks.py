@@ -1,26 +1,46 @@
 """Where a batch's outputs go: Kafka topics and Redis, behind one small interface.
 
 A sink takes outputs with `add` and makes them durable with `flush`
-(quix-streams style).  The worker flushes every sink before faust commits the
-offsets of the batch, so a crash replays at most one batch; replays are
-harmless because the Redis writes are idempotent per request and every
-Kafka output of a request is byte-identical when recomputed.
+(quix-streams style); `begin` first records what must be known before any
+output leaves (the close decisions).  `Sinks.write` runs, for one batch:
+
+1. every sink's `begin` (Redis: the close decision of each finished request),
+2. every sink's `add`, then `flush` in order: Kafka (chunks, Tokens, billing
+   events, dead letters; waits for the broker's acks), then Redis (Tokens,
+   usage rows and record counts in one atomic, idempotent script).
+
+Only then does the worker acknowledge the records of the finished requests,
+so a crash at any point replays them, and a replay writes the same bytes
+(every output is computed from the raw records alone) while Redis counts each
+request once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
+import logging
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+import redis.asyncio as aioredis
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from processors.redis_keys import closed_markers
 from processors.redis_sink import RedisSink
-from processors.requests import Outputs
+from processors.requests import Closed, Outputs
 from streamtally import avro
 from topics import BILLING, CHUNKS, DEADLETTER, TOKENS, encode_key
 
-__all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks"]
+__all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks", "retry"]
+
+log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
+    async def begin(self, outputs: Outputs) -> None: ...
+
     def add(self, outputs: Outputs) -> None: ...
 
     async def flush(self) -> None: ...
@@ -32,6 +52,9 @@ class KafkaSink:
     def __init__(self, producer: Any) -> None:
         self._producer = producer
         self._pending: list[tuple[str, bytes | None, bytes]] = []
+
+    async def begin(self, outputs: Outputs) -> None:
+        del outputs  # nothing to record before sending
 
     def add(self, outputs: Outputs) -> None:
         pending = self._pending
@@ -45,40 +68,92 @@ class KafkaSink:
             pending.append((DEADLETTER.name, letter.key, avro.encode_dead_letter(letter)))
 
     async def flush(self) -> None:
-        pending, self._pending = self._pending, []
-        if not pending:
+        """Send everything added and wait for the broker; on failure nothing is dropped."""
+        if not self._pending:
             return
         futures = [
             await self._producer.send(topic, key, value, None, None, None)
-            for topic, key, value in pending
+            for topic, key, value in self._pending
         ]
         await asyncio.gather(*futures)
+        self._pending = []
 
 
 class RedisOutputs:
-    """Completed requests into Redis: Tokens and usage rows, idempotently."""
+    """Finished requests into Redis (Tokens, usage rows, counts), idempotently."""
 
-    def __init__(self, sink: RedisSink) -> None:
-        self._sink = sink
+    def __init__(self, client: aioredis.Redis) -> None:
+        self.client = client
+        self._sink = RedisSink(client)
+        self._dead: list[str] = []
+
+    async def begin(self, outputs: Outputs) -> None:
+        await self._sink.mark_closing(
+            {done.tokens.request_id: done.closed.marker() for done in outputs.completed}
+        )
 
     def add(self, outputs: Outputs) -> None:
         for done in outputs.completed:
-            self._sink.add(done.tokens, done.billing)
+            self._sink.add(
+                done.tokens,
+                done.billing,
+                closed=done.closed.marker(),
+                records=done.records,
+                duplicates=done.duplicates,
+            )
+        self._dead.extend(
+            f"{letter.topic}:{letter.partition}:{letter.offset}" for letter in outputs.dead_letters
+        )
 
     async def flush(self) -> None:
-        await self._sink.flush()
+        await self._sink.flush()  # keeps its batch queued when it fails
+        await self._sink.count_dead_letters(self._dead)
+        self._dead = []
+
+    async def lookup(self, request_ids: list[str]) -> dict[str, Closed]:
+        found = await closed_markers(self.client, request_ids)
+        return {r: Closed.from_marker(m, applied=a) for r, (m, a) in found.items()}
+
+
+async def _no_lookup(request_ids: list[str]) -> dict[str, Closed]:
+    del request_ids  # no memory beyond this process
+    return {}
 
 
 class Sinks:
-    """Several sinks fed together; Kafka outputs are flushed before Redis."""
+    """The sinks of a worker, written in order, plus where closed requests are looked up."""
 
-    def __init__(self, *sinks: Sink) -> None:
+    def __init__(self, *sinks: Sink, lookup: Any = _no_lookup) -> None:
         self._sinks = sinks
+        self.lookup = lookup
 
     async def write(self, outputs: Outputs) -> None:
+        """Make the outputs durable, retrying each step until it succeeds.
+
+        Every step is idempotent, so a retry after a lost reply is harmless;
+        a broker or Redis that is down stalls the worker instead of losing data.
+        """
         if not outputs:
             return
         for sink in self._sinks:
+            await retry(functools.partial(sink.begin, outputs), type(sink).__name__)
+        for sink in self._sinks:
             sink.add(outputs)
         for sink in self._sinks:
-            await sink.flush()
+            await retry(sink.flush, type(sink).__name__)
+
+
+_TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
+
+
+async def retry(step: Callable[[], Awaitable[Any]], what: str) -> Any:
+    delay = 0.1
+    while True:
+        try:
+            return await step()
+        except _TRANSIENT as exc:
+            log.warning(
+                "%s failed (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, delay
+            )
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 5.0)

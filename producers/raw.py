@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import io
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -139,13 +140,17 @@ class RawProducer:
         return SentRequest(rid, tenant, source, len(records) - 1)
 
     async def send_records(self, source: Source, request_id: str, records: list[bytes]) -> None:
+        """Send encoded records of one request and wait until Kafka has them all."""
+        futures = [await self.send(source, request_id, value) for value in records]
+        await asyncio.gather(*futures)
+
+    async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
+        """Queue one encoded record; the returned future resolves when Kafka has it."""
         topic = RAW_SSE.name if source.is_sse else RAW_ENGINE.name
-        key = encode_key(request_id)
-        futures = [
-            await self._producer.send(topic, records_value, key=key) for records_value in records
-        ]
-        for future in futures:
-            await future
+        future: asyncio.Future[Any] = await self._producer.send(
+            topic, value, key=encode_key(request_id)
+        )
+        return future
 
     async def flush(self) -> None:
         await self._producer.flush()

@@ -62,15 +62,20 @@ class Billed:
         return self.quote.priced
 
 
+_WARNED: set[tuple[str | None, str]] = set()
+
+
 def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: PriceTable) -> Billed:
     """The billing event of the finished request `tokens`, and the quote behind its cost."""
     if event_time.tzinfo is None or event_time.utcoffset() is None:
         raise ValueError(f"event_time must be timezone-aware, got {event_time!r}")
     usage = tokens.usage
     quote = prices.quote(tokens.model, usage)
-    if quote.cost is None:
+    if quote.cost is None and (tokens.model, prices.version) not in _WARNED:
+        _WARNED.add((tokens.model, prices.version))  # once per model: not a log flood
         log.warning(
-            "unpriced model %r (request %s, tenant %s): billed at 0 %s with price table %s",
+            "unpriced model %r (first seen in request %s, tenant %s): billed at 0 %s with "
+            "price table %s; add it to the price table",
             tokens.model,
             tokens.request_id,
             tenant,

@@ -15,6 +15,7 @@ Values: Avro single-object encoding of the topic's `value_schema` (see
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Final, Literal
 
@@ -28,6 +29,7 @@ __all__ = [
     "DEADLETTER",
     "FOREVER",
     "MIB",
+    "NAMESPACE",
     "RAW_ENGINE",
     "RAW_SSE",
     "TOKENS",
@@ -37,6 +39,10 @@ __all__ = [
     "encode_key",
     "kafka_config",
 ]
+
+#: Prefix of every topic name (and the worker's consumer group).  Read once from
+#: `STREAMTALLY_NAMESPACE` so that a test or a second deployment can share a broker.
+NAMESPACE: Final = os.environ.get("STREAMTALLY_NAMESPACE", "streamtally")
 
 DAY_MS: Final = 24 * 60 * 60 * 1000
 #: `retention.ms` meaning "keep forever".
@@ -85,7 +91,7 @@ class Topic:
 
 
 RAW_SSE: Final = Topic(
-    name="streamtally.raw.sse",
+    name=f"{NAMESPACE}.raw.sse",
     partitions=6,
     retention_ms=7 * DAY_MS,
     value_schema="RawSseEvent",
@@ -96,7 +102,7 @@ RAW_SSE: Final = Topic(
 )
 
 RAW_ENGINE: Final = Topic(
-    name="streamtally.raw.engine",
+    name=f"{NAMESPACE}.raw.engine",
     partitions=6,
     retention_ms=7 * DAY_MS,
     value_schema="RawEngineOutput",
@@ -107,7 +113,7 @@ RAW_ENGINE: Final = Topic(
 )
 
 CHUNKS: Final = Topic(
-    name="streamtally.chunks",
+    name=f"{NAMESPACE}.chunks",
     partitions=6,
     retention_ms=7 * DAY_MS,
     value_schema="Chunk",
@@ -115,7 +121,7 @@ CHUNKS: Final = Topic(
 )
 
 TOKENS: Final = Topic(
-    name="streamtally.tokens",
+    name=f"{NAMESPACE}.tokens",
     partitions=6,
     retention_ms=FOREVER,
     cleanup_policy="compact",
@@ -128,7 +134,7 @@ TOKENS: Final = Topic(
 )
 
 BILLING: Final = Topic(
-    name="streamtally.billing",
+    name=f"{NAMESPACE}.billing",
     partitions=6,
     retention_ms=FOREVER,
     value_schema="BillingEvent",
@@ -139,7 +145,7 @@ BILLING: Final = Topic(
 )
 
 DEADLETTER: Final = Topic(
-    name="streamtally.deadletter",
+    name=f"{NAMESPACE}.deadletter",
     partitions=1,
     retention_ms=30 * DAY_MS,
     value_schema="DeadLetter",

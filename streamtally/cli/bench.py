@@ -21,6 +21,27 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     fold.add_argument("--seconds", type=float, default=2.0, help="time per source (2)")
     fold.add_argument("--json", action="store_true", help="print results as JSON")
     fold.set_defaults(func=run_fold)
+    pipeline = which.add_parser(
+        "pipeline",
+        help="one worker end to end on the running stack: throughput, ceiling, latency, memory",
+        description=(
+            "Start one worker, push our sample traffic through Kafka into Redis and billing, and "
+            "report raw events/s end to end, a plain aiokafka pass-through ceiling, per-request "
+            "latency at a steady rate and the worker's peak RSS. Needs the stack "
+            "(`streamtally stack up`). Figures only: it never fails on speed."
+        ),
+    )
+    pipeline.add_argument(
+        "--events", type=int, default=200_000, help="raw events of the throughput phase (200000)"
+    )
+    pipeline.add_argument(
+        "--rate", type=float, default=5000.0, help="raw events/s of the latency phase (5000)"
+    )
+    pipeline.add_argument(
+        "--seconds", type=float, default=20.0, help="length of the latency phase (20)"
+    )
+    pipeline.add_argument("--json", action="store_true", help="print results as JSON")
+    pipeline.set_defaults(func=run_pipeline)
 
 
 def _say(text: str) -> None:
@@ -53,4 +74,22 @@ def run_fold(args: argparse.Namespace) -> int:
             f"{r.source.value:<18}{r.chunks_per_second:>12,.0f}{r.mib_per_second:>9.2f}"
             f"{r.chunks_per_stream:>15}{r.repeats:>9}"
         )
+    return 0
+
+
+def run_pipeline(args: argparse.Namespace) -> int:
+    from streamtally.benchmarks import pipeline
+
+    try:
+        settings = pipeline.PipelineSettings(
+            events=args.events, rate=args.rate, seconds=args.seconds
+        )
+    except ValueError as exc:
+        print(f"streamtally bench pipeline: {exc}", file=sys.stderr)
+        return 2
+    report = pipeline.run(settings, progress=_say)
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(pipeline.format_report(report))
     return 0

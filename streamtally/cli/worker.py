@@ -32,7 +32,6 @@ def run(args: argparse.Namespace) -> NoReturn:
     import redis.asyncio as aioredis
 
     from processors.app import create_app
-    from processors.redis_sink import RedisSink
     from processors.settings import WorkerSettings
     from processors.sinks import KafkaSink, RedisOutputs, Sinks
 
@@ -40,8 +39,8 @@ def run(args: argparse.Namespace) -> NoReturn:
     asyncio.run(ensure_topics(settings.bootstrap_servers))
 
     def make_sinks(app: Any) -> Sinks:
-        client = aioredis.from_url(settings.redis_url)
-        return Sinks(KafkaSink(app.producer), RedisOutputs(RedisSink(client)))
+        redis_outputs = RedisOutputs(aioredis.from_url(settings.redis_url))
+        return Sinks(KafkaSink(app.producer), redis_outputs, lookup=redis_outputs.lookup)
 
     pipeline = create_app(settings, make_sinks)
     print(

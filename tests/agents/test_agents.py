@@ -31,6 +31,9 @@ class RecordingSink:
         self.batches: list[Outputs] = []
         self.flushes = 0
 
+    async def begin(self, outputs: Outputs) -> None:
+        return None
+
     def add(self, outputs: Outputs) -> None:
         self.batches.append(outputs)
 

@@ -1,0 +1,387 @@
+"""The chaos run, as a program: `python -m tests.integration.chaos --requests N`.
+
+It runs in its own process because its topics live in their own namespace
+(`STREAMTALLY_NAMESPACE`, read when `topics` is imported) and its state in
+its own Redis database, so it can restart the broker and flush its database
+without touching anybody else's data.  It prints one JSON report; the test
+(`test_chaos.py`) asserts on it.
+
+What happens:
+1. thousands of requests, built from our own sample transcripts under fresh
+   ids and four tenants, are produced interleaved (many open at once), some
+   raw records delivered twice (a retrying producer);
+2. meanwhile the worker is killed with SIGKILL several times (and restarted)
+   and the broker is stopped and started once;
+3. then every request's Tokens in Redis is compared with `streamtally fold`
+   of its transcript, the usage table per tenant with the sum of the folds,
+   the billing topic is checked for exactly one distinct event per request,
+   and the record counts are reconciled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections import defaultdict
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+SAMPLES = REPO / "samples"
+
+
+def _env(namespace: str, redis_url: str, timeout: float) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        STREAMTALLY_NAMESPACE=namespace,
+        REDIS_URL=redis_url,
+        STREAMTALLY_REQUEST_TIMEOUT=str(timeout),
+        STREAMTALLY_BATCH_SIZE="500",
+    )
+    return env
+
+
+class Worker:
+    """The worker subprocess, which the run kills and restarts."""
+
+    def __init__(self, env: dict[str, str], log: Path) -> None:
+        self.env = env
+        self.log = log
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.kills = 0
+        self.started = 0.0
+
+    def start(self) -> None:
+        self.started = time.monotonic()
+        with self.log.open("ab") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "streamtally.cli", "worker", "--loglevel", "info"],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=REPO,
+            )
+
+    def kill(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+        self.kills += 1
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+
+def _requests(run: str, count: int) -> list[dict[str, Any]]:
+    from streamtally.cli.produce import read_manifest
+
+    entries = [
+        e for e in read_manifest(SAMPLES / "manifest.jsonl") if "long_text_bench" not in e.file.name
+    ]
+    tenants = ["acme", "globex", "initech", "umbrella"]
+    return [
+        {
+            "request_id": f"chaos-{run}-{i}",
+            "source": entries[i % len(entries)].source,
+            "file": entries[i % len(entries)].file,
+            "tenant": tenants[i % len(tenants)],
+        }
+        for i in range(count)
+    ]
+
+
+async def _produce(
+    requests: list[dict[str, Any]], rng: random.Random, rate: float, progress: Any
+) -> tuple[int, int]:
+    """Send every request's records interleaved; returns (messages, duplicates sent)."""
+    from producers import RawProducer, raw_records
+    from streamtally.stack.config import bootstrap_servers
+
+    queues: list[tuple[dict[str, Any], list[bytes]]] = []
+    for req in requests:
+        _, records = raw_records(
+            req["source"],
+            req["file"].read_bytes(),
+            tenant=req["tenant"],
+            request_id=req["request_id"],
+        )
+        queues.append((req, records))
+    total = sum(len(r) for _, r in queues)
+    sent = duplicates = 0
+    in_flight: list[tuple[dict[str, Any], list[bytes], int]] = []
+    pending = list(queues)
+    start = time.monotonic()
+    futures: list[asyncio.Future[Any]] = []
+    async with RawProducer(bootstrap_servers()) as producer:
+        while pending or in_flight:
+            while pending and len(in_flight) < 60:
+                req, records = pending.pop(0)
+                in_flight.append((req, records, 0))
+            i = rng.randrange(len(in_flight))
+            req, records, pos = in_flight[i]
+            value = records[pos]
+            copies = 2 if pos < len(records) - 1 and rng.random() < 0.03 else 1
+            for _ in range(copies):
+                futures.append(await producer.send(req["source"], req["request_id"], value))
+            if len(futures) >= 200:
+                await asyncio.gather(*futures)
+                futures.clear()
+            sent += copies
+            duplicates += copies - 1
+            if pos + 1 == len(records):
+                in_flight.pop(i)
+            else:
+                in_flight[i] = (req, records, pos + 1)
+            progress(sent / (total + duplicates))
+            ahead = sent / rate - (time.monotonic() - start)
+            if ahead > 0.01:
+                await asyncio.sleep(ahead)
+        await asyncio.gather(*futures)
+    return sent, duplicates
+
+
+async def _wait_all(client: Any, ids: list[str], timeout: float) -> list[str]:
+    deadline = time.monotonic() + timeout
+    waiting = list(ids)
+    while waiting and time.monotonic() < deadline:
+        async with client.pipeline(transaction=False) as pipe:
+            for rid in waiting:
+                pipe.exists(f"st:tokens:{rid}")
+            flags = await pipe.execute()
+        waiting = [r for r, f in zip(waiting, flags, strict=True) if not f]
+        if waiting:
+            await asyncio.sleep(1.0)
+    return waiting
+
+
+async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes]]:
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    from streamtally.stack.config import bootstrap_servers
+    from topics import by_name
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap_servers(),
+        enable_auto_commit=False,
+        isolation_level="read_committed",
+    )
+    await consumer.start()
+    try:
+        parts = [TopicPartition(topic, p) for p in range(by_name(topic).partitions)]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        ends = await consumer.end_offsets(parts)
+        out: list[tuple[int, int, bytes | None, bytes]] = []
+
+        async def behind() -> bool:
+            for tp in parts:
+                if await consumer.position(tp) < ends[tp]:
+                    return True
+            return False
+
+        while await behind():
+            batch = await consumer.getmany(timeout_ms=1000, max_records=10000)
+            for tp, records in batch.items():
+                out.extend(
+                    (tp.partition, r.offset, r.key, r.value)
+                    for r in records
+                    if r.offset < ends[tp] and r.value is not None
+                )
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, Any]:
+    import redis.asyncio as aioredis
+
+    from processors.redis_keys import stats, usage_rows
+    from streamtally import avro
+    from streamtally.billing import bill
+    from streamtally.normalize import fold_stream, read_events
+    from streamtally.pricing import PriceTable
+    from topics import BILLING, DEADLETTER, RAW_ENGINE, RAW_SSE
+
+    prices = PriceTable.load(SAMPLES / "prices.json")
+    client = aioredis.from_url(redis_url)
+    mismatched: list[str] = []
+    truth: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
+    fields = (
+        "input_tokens",
+        "output_tokens",
+        "reasoning_tokens",
+        "cached_tokens",
+        "cache_write_tokens",
+    )
+    try:
+        async with client.pipeline(transaction=False) as pipe:
+            for req in requests:
+                pipe.get(f"st:tokens:{req['request_id']}")
+            stored = await pipe.execute()
+        for req, text in zip(requests, stored, strict=True):
+            with req["file"].open("rb") as stream:
+                tokens = fold_stream(
+                    req["source"], read_events(req["source"], stream), request_id=req["request_id"]
+                )
+            if text is None or json.loads(text) != tokens.to_json_dict():
+                mismatched.append(req["request_id"])
+            row = truth[req["tenant"]]
+            row["requests"] += 1
+            for name in fields:
+                row[name] += getattr(tokens.usage, name)
+            # the cost the pipeline should have charged (the event time only sets the day)
+            row["cost"] += bill(tokens, req["tenant"], _EPOCH, prices).cost
+        got: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
+        for row_ in await usage_rows(client):
+            for name in ("requests", *fields):
+                got[row_["tenant"]][name] += Decimal(row_[name])
+            got[row_["tenant"]]["cost"] += Decimal(str(row_["cost"]))
+        usage_mismatch = {
+            t: {
+                "expected": {k: str(v) for k, v in truth[t].items()},
+                "got": {k: str(v) for k, v in got[t].items()},
+            }
+            for t in set(truth) | set(got)
+            if dict(truth[t]) != dict(got[t])
+        }
+        counts = await stats(client)
+    finally:
+        await client.aclose()
+    billing = await _topic_records(BILLING.name)
+    by_request: dict[str, set[bytes]] = defaultdict(set)
+    for _, _, _, value in billing:
+        event = avro.decode_billing_event(value)
+        by_request[event.request_id].add(value)
+    ids = {r["request_id"] for r in requests}
+    raw_in = len(await _topic_records(RAW_SSE.name)) + len(await _topic_records(RAW_ENGINE.name))
+    dead = {(p, o) for p, o, _, _ in await _topic_records(DEADLETTER.name)}
+    return {
+        "tokens_mismatches": mismatched,
+        "usage_mismatches": usage_mismatch,
+        "billing_events_delivered": len(billing),
+        "billing_requests": len(by_request),
+        "requests_without_billing": sorted(ids - set(by_request))[:5],
+        "requests_with_two_different_billing_events": sorted(
+            r for r, values in by_request.items() if len(values) != 1
+        ),
+        "raw_records_in": raw_in,
+        "stats": counts,
+        "dead_letter_messages": len(dead),
+    }
+
+
+_EPOCH = __import__("datetime").datetime(2026, 1, 1, tzinfo=__import__("datetime").UTC)
+
+
+async def _restart_broker(say: Any) -> float:
+    from streamtally.stack import kafka
+    from streamtally.stack.config import StackConfig
+
+    cfg = StackConfig.from_env()
+    start = time.monotonic()
+    kafka.down(cfg, say)
+    await asyncio.sleep(1.0)
+    await asyncio.to_thread(kafka.up, cfg, say)
+    return time.monotonic() - start
+
+
+async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
+    import redis.asyncio as aioredis
+
+    from streamtally.kafka import ensure_topics
+    from streamtally.stack.config import bootstrap_servers, redis_url
+
+    run_id = uuid.uuid4().hex[:8]
+    namespace = os.environ["STREAMTALLY_NAMESPACE"]
+    url = redis_url()
+    client = aioredis.from_url(url)
+    await client.flushdb()  # this run's own database
+    await client.aclose()
+    await ensure_topics(bootstrap_servers())
+    requests = _requests(run_id, count)
+    rng = random.Random(seed)
+    log = REPO / ".stack" / "logs" / f"chaos-{run_id}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    worker = Worker(_env(namespace, url, timeout=300), log)
+    worker.start()
+    kill_at = [0.2, 0.45, 0.75]
+    restart_broker_at = 0.6 if os.environ.get("STREAMTALLY_CHAOS_BROKER_RESTART", "1") == "1" else 0
+    broker_restarts = 0
+    events: list[str] = []
+    chaos_tasks: list[asyncio.Task[Any]] = []
+
+    def say(text: str) -> None:
+        events.append(text)
+
+    def progress(done: float) -> None:
+        nonlocal broker_restarts
+        # kill a worker that has had time to join its group and do some work
+        if kill_at and done >= kill_at[0] and time.monotonic() - worker.started >= 6.0:
+            kill_at.pop(0)
+            worker.kill()
+            events.append(f"SIGKILL worker at {done:.0%}")
+            worker.start()
+        if restart_broker_at and done >= restart_broker_at and not broker_restarts:
+            broker_restarts = 1
+            events.append(f"restarting broker at {done:.0%}")
+            chaos_tasks.append(asyncio.create_task(_restart_broker(say)))
+
+    started = time.monotonic()
+    messages, duplicates = await _produce(requests, rng, rate, progress)
+    for task in chaos_tasks:
+        await task
+    produced_in = time.monotonic() - started
+    client = aioredis.from_url(url)
+    print(f"produced {messages} messages in {time.monotonic() - started:.1f}s", file=sys.stderr)
+    waiting = await _wait_all(client, [r["request_id"] for r in requests], timeout=240)
+    print(f"{len(waiting)} requests not in Redis", file=sys.stderr)
+    await client.aclose()
+    drained_in = time.monotonic() - started
+    exit_code = worker.stop()
+    report = await _verify(requests, url)
+    report.update(
+        requests=count,
+        raw_messages_sent=messages,
+        duplicates_sent=duplicates,
+        worker_kills=worker.kills,
+        broker_restarts=broker_restarts,
+        never_finished=waiting[:5],
+        never_finished_count=len(waiting),
+        worker_exit_code=exit_code,
+        seconds_producing=round(produced_in, 1),
+        seconds_until_all_in_redis=round(drained_in, 1),
+        chaos=events,
+        worker_log=str(log),
+        redis_db=db,
+        namespace=namespace,
+    )
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--rate", type=float, default=800.0, help="raw messages per second")
+    parser.add_argument("--seed", type=int, default=7)
+    args = parser.parse_args()
+    db = int(os.environ["REDIS_URL"].rsplit("/", 1)[1])
+    print(json.dumps(asyncio.run(run(args.requests, args.rate, db, args.seed)), default=str))
+
+
+if __name__ == "__main__":
+    main()
