@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import IO, Any
 
@@ -152,23 +152,36 @@ def fold_stream(
     source: Source,
     events: Iterable[SseEvent | Any],
     request_id: str | None = None,
+    *,
     options: AdapterOptions | None = None,
     fallback_request_id: str = "",
+    on_invalid: Callable[[int, InvalidEvent], None] | None = None,
 ) -> Tokens:
-    """Normalise and fold one whole request: what `streamtally fold` prints."""
+    """Normalise and fold one whole request: what `streamtally fold` prints.
+
+    An event that is not valid for `source` is skipped, as the processors
+    dead-letter it and go on (`on_invalid` hears of it), so the command and
+    the pipeline give the same Tokens.  Input with no valid event at all is
+    not a stream of `source`: `NotAStream`.
+    """
     normalizer = Normalizer(source, request_id, options)
     chunks: list[Chunk] = []
+    first_error: str | None = None
     now = utc_now()
     for number, event in enumerate(events, start=1):
         try:
             chunks.extend(normalizer.feed(event, now))
         except InvalidEvent as exc:
-            raise InvalidEvent(f"event {number}: {exc}") from exc
+            if first_error is None:
+                first_error = f"event {number}: {exc}"
+            if on_invalid is not None:
+                on_invalid(number, exc)
     chunks.extend(normalizer.end(now, fallback_request_id=fallback_request_id))
     if not chunks:
         what = "SSE events" if source.is_sse else "lines"
+        detail = f" ({first_error})" if first_error else ""
         raise NotAStream(
-            f"no {source.value} content in {normalizer.events} {what}: "
+            f"no {source.value} content in {normalizer.events} {what}{detail}: "
             f"is this a {source.value} stream? (see `streamtally fold --help` for the sources)"
         )
     acc = Fold(chunks[0].request_id, source)

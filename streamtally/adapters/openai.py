@@ -131,7 +131,9 @@ class OpenAIChatAdapter(Adapter):
         obj = parse_json_object(data)
         if obj is None:
             return []  # keep-alive or other non-JSON payload
-        if obj.keys().isdisjoint(_SHAPE_KEYS):
+        if obj.keys().isdisjoint(_SHAPE_KEYS) or (
+            isinstance(obj.get("type"), str) and "choices" not in obj and "output" not in obj
+        ):  # no chat chunk shape, or a typed event (Anthropic, Responses)
             raise InvalidEvent(
                 "not an OpenAI-compatible chat completion chunk "
                 f"(expected one of {', '.join(_SHAPE_KEYS)}; got keys {', '.join(sorted(obj)[:8])})"

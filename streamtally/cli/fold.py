@@ -26,6 +26,9 @@ sources:
   vllm              JSON lines, one RequestOutput per line
   atomr             JSON lines, one TokenChunk per line
 
+Events that are not valid for SOURCE are skipped with a warning on stderr, as
+the stream processors dead-letter them, so both give the same Tokens.
+
 exit status: 0 printed, 2 the input is not a stream of SOURCE (message on stderr)
 """
 
@@ -65,13 +68,17 @@ def run(args: argparse.Namespace) -> int:
     data = _read(args.file)
     options = AdapterOptions(vllm_output_kind=args.vllm_output_kind)
     stream: IO[bytes] = io.BytesIO(data)
+    skipped: list[str] = []
     tokens = fold_stream(
         args.source,
         read_events(args.source, stream),
         request_id=args.request_id,
         options=options,
         fallback_request_id=fallback_request_id(data),
+        on_invalid=lambda number, exc: skipped.append(f"event {number}: {exc}"),
     )
+    for warning in skipped:
+        print(f"streamtally fold: skipped {warning}", file=sys.stderr)
     json.dump(tokens.to_json_dict(), sys.stdout, ensure_ascii=False)
     sys.stdout.write("\n")
     return 0

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from streamtally.adapters.base import AdapterOptions
-from streamtally.errors import InvalidEvent, NotAStream
+from streamtally.errors import InputError, NotAStream
 from streamtally.fold import NO_FINISH
 from streamtally.models import FinishReason, Source, Tokens, ToolCall, Usage
 from streamtally.normalize import fold_stream
@@ -507,7 +507,7 @@ def test_openai_without_finish_is_an_error() -> None:
     ids=["anthropic", "gemini", "responses"],
 )
 def test_openai_rejects_events_of_another_source(foreign: Obj) -> None:
-    with pytest.raises(InvalidEvent):
+    with pytest.raises(InputError):  # every event invalid: not a stream of the source
         fold_stream(Source.OPENAI, events(foreign))
 
 
@@ -878,7 +878,7 @@ def test_anthropic_without_message_delta_is_an_error() -> None:
     ids=["openai", "gemini"],
 )
 def test_anthropic_rejects_events_of_another_source(foreign: Obj) -> None:
-    with pytest.raises(InvalidEvent):
+    with pytest.raises(InputError):  # every event invalid: not a stream of the source
         fold_stream(Source.ANTHROPIC, events(foreign))
 
 
@@ -1181,7 +1181,7 @@ def test_responses_without_terminal_event_is_an_error() -> None:
     ids=["anthropic", "openai"],
 )
 def test_responses_rejects_events_of_another_source(foreign: Obj) -> None:
-    with pytest.raises(InvalidEvent):
+    with pytest.raises(InputError):  # every event invalid: not a stream of the source
         fold_stream(Source.OPENAI_RESPONSES, events(foreign))
 
 
@@ -1495,7 +1495,7 @@ def test_gemini_without_finish_is_an_error() -> None:
     ids=["openai", "anthropic"],
 )
 def test_gemini_rejects_events_of_another_source(foreign: Obj) -> None:
-    with pytest.raises(InvalidEvent):
+    with pytest.raises(InputError):  # every event invalid: not a stream of the source
         fold_stream(Source.GEMINI, events(foreign))
 
 
@@ -1603,7 +1603,7 @@ def test_dynamo_without_finish_is_an_error() -> None:
     ids=["vllm", "atomr"],
 )
 def test_dynamo_rejects_lines_of_another_source(foreign: Obj) -> None:
-    with pytest.raises(InvalidEvent):
+    with pytest.raises(InputError):  # every line invalid: not a stream of the source
         fold_lines(Source.DYNAMO, [foreign])
 
 
@@ -1740,7 +1740,7 @@ def test_vllm_without_finish_is_an_error() -> None:
     ids=["dynamo", "atomr"],
 )
 def test_vllm_rejects_lines_of_another_source(foreign: Obj) -> None:
-    with pytest.raises(InvalidEvent):
+    with pytest.raises(InputError):  # every line invalid: not a stream of the source
         fold_lines(Source.VLLM, [foreign])
 
 
@@ -1812,7 +1812,7 @@ def test_atomr_tool_call_delta_as_object_and_as_json_string() -> None:
     ids=["dynamo", "vllm"],
 )
 def test_atomr_rejects_lines_of_another_source(foreign: Obj) -> None:
-    with pytest.raises(InvalidEvent):
+    with pytest.raises(InputError):  # every line invalid: not a stream of the source
         fold_lines(Source.ATOMR, [foreign])
 
 
