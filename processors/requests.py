@@ -299,7 +299,11 @@ class RequestProcessor:
         state = self._open.get(request_id)
         if state is None:
             state = self._open[request_id] = _Open(
-                normalizer=Normalizer(record.source, request_id),
+                normalizer=Normalizer(
+                    record.source,
+                    request_id,
+                    model=record.model if isinstance(record, RawEngineOutput) else None,
+                ),
                 fold=Fold(request_id, record.source),
                 tenant=record.tenant,
                 source=source,

@@ -42,15 +42,22 @@ def raw_records(
     request_id: str | None = None,
     options: AdapterOptions | None = None,
     clock: Any = utc_now,
+    model: str | None = None,
 ) -> tuple[str, list[bytes]]:
     """The request id and the encoded raw records (events, then END) of one transcript."""
     events = list(read_events(source, io.BytesIO(data)))
     rid = request_id or discover_request_id(source, events, options) or fallback_request_id(data)
-    return rid, list(_encode(source, events, rid, tenant, clock))
+    return rid, list(_encode(source, events, rid, tenant=tenant, clock=clock, model=model))
 
 
 def _encode(
-    source: Source, events: list[Any], request_id: str, tenant: str, clock: Any
+    source: Source,
+    events: list[Any],
+    request_id: str,
+    *,
+    tenant: str,
+    clock: Any,
+    model: str | None,
 ) -> Iterator[bytes]:
     seq = 0
     for event in events:
@@ -78,17 +85,27 @@ def _encode(
                     tenant=tenant,
                     received_at=received,
                     payload=event,
+                    model=model,
                 )
             )
         seq += 1
-    end_type = RawSseEvent if source.is_sse else RawEngineOutput
-    marker = end_type.end(
-        request_id=request_id, seq=seq, source=source, tenant=tenant, received_at=clock()
-    )
-    if isinstance(marker, RawSseEvent):
-        yield avro.encode_raw_sse_event(marker)
+    if source.is_sse:
+        yield avro.encode_raw_sse_event(
+            RawSseEvent.end(
+                request_id=request_id, seq=seq, source=source, tenant=tenant, received_at=clock()
+            )
+        )
     else:
-        yield avro.encode_raw_engine_output(marker)
+        yield avro.encode_raw_engine_output(
+            RawEngineOutput.end(
+                request_id=request_id,
+                seq=seq,
+                source=source,
+                tenant=tenant,
+                received_at=clock(),
+                model=model,
+            )
+        )
 
 
 class RawProducer:
@@ -131,10 +148,14 @@ class RawProducer:
         tenant: str,
         request_id: str | None = None,
         options: AdapterOptions | None = None,
+        model: str | None = None,
     ) -> SentRequest:
-        """Send one request's raw events and its end marker; wait until Kafka has them."""
+        """Send one request's raw events and its end marker; wait until Kafka has them.
+
+        `model` is recorded with engine outputs, which do not name their model.
+        """
         rid, records = raw_records(
-            source, data, tenant=tenant, request_id=request_id, options=options
+            source, data, tenant=tenant, request_id=request_id, options=options, model=model
         )
         await self.send_records(source, rid, records)
         return SentRequest(rid, tenant, source, len(records) - 1)

@@ -767,6 +767,7 @@ def encode_raw_engine_output(output: RawEngineOutput) -> bytes:
             "received_at": output.received_at,
             "kind": output.kind.name,
             "payload": payload,
+            "model": output.model,
         },
     )
 

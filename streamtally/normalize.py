@@ -55,15 +55,18 @@ def make_adapter(source: Source, options: AdapterOptions | None = None) -> Adapt
 class Normalizer:
     """One request's raw events in, its chunks out."""
 
-    __slots__ = ("_adapter", "_pending", "_request_id", "_seq", "events", "source")
+    __slots__ = ("_adapter", "_model", "_pending", "_request_id", "_seq", "events", "source")
 
     def __init__(
         self,
         source: Source,
         request_id: str | None = None,
         options: AdapterOptions | None = None,
+        model: str | None = None,
     ) -> None:
+        """`model` names the model when the stream does not (engine outputs never do)."""
         self.source = source
+        self._model = model
         self._adapter = make_adapter(source, options)
         self._request_id = request_id
         self._pending: list[tuple[Draft, datetime]] = []
@@ -77,7 +80,7 @@ class Normalizer:
 
     @property
     def model(self) -> str | None:
-        return self._adapter.model
+        return self._adapter.model or self._model
 
     def feed(self, event: SseEvent | Any, event_time: datetime | None = None) -> list[Chunk]:
         """Apply one raw event (an `SseEvent`, or a JSON object for engines)."""
@@ -115,7 +118,7 @@ class Normalizer:
             request_id=request_id,
             seq=self._seq,
             source=self.source,
-            model=self._adapter.model,
+            model=self._adapter.model or self._model,
             choice=draft.choice,
             text_delta=draft.text,
             reasoning_delta=draft.reasoning,
@@ -156,6 +159,7 @@ def fold_stream(
     options: AdapterOptions | None = None,
     fallback_request_id: str = "",
     on_invalid: Callable[[int, InvalidEvent], None] | None = None,
+    model: str | None = None,
 ) -> Tokens:
     """Normalise and fold one whole request: what `streamtally fold` prints.
 
@@ -164,7 +168,7 @@ def fold_stream(
     the pipeline give the same Tokens.  Input with no valid event at all is
     not a stream of `source`: `NotAStream`.
     """
-    normalizer = Normalizer(source, request_id, options)
+    normalizer = Normalizer(source, request_id, options, model)
     chunks: list[Chunk] = []
     first_error: str | None = None
     now = utc_now()

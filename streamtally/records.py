@@ -119,6 +119,8 @@ class RawEngineOutput:
     received_at: datetime
     kind: EventKind = EventKind.EVENT
     payload: dict[str, Any] | None = field(default=None)
+    #: The model the engine served (engine outputs do not say; the producer does).
+    model: str | None = None
 
     def __post_init__(self) -> None:
         _check_common(self.request_id, self.seq, self.received_at)
@@ -136,7 +138,14 @@ class RawEngineOutput:
 
     @classmethod
     def end(
-        cls, *, request_id: str, seq: int, source: Source, tenant: str, received_at: datetime
+        cls,
+        *,
+        request_id: str,
+        seq: int,
+        source: Source,
+        tenant: str,
+        received_at: datetime,
+        model: str | None = None,
     ) -> RawEngineOutput:
         """The end-of-stream marker of a request."""
         return cls(
@@ -146,6 +155,7 @@ class RawEngineOutput:
             tenant=tenant,
             received_at=received_at,
             kind=EventKind.END,
+            model=model,
         )
 
 

@@ -118,6 +118,7 @@ async def _produce_and_wait(
                     entry.file.read_bytes(),
                     tenant=entry.tenant,
                     request_id=entry.request_id,
+                    model=entry.model,
                 )
                 ids.add(sent.request_id)
         _step(f"produced {len(entries)} requests; waiting for their Tokens in Redis")

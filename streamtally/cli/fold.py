@@ -55,6 +55,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="request id to report (default: the provider's own id)",
     )
     parser.add_argument(
+        "--model",
+        help="model to report when the stream names none (engine outputs never do)",
+    )
+    parser.add_argument(
         "--vllm-output-kind",
         choices=("DELTA", "CUMULATIVE"),
         default="DELTA",
@@ -76,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         options=options,
         fallback_request_id=fallback_request_id(data),
         on_invalid=lambda number, exc: skipped.append(f"event {number}: {exc}"),
+        model=args.model,
     )
     for warning in skipped:
         print(f"streamtally fold: skipped {warning}", file=sys.stderr)

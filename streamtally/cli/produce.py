@@ -25,6 +25,8 @@ class ManifestEntry:
     source: Source
     request_id: str | None
     tenant: str
+    #: The model an engine served (engine outputs do not say), for pricing.
+    model: str | None = None
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,6 +47,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--source", type=Source, choices=list(Source), metavar="SOURCE")
     parser.add_argument("--tenant", default="default", help="tenant to bill (default: default)")
     parser.add_argument("--request-id", metavar="ID", help="request id (one FILE only)")
+    parser.add_argument(
+        "--model", help="model an engine served (engine outputs do not name it; for pricing)"
+    )
     parser.add_argument("--manifest", type=Path, metavar="FILE.jsonl")
     parser.add_argument("--bootstrap-servers", metavar="HOST:PORT", help="Kafka to use")
     parser.add_argument("files", nargs="*", type=Path, metavar="FILE")
@@ -68,6 +73,7 @@ def read_manifest(path: Path) -> list[ManifestEntry]:
                     source=Source(row["source"]),
                     request_id=row.get("request_id"),
                     tenant=row.get("tenant") or "default",
+                    model=row.get("model"),
                 )
             )
         except (ValueError, KeyError, TypeError) as exc:
@@ -84,7 +90,9 @@ def _entries(args: argparse.Namespace) -> list[ManifestEntry]:
         raise InputError("give --source SOURCE and at least one FILE (or --manifest FILE.jsonl)")
     if args.request_id and len(args.files) > 1:
         raise InputError("--request-id names one request: give exactly one FILE")
-    return [ManifestEntry(f, args.source, args.request_id, args.tenant) for f in args.files]
+    return [
+        ManifestEntry(f, args.source, args.request_id, args.tenant, args.model) for f in args.files
+    ]
 
 
 async def _produce(servers: str, entries: list[ManifestEntry]) -> int:
@@ -102,6 +110,7 @@ async def _produce(servers: str, entries: list[ManifestEntry]) -> int:
                 tenant=entry.tenant,
                 request_id=entry.request_id,
                 options=AdapterOptions(),
+                model=entry.model,
             )
             total += sent.events + 1
             print(

@@ -619,6 +619,7 @@ def test_generic_engine_codec_picks_the_payload_branch_by_source(
         "received_at": T0,
         "kind": "EVENT",
         "payload": line,
+        "model": "llama-3.1-70b",
     }
     data = avro.encode("RawEngineOutput", record)
     assert avro.decode("RawEngineOutput", data) == record
