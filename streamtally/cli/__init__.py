@@ -13,7 +13,19 @@ from streamtally.errors import StreamtallyError
 __all__ = ["main"]
 
 #: Command modules, in the order `--help` lists them.
-COMMANDS = ("fold", "produce", "worker", "tokens", "usage", "billing", "demo", "bench", "stack")
+COMMANDS = (
+    "fold",
+    "produce",
+    "worker",
+    "tokens",
+    "usage",
+    "billing",
+    "deadletter",
+    "rebuild",
+    "demo",
+    "bench",
+    "stack",
+)
 
 
 def build_parser() -> argparse.ArgumentParser:

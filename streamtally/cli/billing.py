@@ -3,7 +3,8 @@
 The end offset of each partition is taken once, at start; the export reads
 each partition from its beginning to that offset (committed records only:
 isolation level read_committed), so it always terminates and never waits for
-new events.  No consumer group is used and no offsets are committed.
+new events.  No consumer group is used and no offsets are committed
+(`streamtally.kafka.read_topic`).
 
 Events are decoded with `streamtally.avro.decode_billing_event`, replays
 (a second record with an `event_id` already seen) are dropped unless
@@ -16,25 +17,22 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
 import sys
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any
 
 from streamtally.avro import AvroDecodeError, decode_billing_event
-from streamtally.errors import StackError
+from streamtally.kafka import read_topic
 from streamtally.records import BillingEvent, scaled_cost
 from streamtally.stack.config import bootstrap_servers
 from topics import BILLING
 
 __all__ = ["Export", "add_parser", "event_json", "read_billing_events"]
-
-#: Give up when no partition has moved for this long while records remain before the end.
-STALL_TIMEOUT_S: Final = 30.0
 
 _EPILOG = """\
 output: one JSON object per line with --json (cost as an exact decimal string,
@@ -172,78 +170,30 @@ async def read_billing_events(
     servers: str, *, keep_replays: bool = False, topic: str = BILLING.name
 ) -> Export:
     """Every billing event of `topic` up to its end offsets at the time of the call."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-    from aiokafka.errors import KafkaConnectionError, KafkaError
-
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=servers,
-        group_id=None,
-        enable_auto_commit=False,
-        auto_offset_reset="earliest",
-        isolation_level="read_committed",
-        request_timeout_ms=15000,
-    )
-    try:
-        await consumer.start()
-    except KafkaConnectionError as exc:
-        await consumer.stop()
-        raise StackError(
-            f"cannot reach Kafka at {servers}: start the local stack with `streamtally stack up`, "
-            "or pass --bootstrap-servers / set KAFKA_BOOTSTRAP_SERVERS"
-        ) from exc
     export = Export()
-    try:
-        # `consumer.topics()` fetches this very metadata but returns only the names.
-        cluster = await consumer._client.fetch_all_metadata()
-        partitions = cluster.partitions_for_topic(topic)
-        if not partitions:
-            raise StackError(
-                f"topic {topic} does not exist on {servers}: nothing was billed there yet "
-                "(`streamtally worker` creates the topics), or it is the wrong Kafka"
-            )
-        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
-        consumer.assign(tps)
-        ends: dict[Any, int] = await consumer.end_offsets(tps)
-        begins: dict[Any, int] = await consumer.beginning_offsets(tps)
-        await consumer.seek_to_beginning(*tps)
-        remaining = {tp for tp in tps if ends[tp] > begins[tp]}
-        seen: set[str] = set()
-        positions = dict(begins)
-        last_progress = time.monotonic()
-        while remaining:
-            batches = await consumer.getmany(*remaining, timeout_ms=500)
-            for tp, records in batches.items():
-                for record in records:
-                    if record.offset >= ends[tp]:
-                        continue
-                    if record.value is None:
-                        export.bad.append((tp.partition, record.offset, "no value (tombstone)"))
-                        continue
-                    try:
-                        event = decode_billing_event(record.value)
-                    except AvroDecodeError as exc:
-                        export.bad.append((tp.partition, record.offset, str(exc)))
-                        continue
-                    if event.event_id in seen and not keep_replays:
-                        export.replays += 1
-                        continue
-                    seen.add(event.event_id)
-                    export.events.append(event)
-            for tp in list(remaining):
-                position = await consumer.position(tp)
-                if position != positions[tp]:
-                    positions[tp] = position
-                    last_progress = time.monotonic()
-                if position >= ends[tp]:
-                    remaining.discard(tp)
-            if remaining and time.monotonic() - last_progress > STALL_TIMEOUT_S:
-                stuck = ", ".join(f"{tp.partition}" for tp in sorted(remaining))
-                raise StackError(
-                    f"reading {topic} stalled for {STALL_TIMEOUT_S:.0f} s before its end "
-                    f"(partitions {stuck})"
-                )
-    except KafkaError as exc:
-        raise StackError(f"reading {topic} from Kafka at {servers} failed: {exc}") from exc
-    finally:
-        await consumer.stop()
+    seen: set[str] = set()
+    async with contextlib.aclosing(
+        read_topic(
+            servers,
+            topic,
+            missing_hint=(
+                "nothing was billed there yet (`streamtally worker` creates the topics), "
+                "or it is the wrong Kafka"
+            ),
+        )
+    ) as records:
+        async for record in records:
+            if record.value is None:
+                export.bad.append((record.partition, record.offset, "no value (tombstone)"))
+                continue
+            try:
+                event = decode_billing_event(record.value)
+            except AvroDecodeError as exc:
+                export.bad.append((record.partition, record.offset, str(exc)))
+                continue
+            if event.event_id in seen and not keep_replays:
+                export.replays += 1
+                continue
+            seen.add(event.event_id)
+            export.events.append(event)
     return export

@@ -1,0 +1,272 @@
+"""`streamtally deadletter`: what is on the dead-letter topic, counted by reason.
+
+The topic is read from its beginning to its current end (end offsets taken
+at start: `streamtally.kafka.read_topic`), so the command always terminates.
+Dead letters are deduplicated by the position of the record they hold
+(topic, partition, offset): after a crash the worker dead-letters the same
+record again, byte-identically, and that copy is not a second failure.  The
+first copy is kept and the copies are counted (``copies``).
+
+A record of the dead-letter topic that is not a dead letter is reported on
+stderr with its partition and offset, and the exit status is then 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import contextlib
+import json
+import logging
+import os
+import sys
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from streamtally.avro import AvroDecodeError, decode_dead_letter
+from streamtally.kafka import read_topic
+from streamtally.records import DeadLetter
+from streamtally.stack.config import bootstrap_servers
+from topics import DEADLETTER
+
+__all__ = [
+    "Letters",
+    "add_parser",
+    "format_report",
+    "letter_json",
+    "read_dead_letters",
+    "summary_json",
+]
+
+#: Entries the table shows when --limit is not given (--json: all of them).
+DEFAULT_LIMIT: Final = 10
+#: Characters of a reason the tables show.
+REASON_WIDTH: Final = 72
+
+_EPILOG = """\
+output: a count by (error type, reason), the total, and the last N dead letters
+        (topic:partition:offset of the original record, request id, source,
+        reason, time, value size); with --json one JSON object per dead letter
+        (key and value base64, every field), or with --json --summary one
+        summary object.
+exit status: 0 printed, 1 some records of the topic are not dead letters
+             (reported on stderr), 2 Kafka unreachable, topic missing or a
+             bad argument
+"""
+
+
+@dataclass(slots=True)
+class Letters:
+    """What `read_dead_letters` read."""
+
+    #: One per source position, in dead-letter topic order.
+    letters: list[DeadLetter] = field(default_factory=list)
+    #: Copies of each kept letter (1 = dead-lettered once), by source position.
+    copies: Counter[tuple[str, int, int]] = field(default_factory=Counter)
+    #: (partition, offset, reason) of every record that is not a dead letter.
+    bad: list[tuple[int, int, str]] = field(default_factory=list)
+
+    @property
+    def duplicates(self) -> int:
+        """Copies dropped: records of a source position already seen."""
+        return sum(self.copies.values()) - len(self.copies)
+
+
+def _position(letter: DeadLetter) -> tuple[str, int, int]:
+    return (letter.topic, letter.partition, letter.offset)
+
+
+async def read_dead_letters(servers: str, *, topic: str = DEADLETTER.name) -> Letters:
+    """Every dead letter of `topic` up to its current end, one per source position."""
+    out = Letters()
+    async with contextlib.aclosing(read_topic(servers, topic)) as records:
+        async for record in records:
+            if record.value is None:
+                out.bad.append((record.partition, record.offset, "no value (tombstone)"))
+                continue
+            try:
+                letter = decode_dead_letter(record.value)
+            except AvroDecodeError as exc:
+                out.bad.append((record.partition, record.offset, str(exc)))
+                continue
+            position = _position(letter)
+            if position not in out.copies:
+                out.letters.append(letter)
+            out.copies[position] += 1
+    return out
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "deadletter",
+        help="count and list the records on the dead-letter topic",
+        description=(
+            f"Read topic {DEADLETTER.name} from the beginning to its current end, drop "
+            "re-sent copies (same original topic, partition and offset) and print a count "
+            "by reason and the last dead letters."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object per dead letter")
+    parser.add_argument(
+        "--summary",
+        action="store_true",
+        help="only the counts (with --json: one summary object)",
+    )
+    parser.add_argument(
+        "--limit",
+        type=_non_negative,
+        metavar="N",
+        help=f"only the last N dead letters (default: {DEFAULT_LIMIT} in the table, all in JSON)",
+    )
+    parser.add_argument(
+        "--bootstrap-servers",
+        metavar="HOST:PORT[,...]",
+        help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
+    )
+    parser.set_defaults(func=run)
+
+
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 0")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    # aiokafka logs every failed connection attempt; the error raised says it in one line.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    servers: str = args.bootstrap_servers or bootstrap_servers()
+    result = asyncio.run(read_dead_letters(servers))
+    limit: int | None = args.limit
+    try:
+        if args.json and args.summary:
+            sys.stdout.write(json.dumps(summary_json(result), ensure_ascii=False) + "\n")
+        elif args.json:
+            shown = _last(result.letters, limit)
+            for letter in shown:
+                row = letter_json(letter, copies=result.copies[_position(letter)])
+                sys.stdout.write(json.dumps(row, ensure_ascii=False) + "\n")
+        else:
+            last = 0 if args.summary else (DEFAULT_LIMIT if limit is None else limit)
+            sys.stdout.write(format_report(result, last))
+        sys.stdout.flush()
+    except BrokenPipeError:  # `| head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    for partition, offset, reason in result.bad:
+        print(
+            f"streamtally deadletter: {DEADLETTER.name}[{partition}]@{offset} is not a dead "
+            f"letter: {reason}",
+            file=sys.stderr,
+        )
+    return 1 if result.bad else 0
+
+
+def _last(letters: Sequence[DeadLetter], limit: int | None) -> Sequence[DeadLetter]:
+    if limit is None:
+        return letters
+    return letters[len(letters) - limit :] if limit else []
+
+
+def _b64(data: bytes | None) -> str | None:
+    return None if data is None else base64.b64encode(data).decode("ascii")
+
+
+def letter_json(letter: DeadLetter, *, copies: int = 1) -> dict[str, Any]:
+    """A dead letter as a JSON object: key and value base64, time ISO-8601."""
+    return {
+        "topic": letter.topic,
+        "partition": letter.partition,
+        "offset": letter.offset,
+        "key": _b64(letter.key),
+        "value": _b64(letter.value),
+        "value_size": len(letter.value),
+        "reason": letter.reason,
+        "error_type": letter.error_type,
+        "source": letter.source,
+        "request_id": letter.request_id,
+        "dead_lettered_at": letter.dead_lettered_at.isoformat(),
+        "copies": copies,
+    }
+
+
+def _by_reason(letters: Sequence[DeadLetter]) -> list[tuple[int, str, str]]:
+    """(count, error_type, reason), most frequent first."""
+    counts = Counter((letter.error_type, letter.reason) for letter in letters)
+    return sorted(
+        ((n, error_type, reason) for (error_type, reason), n in counts.items()),
+        key=lambda row: (-row[0], row[1], row[2]),
+    )
+
+
+def summary_json(result: Letters) -> dict[str, Any]:
+    """The counts as one JSON object."""
+    return {
+        "topic": DEADLETTER.name,
+        "total": len(result.letters),
+        "duplicates_dropped": result.duplicates,
+        "not_dead_letters": len(result.bad),
+        "by_reason": [
+            {"count": n, "error_type": error_type, "reason": reason}
+            for n, error_type, reason in _by_reason(result.letters)
+        ],
+    }
+
+
+def _cut(text: str, width: int = REASON_WIDTH) -> str:
+    text = " ".join(text.split())  # one line
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
+    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
+
+    def line(cells: Sequence[str]) -> str:
+        return (
+            "  ".join(
+                c.rjust(w) if i in right else c.ljust(w)
+                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
+            ).rstrip()
+            + "\n"
+        )
+
+    return line(headers) + "".join(line(row) for row in rows)
+
+
+def format_report(result: Letters, last: int) -> str:
+    """The count by reason, the total, and the `last` most recent dead letters."""
+    total = len(result.letters)
+    out = ""
+    if total:
+        counts = [(str(n), t, _cut(r)) for n, t, r in _by_reason(result.letters)]
+        out += _table(("COUNT", "ERROR_TYPE", "REASON"), counts, right={0})
+    out += f"{total} dead letter{'s' if total != 1 else ''} on {DEADLETTER.name}"
+    if result.duplicates:
+        out += f" ({result.duplicates} re-sent cop{'ies' if result.duplicates != 1 else 'y'})"
+    out += "\n"
+    shown = _last(result.letters, last)
+    if shown:
+        rows = [
+            (
+                f"{letter.topic}:{letter.partition}:{letter.offset}",
+                letter.request_id or "-",
+                letter.source or "-",
+                _cut(letter.reason, 48),
+                letter.dead_lettered_at.isoformat(timespec="seconds"),
+                str(len(letter.value)),
+            )
+            for letter in shown
+        ]
+        out += f"\nlast {len(shown)}:\n"
+        out += _table(
+            ("POSITION", "REQUEST_ID", "SOURCE", "REASON", "TIME", "SIZE"), rows, right={5}
+        )
+    return out

@@ -1,0 +1,188 @@
+"""`streamtally rebuild`: rebuild lost Redis state from the Tokens and billing topics.
+
+The logic (join, read, apply) is `streamtally.rebuild`, whose docstring says
+what is rebuilt and what is not.  This command checks Redis first: when it
+already holds Tokens it refuses unless ``--yes`` (the requests there would be
+left untouched, so going on is safe; the check is against pointing the
+command at the wrong Redis).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import sys
+from collections import Counter
+from typing import Any, Final
+
+from streamtally import rebuild
+from streamtally.cli.tokens import add_redis_url, run_redis
+from streamtally.stack.config import bootstrap_servers, redis_url
+from topics import BILLING, TOKENS
+
+__all__ = ["add_parser"]
+
+#: Skipped requests the text summary lists one by one (--json lists all).
+SHOWN_SKIPPED: Final = 20
+
+_EPILOG = f"""\
+rebuilt: st:tokens:*, the usage rows and st:stats requests, exactly as the
+         worker writes them; closing markers (st:closed) are set to
+         "{rebuild.CLOSED_MARKER}".
+not restored: the raw-record counts (st:stats records, duplicates,
+         dead_lettered, st:deadletter:seen): the topics do not hold them.
+requests whose Tokens are already in Redis are left untouched, so running
+it again, or next to a running worker, is safe.
+exit status: 0 rebuilt (skipped requests are listed), 1 refused (Redis holds
+             Tokens and no --yes), 2 Kafka or Redis unreachable, a topic
+             missing or a bad argument
+"""
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "rebuild",
+        help="rebuild Redis (Tokens, usage rows) from the Tokens and billing topics",
+        description=(
+            f"Read {TOKENS.name} (latest Tokens per request) and {BILLING.name} (tenant, "
+            "event time, cost), join them by request id and write every request that Redis "
+            "lacks through the worker's idempotent sink."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--yes", action="store_true", help="go on even when Redis already holds Tokens"
+    )
+    parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
+    parser.add_argument(
+        "--batch-size",
+        type=_positive,
+        default=rebuild.BATCH_SIZE,
+        metavar="N",
+        help=f"requests per Redis flush (default: {rebuild.BATCH_SIZE})",
+    )
+    parser.add_argument(
+        "--progress-every",
+        type=_positive,
+        default=1000,
+        metavar="N",
+        help="report progress on stderr every N requests (default: 1000)",
+    )
+    parser.add_argument(
+        "--bootstrap-servers",
+        metavar="HOST:PORT[,...]",
+        help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
+    )
+    add_redis_url(parser)
+    parser.set_defaults(func=run)
+
+
+def _say(text: str) -> None:
+    print(f"streamtally rebuild: {text}", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    # aiokafka logs every failed connection attempt; the error raised says it in one line.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    servers: str = args.bootstrap_servers or bootstrap_servers()
+    url: str = args.redis_url or redis_url()
+    present = run_redis(url, rebuild.count_tokens)
+    if present and not args.yes:
+        _say(
+            f"Redis at {url} already holds the Tokens of {present} "
+            f"request{'s' if present != 1 else ''}; the rebuild would leave them untouched "
+            "and add only what is missing: pass --yes to go on"
+        )
+        return 1
+    inputs = asyncio.run(rebuild.read_inputs(servers))
+    plan = rebuild.join(inputs.tokens, inputs.billing)
+    _say(
+        f"read {len(inputs.tokens)} Tokens records from {TOKENS.name} and "
+        f"{len(inputs.billing)} billing events from {BILLING.name}: "
+        f"{len(plan.requests)} requests to write"
+    )
+
+    def progress(done: rebuild.Applied, total: int) -> None:
+        _say(
+            f"{done.done}/{total} requests ({done.applied} applied, {done.present} already present)"
+        )
+
+    batch_size: int = args.batch_size
+    every: int = args.progress_every
+    result = run_redis(
+        url,
+        lambda client: rebuild.apply(
+            client, plan.requests, batch_size=batch_size, progress=progress, progress_every=every
+        ),
+    )
+    skipped = inputs.bad + plan.skipped + result.refused
+    if args.json:
+        sys.stdout.write(json.dumps(_summary_json(inputs, plan, result, skipped)) + "\n")
+    else:
+        sys.stdout.write(_summary_text(plan, result, skipped))
+    return 0
+
+
+def _summary_json(
+    inputs: rebuild.Inputs,
+    plan: rebuild.Plan,
+    result: rebuild.Applied,
+    skipped: list[rebuild.Skipped],
+) -> dict[str, Any]:
+    return {
+        "tokens_records": len(inputs.tokens),
+        "billing_events": len(inputs.billing),
+        "tokens_superseded": plan.tokens_superseded,
+        "billing_replays": plan.billing_replays,
+        "applied": result.applied,
+        "already_present": result.present,
+        "skipped": [
+            {"request_id": s.request_id, "reason": s.reason.value, "detail": s.detail}
+            for s in skipped
+        ],
+        "closed_marker": rebuild.CLOSED_MARKER,
+        "not_restored": ["st:stats records", "st:stats duplicates", "st:stats dead_lettered"],
+    }
+
+
+def _summary_text(
+    plan: rebuild.Plan, result: rebuild.Applied, skipped: list[rebuild.Skipped]
+) -> str:
+    out = (
+        f"rebuilt from {TOKENS.name} and {BILLING.name}: {result.applied} applied, "
+        f"{result.present} already present, {len(skipped)} skipped"
+    )
+    drops = []
+    if plan.tokens_superseded:
+        drops.append(f"{plan.tokens_superseded} superseded Tokens records")
+    if plan.billing_replays:
+        drops.append(f"{plan.billing_replays} replayed billing events")
+    if drops:
+        out += f" ({', '.join(drops)} ignored)"
+    out += "\n"
+    if skipped:
+        for reason, n in Counter(s.reason for s in skipped).most_common():
+            out += f"  {n:>6}  {reason.value}\n"
+        for s in skipped[:SHOWN_SKIPPED]:
+            detail = f": {s.detail}" if s.detail else ""
+            out += f"  skipped {s.request_id or '?'}: {s.reason.value}{detail}\n"
+        if len(skipped) > SHOWN_SKIPPED:
+            out += f"  ... and {len(skipped) - SHOWN_SKIPPED} more (--json lists all)\n"
+    out += (
+        "not restored: raw-record counts (st:stats records, duplicates, dead_lettered); "
+        f'closing markers set to "{rebuild.CLOSED_MARKER}"\n'
+    )
+    return out
