@@ -128,7 +128,7 @@ class Outputs:
 class Counters:
     """Raw records of this process by outcome.
 
-    `received == applied + duplicates + dead_lettered + replayed + waiting`,
+    `received == applied + duplicates + dead_lettered + replayed + revoked + waiting`,
     where `waiting` are records held for a missing sequence number.
     """
 
@@ -137,8 +137,20 @@ class Counters:
     duplicates: int = 0
     dead_lettered: int = 0
     replayed: int = 0
+    #: Waiting records forgotten when their partition went to another worker.
+    revoked: int = 0
     requests_completed: int = 0
     requests_timed_out: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class _Raw:
+    """A decoded raw record with where it came from and its original bytes."""
+
+    record: RawRecord
+    position: Position
+    key: bytes | None
+    value: bytes
 
 
 @dataclass(slots=True)
@@ -150,12 +162,13 @@ class _Open:
     next_seq: int
     last_time: datetime
     last_seen: float
-    last_offset: int
+    #: The highest offset of any record of this request seen so far: where it closes.
+    max_offset: int
     topic_partition: tuple[str, int]
     records: int = 0
     duplicates: int = 0
-    #: Records that arrived ahead of a missing sequence number, by seq.
-    waiting: dict[int, tuple[RawRecord, Position]] = field(default_factory=dict)
+    #: Records that arrived ahead of a missing sequence number, by seq, with their bytes.
+    waiting: dict[int, _Raw] = field(default_factory=dict)
     #: Set when an earlier run decided to close this request here.
     close_at: Closed | None = None
 
@@ -242,28 +255,9 @@ class RequestProcessor:
         deadline = self._clock() - self.timeout
         for request_id in [r for r, s in self._open.items() if s.last_seen < deadline]:
             state = self._open[request_id]
-            if state.waiting:
-                # The gap is recorded: apply what came after it, in order.
-                reason = CloseReason.GAP
-                first_missing = state.next_seq
-                for seq in sorted(state.waiting):
-                    record, position = state.waiting.pop(seq)
-                    state.next_seq = seq
-                    out.extend(self._apply(request_id, state, record, position, record.kind))
-                    if request_id not in self._open:
-                        break
-                message = (
-                    f"raw events missing from seq {first_missing}: closed after "
-                    f"{self.timeout:g}s without them"
-                )
-            else:
-                reason = CloseReason.TIMEOUT
-                message = f"request timed out: no end-of-stream marker within {self.timeout:g}s"
-            if request_id in self._open:
-                del self._open[request_id]
-                closed = Closed(state.last_offset, reason, applied=False)
-                out.extend(self._close(request_id, state, state.last_time, message, closed))
-                self.counters.requests_timed_out += 1
+            reason = CloseReason.GAP if state.waiting else CloseReason.TIMEOUT
+            out.extend(self._finish(request_id, state, reason))
+            self.counters.requests_timed_out += 1
         return out
 
     def drop_partitions(self, topic_partitions: set[tuple[str, int]]) -> list[str]:
@@ -274,7 +268,7 @@ class RequestProcessor:
         """
         dropped = [r for r, s in self._open.items() if s.topic_partition in topic_partitions]
         for request_id in dropped:
-            del self._open[request_id]
+            self.counters.revoked += len(self._open.pop(request_id).waiting)
         return dropped
 
     # -- internals ----------------------------------------------------------------------
@@ -310,7 +304,7 @@ class RequestProcessor:
                 next_seq=0,
                 last_time=record.received_at,
                 last_seen=self._clock(),
-                last_offset=position.offset,
+                max_offset=position.offset,
                 topic_partition=(position.topic, position.partition),
                 close_at=self._pending_close.pop(request_id, None),
             )
@@ -321,79 +315,83 @@ class RequestProcessor:
             )
             return self._dead(mixed, key, value, position, source=source, request_id=request_id)
         state.last_seen = self._clock()
+        state.max_offset = max(state.max_offset, position.offset)
+        out = Outputs()
         if record.seq < state.next_seq or record.seq in state.waiting:
             self.counters.duplicates += 1
             state.duplicates += 1
-            return Outputs()
-        if record.seq > state.next_seq:
-            state.waiting[record.seq] = (record, position)  # wait for the missing ones
-            return Outputs()
-        out = self._apply(request_id, state, record, position, record.kind, key=key, value=value)
-        while request_id in self._open and state.next_seq in state.waiting:
-            record, position = state.waiting.pop(state.next_seq)
-            out.extend(self._apply(request_id, state, record, position, record.kind))
+        elif record.seq > state.next_seq:
+            state.waiting[record.seq] = _Raw(record, position, key, value)  # wait for the gap
+        else:
+            out.extend(self._apply(request_id, state, _Raw(record, position, key, value)))
+            while request_id in self._open and state.next_seq in state.waiting:
+                out.extend(self._apply(request_id, state, state.waiting.pop(state.next_seq)))
+        planned = state.close_at
+        if request_id in self._open and planned is not None and position.offset >= planned.offset:
+            # An earlier run closed this request here: close it the same way again.
+            out.extend(self._finish(request_id, state, planned.reason))
         return out
 
-    def _apply(
-        self,
-        request_id: str,
-        state: _Open,
-        record: RawRecord,
-        position: Position,
-        kind: EventKind,
-        *,
-        key: bytes | None = None,
-        value: bytes | None = None,
-    ) -> Outputs:
+    def _apply(self, request_id: str, state: _Open, raw: _Raw, *, closing: bool = False) -> Outputs:
+        """Apply the next record of a request; an END closes it unless it is `closing` already."""
+        record, position = raw.record, raw.position
         state.next_seq = record.seq + 1
         state.last_time = record.received_at
-        state.last_offset = position.offset
         out = Outputs()
-        if kind is EventKind.END:
+        if record.kind is EventKind.END:
             state.records += 1
             self.counters.applied += 1
-        else:
-            event: Any = (
-                SseEvent(record.data, record.event, record.sse_id)
-                if isinstance(record, RawSseEvent)
-                else record.payload
+            if not closing:
+                out.extend(self._finish(request_id, state, CloseReason.END))
+            return out
+        event: Any = (
+            SseEvent(record.data, record.event, record.sse_id)
+            if isinstance(record, RawSseEvent)
+            else record.payload
+        )
+        try:
+            chunks = state.normalizer.feed(event, record.received_at)
+        except InputError as exc:
+            return self._dead(
+                exc, raw.key, raw.value, position, source=state.source, request_id=request_id
             )
-            try:
-                chunks = state.normalizer.feed(event, record.received_at)
-            except InputError as exc:
-                raw = value if value is not None else _encode_again(record)
-                out.extend(
-                    self._dead(
-                        exc,
-                        key or request_id.encode(),
-                        raw,
-                        position,
-                        source=state.source,
-                        request_id=request_id,
-                    )
+        state.records += 1
+        self.counters.applied += 1
+        for chunk in chunks:
+            state.fold.add(chunk)
+        out.chunks.extend(chunks)
+        return out
+
+    def _finish(self, request_id: str, state: _Open, reason: CloseReason) -> Outputs:
+        """Close a request: at its END, by timeout, or over a gap (see `CloseReason`)."""
+        del self._open[request_id]
+        out = Outputs()
+        message = NO_FINISH
+        if reason is CloseReason.GAP:
+            first_missing = state.next_seq
+            for seq in sorted(state.waiting):
+                out.extend(self._apply(request_id, state, state.waiting.pop(seq), closing=True))
+            state.fold.fail(
+                f"raw events missing from seq {first_missing}: closed after "
+                f"{self.timeout:g}s without them"
+            )
+        elif reason is CloseReason.TIMEOUT:
+            message = f"request timed out: no end-of-stream marker within {self.timeout:g}s"
+        for seq in sorted(state.waiting):  # after the END marker: too late to belong
+            waiting = state.waiting.pop(seq)
+            late = InputError(f"event seq {seq} of request {request_id!r} after its end marker")
+            out.extend(
+                self._dead(
+                    late,
+                    waiting.key,
+                    waiting.value,
+                    waiting.position,
+                    source=state.source,
+                    request_id=request_id,
                 )
-                chunks = []
-            else:
-                state.records += 1
-                self.counters.applied += 1
-            for chunk in chunks:
-                state.fold.add(chunk)
-            out.chunks.extend(chunks)
-        planned = state.close_at
-        if planned is not None and position.offset >= planned.offset:
-            del self._open[request_id]
-            message = {
-                CloseReason.END: NO_FINISH,
-                CloseReason.TIMEOUT: (
-                    f"request timed out: no end-of-stream marker within {self.timeout:g}s"
-                ),
-                CloseReason.GAP: "raw events missing: closed without them",
-            }[planned.reason]
-            out.extend(self._close(request_id, state, record.received_at, message, planned))
-        elif kind is EventKind.END:
-            del self._open[request_id]
-            closed = Closed(position.offset, CloseReason.END, applied=False)
-            out.extend(self._close(request_id, state, record.received_at, NO_FINISH, closed))
+            )
+        closed = Closed(state.max_offset, reason, applied=False)
+        out.extend(self._close(request_id, state, state.last_time, message, closed))
         return out
 
     def _close(
@@ -450,9 +448,3 @@ class RequestProcessor:
 
 def _oversized(value: bytes) -> InputError:
     return InputError(f"record of {len(value)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")
-
-
-def _encode_again(record: RawRecord) -> bytes:
-    if isinstance(record, RawSseEvent):
-        return avro.encode_raw_sse_event(record)
-    return avro.encode_raw_engine_output(record)

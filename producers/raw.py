@@ -15,9 +15,14 @@ from aiokafka.errors import KafkaConnectionError
 
 from streamtally import avro
 from streamtally.adapters.base import AdapterOptions
-from streamtally.errors import StackError
+from streamtally.errors import InvalidEvent, StackError
 from streamtally.models import Source, utc_now
-from streamtally.normalize import discover_request_id, fallback_request_id, read_events
+from streamtally.normalize import (
+    discover_request_id,
+    fallback_request_id,
+    make_adapter,
+    read_events,
+)
 from streamtally.records import RawEngineOutput, RawSseEvent
 from streamtally.sse import SseEvent
 from topics import RAW_ENGINE, RAW_SSE, encode_key
@@ -46,8 +51,27 @@ def raw_records(
 ) -> tuple[str, list[bytes]]:
     """The request id and the encoded raw records (events, then END) of one transcript."""
     events = list(read_events(source, io.BytesIO(data)))
+    if not source.is_sse:
+        _check_engine_lines(source, events, options)
     rid = request_id or discover_request_id(source, events, options) or fallback_request_id(data)
     return rid, list(_encode(source, events, rid, tenant=tenant, clock=clock, model=model))
+
+
+def _check_engine_lines(source: Source, events: list[Any], options: AdapterOptions | None) -> None:
+    """Refuse a file with a line that is not a valid output of its engine.
+
+    Engine outputs travel as structured Avro records, which would quietly give
+    a foreign line the shape of a valid one (missing fields take their
+    defaults); so such a file is refused here, before anything is sent.
+    """
+    adapter = make_adapter(source, options)
+    for number, event in enumerate(events, start=1):
+        try:
+            adapter.feed(event)
+        except InvalidEvent as exc:
+            raise InvalidEvent(
+                f"line {number} is not a valid {source.value} output ({exc}); nothing was sent"
+            ) from exc
 
 
 def _encode(

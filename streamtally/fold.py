@@ -117,6 +117,15 @@ class Fold:
             choice.finish_raw = chunk.finish_reason_raw
             choice.rank = PRECEDENCE[finish]
 
+    def fail(self, message: str) -> None:
+        """A request-level failure (raw events missing): every choice finishes `error`."""
+        if self.error is None:
+            self.error = message
+        for choice in self._choices.values():
+            if PRECEDENCE[FinishReason.ERROR] > choice.rank:
+                choice.finish, choice.finish_raw = FinishReason.ERROR, None
+                choice.rank = PRECEDENCE[FinishReason.ERROR]
+
     @property
     def finished(self) -> bool:
         """True once every choice seen so far has a finish signal."""

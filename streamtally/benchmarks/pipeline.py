@@ -104,6 +104,8 @@ _ENGINES: Final = (Source.DYNAMO, Source.VLLM, Source.ATOMR)
 #: Give up waiting when no request completed for this long.
 _STALL_SECONDS: Final = 90.0
 _PACE_SLICE: Final = 0.005
+#: Width of the latency phase's time windows in the report.
+WINDOW_SECONDS: Final = 5.0
 
 Progress = Callable[[str], None]
 
@@ -213,6 +215,8 @@ class Latency:
     min_ms: float | None
     mean_ms: float | None
     worker_cpu_seconds: float
+    #: Per window of `WINDOW_SECONDS` (by END ack time): start second, requests, p50, max (ms).
+    windows: list[tuple[float, int, float, float]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -844,7 +848,7 @@ async def _throughput(
     if billing != billed:
         ctx.notes.append(
             f"throughput: {billing - billed} duplicate billing records (same request id) for "
-            f"{billed} requests, without any crash or rebalance"
+            f"{billed} requests, from one worker process that ran throughout"
         )
     result = Throughput(
         requests=len(requests),
@@ -931,9 +935,19 @@ async def _latency(ctx: _Context, requests: list[BenchRequest]) -> Latency:
     await ctx.watcher.wait(ctx.worker, ctx.progress, "latency", len(ids))
     cpu = ctx.worker.cpu_seconds() - cpu_before
     seconds = last_send - start
-    latencies = sorted(
-        (ctx.watcher.seen[r] - acked[r]) * 1000 for r in ids if r in ctx.watcher.seen and r in acked
-    )
+    measured = [
+        (acked[r] - start, (ctx.watcher.seen[r] - acked[r]) * 1000)
+        for r in ids
+        if r in ctx.watcher.seen and r in acked
+    ]
+    latencies = sorted(ms for _, ms in measured)
+    by_window: dict[int, list[float]] = {}
+    for at, ms in measured:
+        by_window.setdefault(int(at // WINDOW_SECONDS), []).append(ms)
+    windows = [
+        (k * WINDOW_SECONDS, len(v), round(_percentile(sorted(v), 50), 1), round(max(v), 1))
+        for k, v in sorted(by_window.items())
+    ]
     if len(latencies) != len(ids):
         ctx.notes.append(f"latency: {len(ids) - len(latencies)} requests have no latency figure")
 
@@ -954,6 +968,7 @@ async def _latency(ctx: _Context, requests: list[BenchRequest]) -> Latency:
         min_ms=round(latencies[0], 2) if latencies else None,
         mean_ms=round(sum(latencies) / len(latencies), 2) if latencies else None,
         worker_cpu_seconds=cpu,
+        windows=windows,
     )
 
 
@@ -1166,6 +1181,8 @@ def format_report(report: PipelineReport) -> str:
         f"over {lat.produce_seconds:.1f} s (target {lat.target_rate:,.0f}/s); "
         f"min {_ms(lat.min_ms)}, mean {_ms(lat.mean_ms)}; worker CPU "
         f"{lat.worker_cpu_seconds:.1f} s",
+        "latency p50/max by 5 s window of END acks: "
+        + ", ".join(f"{at:g}s {p50:,.0f}/{top:,.0f} ms" for at, _, p50, top in lat.windows),
         f"memory: peak {mem.peak_rss_mib:,.1f} MiB (sampled max {mem.sampled_peak_rss_mib:,.1f}, "
         f"idle after warm-up {mem.idle_rss_mib:,.1f}, {mem.samples} samples)",
         f"worker log: {report.worker_log}",
