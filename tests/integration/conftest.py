@@ -1,38 +1,107 @@
-"""Shared fixtures of the integration tests: where the stack's Redis and Kafka are.
+"""Shared fixtures of the integration tests: which Kafka and Redis, and a running worker.
 
-Both come from the environment / stack config (`streamtally.stack.config`):
-``REDIS_URL`` and ``KAFKA_BOOTSTRAP_SERVERS`` when set, else the local stack
-that `streamtally stack up` runs.  `redis_client` skips the test when Redis
-does not answer (fails instead on CI, where the stack must be up).
+`stack_endpoints` (session) picks the stack once (`tests.integration.worker.choose_stack_mode`):
 
-Tests share that Redis with whoever else uses it: write only keys of your own
-(unique request ids and tenants) and delete them afterwards; never FLUSHDB.
+1. ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` set: that existing cluster;
+2. else, when a Docker engine answers: a Kafka (``apache/kafka``, KRaft) and a
+   Redis container for the session, their addresses exported in those two
+   variables so that every streamtally subprocess uses them too;
+3. else the local stack: ``streamtally stack up`` (idempotent, left running).
+
+`redis_url` and `bootstrap_servers` are its addresses.  Every test marked
+``integration`` gets the stack selected before it runs.  When the local stack
+cannot start, the test is skipped (fails instead on CI).  `redis_client` skips
+the test when Redis does not answer (fails instead on CI).
+
+`worker` (module) is a ``streamtally worker`` subprocess that has joined its
+consumer group and put a probe request through; `start_worker` starts more
+(each test stops its own).  On teardown a worker gets SIGTERM and must exit 0
+within 30 s; failures show the end of its log.
+
+Tests share the stack with whoever else uses it: write only keys of your own
+(unique request ids and tenants, uuid4 hex) and delete them afterwards; never
+FLUSHDB, never delete topics.  Requests that went through a worker are the
+exception: delete their tenants' usage rows (`forget_usage`) but keep their
+Tokens keys, the idempotency markers that make a replay of their records a no-op.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import AsyncIterator
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from streamtally.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, StackConfig
 from streamtally.stack.config import bootstrap_servers as _bootstrap_servers
 from streamtally.stack.config import redis_url as _redis_url
+from tests.integration.worker import (
+    Endpoints,
+    StackMode,
+    WorkerProcess,
+    assert_stopped_cleanly,
+    choose_stack_mode,
+    docker_answers,
+    forget_usage,
+    local_stack_up,
+    start_containers,
+)
+
+#: Seconds a new worker may take to join its group and put the probe through.
+WORKER_READY_TIMEOUT_S = 60.0
+
+
+def _unavailable(message: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(message)
+    pytest.skip(message)
 
 
 @pytest.fixture(scope="session")
-def redis_url() -> str:
-    """``$REDIS_URL``, else the local stack's Redis URL."""
-    return _redis_url()
+def stack_endpoints() -> Iterator[Endpoints]:
+    """The Kafka and Redis of this session (see the module docstring)."""
+    mode = choose_stack_mode(os.environ, docker_answers)
+    if mode is StackMode.EXTERNAL:
+        yield Endpoints(mode, _bootstrap_servers(), _redis_url())
+    elif mode is StackMode.CONTAINERS:
+        with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as env:
+            endpoints = start_containers(stack)
+            env.setenv(ENV_BOOTSTRAP_SERVERS, endpoints.bootstrap_servers)
+            env.setenv(ENV_REDIS_URL, endpoints.redis_url)
+            yield endpoints
+    else:
+        up = local_stack_up()
+        if up.returncode != 0:
+            _unavailable(
+                f"`streamtally stack up` failed ({up.returncode}):\n{up.stdout}{up.stderr}"
+            )
+        cfg = StackConfig.from_env()
+        yield Endpoints(mode, cfg.local_bootstrap_servers(), cfg.local_redis_url())
+
+
+@pytest.fixture(autouse=True)
+def _integration_stack(request: pytest.FixtureRequest) -> None:
+    """Select (and start) the stack before any test marked ``integration``."""
+    if request.node.get_closest_marker("integration") is not None:
+        request.getfixturevalue("stack_endpoints")
 
 
 @pytest.fixture(scope="session")
-def bootstrap_servers() -> str:
-    """``$KAFKA_BOOTSTRAP_SERVERS``, else the local stack's broker."""
-    return _bootstrap_servers()
+def redis_url(stack_endpoints: Endpoints) -> str:
+    """The session's Redis URL (``$REDIS_URL``, a container's, or the local stack's)."""
+    return stack_endpoints.redis_url
+
+
+@pytest.fixture(scope="session")
+def bootstrap_servers(stack_endpoints: Endpoints) -> str:
+    """The session's Kafka (``$KAFKA_BOOTSTRAP_SERVERS``, a container's, or the local stack's)."""
+    return stack_endpoints.bootstrap_servers
 
 
 @pytest.fixture
@@ -51,3 +120,65 @@ async def redis_client(redis_url: str) -> AsyncIterator[aioredis.Redis]:
         yield client
     finally:
         await client.aclose()
+
+
+# --------------------------------------------------------------------------- workers
+
+
+class Workers:
+    """Starts workers that are ready (joined, probe through); forgets the probes' usage after."""
+
+    def __init__(self, endpoints: Endpoints, directory: Path) -> None:
+        self.endpoints = endpoints
+        self.directory = directory
+        self.started: list[WorkerProcess] = []
+        self.probe_tenants: list[str] = []
+
+    def start(self, name: str = "worker", *, ready: bool = True) -> WorkerProcess:
+        tag = uuid.uuid4().hex
+        log = self.directory / f"{name}-{tag[:8]}.log"
+        worker = WorkerProcess(log, self.endpoints.env()).start()
+        self.started.append(worker)
+        if ready:
+            self.probe_tenants.append(f"probe-{tag}")
+            worker.wait_ready(
+                self.endpoints, f"probe-{tag}", f"probe-{tag}", timeout=WORKER_READY_TIMEOUT_S
+            )
+        return worker
+
+    def close(self) -> None:
+        """Stop what still runs (a test that wanted a clean stop asserted it), forget probes.
+
+        SIGTERM first: a killed worker stays in the consumer group until its
+        session times out, which stalls the next worker's join.
+        """
+        for worker in self.started:
+            if worker.returncode is None:
+                worker.stop(timeout=30)  # kills it after 30 s
+        forget_usage(self.endpoints.redis_url, self.probe_tenants)
+
+
+@pytest.fixture(scope="module")
+def worker(
+    stack_endpoints: Endpoints, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """A ready ``streamtally worker`` for the module; must stop cleanly on SIGTERM after it."""
+    workers = Workers(stack_endpoints, tmp_path_factory.mktemp("worker"))
+    try:
+        running = workers.start("module-worker")
+        yield running
+        assert_stopped_cleanly(running)
+    finally:
+        workers.close()
+
+
+@pytest.fixture
+def start_worker(
+    stack_endpoints: Endpoints, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., WorkerProcess]]:
+    """``start_worker(name, ready=True)``: a new worker; the test stops it (killed after)."""
+    workers = Workers(stack_endpoints, tmp_path_factory.mktemp("workers"))
+    try:
+        yield workers.start
+    finally:
+        workers.close()

@@ -1,0 +1,400 @@
+"""Helpers of the integration tests: which stack to use, and a `streamtally worker` process.
+
+Stack selection (`choose_stack_mode`, used by the ``stack_endpoints`` fixture):
+
+1. ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` set: that existing cluster, nothing started;
+2. else a Docker engine answers: Kafka (``apache/kafka``, KRaft) and Redis containers;
+3. else the local stack, `streamtally stack up` (idempotent).
+
+`WorkerProcess` runs ``streamtally worker --loglevel info`` with its output in a
+log file, so a failure message can show what the worker said.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+import redis
+
+from processors.redis_keys import ROWS_KEY, tokens_key, usage_key
+from streamtally.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, repo_root
+
+REPO: Final = repo_root()
+SAMPLES: Final = REPO / "samples"
+KAFKA_IMAGE: Final = "apache/kafka:4.1.2"
+REDIS_IMAGE: Final = "redis:7.2"
+#: What faust logs (at info level) once the worker has its partitions and consumes.
+READY_LINE: Final = "[^Worker]: Ready"
+#: Quiet seconds after which the test worker closes a request without end marker.
+REQUEST_TIMEOUT_S: Final = 20
+#: A small transcript the readiness probe produces.
+PROBE_FILE: Final = SAMPLES / "openai" / "text_usage.sse"
+PROBE_SOURCE: Final = "openai"
+
+
+# --------------------------------------------------------------------------- stack selection
+
+
+class StackMode(enum.Enum):
+    EXTERNAL = "external"  # KAFKA_BOOTSTRAP_SERVERS / REDIS_URL point at a running cluster
+    CONTAINERS = "containers"  # testcontainers: Kafka + Redis in Docker, for this session
+    LOCAL = "local"  # `streamtally stack up`
+
+
+def choose_stack_mode(environ: Mapping[str, str], docker_answers: Callable[[], bool]) -> StackMode:
+    """Which stack the integration tests use; `docker_answers` is only asked when needed.
+
+    "Set" means set and not blank, as `streamtally.stack.config` reads them; one
+    of the two is enough (the other then defaults to the local stack's address,
+    like every streamtally command does).
+    """
+    if any(environ.get(name, "").strip() for name in (ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL)):
+        return StackMode.EXTERNAL
+    if docker_answers():
+        return StackMode.CONTAINERS
+    return StackMode.LOCAL
+
+
+def docker_answers(timeout: float = 5.0) -> bool:
+    """Whether a Docker engine answers: ``docker info``, else the Docker SDK's ping."""
+    if shutil.which("docker"):
+        try:
+            probe = subprocess.run(
+                ["docker", "info"], capture_output=True, timeout=timeout, check=False
+            )
+        except (subprocess.TimeoutExpired, OSError):
+            pass
+        else:
+            if probe.returncode == 0:
+                return True
+    try:
+        import docker  # what testcontainers uses; honours DOCKER_HOST
+        from docker.errors import DockerException
+        from requests.exceptions import RequestException
+    except ImportError:
+        return False
+    try:
+        return bool(docker.from_env(timeout=int(timeout)).ping())
+    except (DockerException, RequestException, OSError):
+        return False
+
+
+@dataclass(frozen=True, slots=True)
+class Endpoints:
+    mode: StackMode
+    bootstrap_servers: str
+    redis_url: str
+
+    def env(self) -> dict[str, str]:
+        """The variables that point a streamtally process at this stack."""
+        return {ENV_BOOTSTRAP_SERVERS: self.bootstrap_servers, ENV_REDIS_URL: self.redis_url}
+
+
+def start_containers(stack: contextlib.ExitStack) -> Endpoints:
+    """Kafka (KRaft) and Redis containers, stopped when `stack` closes."""
+    try:
+        from testcontainers.community.redis import RedisContainer
+    except ImportError:  # testcontainers < 4.14
+        from testcontainers.redis import RedisContainer
+    kafka = kafka_container(KAFKA_IMAGE)
+    kafka.start(timeout=120)
+    stack.callback(kafka.stop)
+    redis_container = RedisContainer(REDIS_IMAGE)
+    redis_container.start()
+    stack.callback(redis_container.stop)
+    host = redis_container.get_container_host_ip()
+    port = redis_container.get_exposed_port(redis_container.port)
+    return Endpoints(StackMode.CONTAINERS, kafka.get_bootstrap_server(), f"redis://{host}:{port}/0")
+
+
+#: Broker settings of docker-compose.yml that testcontainers does not set itself.
+_KAFKA_BROKER_ENV: Final = {
+    "KAFKA_AUTO_CREATE_TOPICS_ENABLE": "false",
+    "KAFKA_NUM_PARTITIONS": "1",
+    "KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR": "1",
+    "KAFKA_TRANSACTION_STATE_LOG_MIN_ISR": "1",
+    "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_REPLICATION_FACTOR": "1",
+    "KAFKA_SHARE_COORDINATOR_STATE_TOPIC_MIN_ISR": "1",
+}
+
+
+def kafka_container(image: str) -> Any:
+    """testcontainers' `KafkaContainer`, adapted to the ``apache/kafka`` image.
+
+    Its own KRaft support targets Confluent images: ``with_kraft()`` refuses a
+    tag below 7.0.0 ("4.1.2" included) and its start script runs
+    ``/etc/confluent/docker/*``, which ``apache/kafka`` does not have.  So:
+    its KRaft environment (node id, roles, controller listener and quorum),
+    the broker settings of docker-compose.yml, and the image's own launcher
+    ``/etc/kafka/docker/run`` once the advertised listener (the mapped port)
+    is known.
+    """
+    try:
+        from testcontainers.community.kafka import KafkaContainer
+    except ImportError:  # testcontainers < 4.14
+        from testcontainers.kafka import KafkaContainer
+
+    class ApacheKafkaContainer(KafkaContainer):
+        def configure(self) -> None:
+            self.kraft_enabled = True
+            self._configure_kraft()
+            self.env.pop("KAFKA_BROKER_ID", None)  # KRaft: node.id only
+            for name, value in _KAFKA_BROKER_ENV.items():
+                self.with_env(name, value)
+
+        def tc_start(self) -> None:
+            host = self.get_container_host_ip()
+            port = self.get_exposed_port(self.port)
+            listeners = f"{self.listener_name}://{host}:{port},BROKER://$(hostname):9092"
+            script = (
+                f"#!/bin/bash\nexport KAFKA_ADVERTISED_LISTENERS={listeners}\n"
+                "exec /etc/kafka/docker/run\n"
+            )
+            self.create_file(script.encode(), self.TC_START_SCRIPT)
+
+    return ApacheKafkaContainer(image)
+
+
+def local_stack_up(timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
+    """`streamtally stack up` (idempotent: fast when both services already run)."""
+    return subprocess.run(
+        streamtally("stack", "up"), capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+# --------------------------------------------------------------------------- commands
+
+
+def streamtally(*args: str) -> list[str]:
+    """The argv running ``streamtally ARGS`` with this interpreter."""
+    return [sys.executable, "-m", "streamtally.cli", *args]
+
+
+def run_streamtally(
+    *args: str, env: Mapping[str, str], timeout: float = 120.0
+) -> subprocess.CompletedProcess[bytes]:
+    """Run one streamtally command as a subprocess; its output is kept as bytes."""
+    return subprocess.run(
+        streamtally(*args),
+        capture_output=True,
+        env={**os.environ, **env},
+        timeout=timeout,
+        check=False,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class CliResult:
+    code: int
+    out: bytes
+    err: str
+
+
+def cli(*argv: str) -> CliResult:
+    """``streamtally ARGV`` in this process: exit status, stdout bytes, stderr text.
+
+    The command's own code (`streamtally.cli.main`), without the ~0.5 s of a
+    new interpreter; it runs its own event loop, so call it outside of one.
+    """
+    from streamtally.cli import main
+
+    out, err = io.BytesIO(), io.StringIO()
+    text = io.TextIOWrapper(out, encoding="utf-8", newline="")
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    text.flush()
+    data = out.getvalue()
+    text.detach()
+    return CliResult(code, data, err.getvalue())
+
+
+def write_manifest(path: Path, rows: Iterable[Mapping[str, Any]]) -> Path:
+    """A `streamtally produce --manifest` file (absolute file paths are kept as they are)."""
+    path.write_text("".join(json.dumps(dict(row)) + "\n" for row in rows))
+    return path
+
+
+def wait_for_tokens(
+    redis_url: str,
+    request_ids: Iterable[str],
+    timeout: float,
+    worker: WorkerProcess | None = None,
+) -> set[str]:
+    """Wait until every request's Tokens is in Redis; returns those still missing.
+
+    Stops early when `worker` has exited: nothing more will arrive.
+    """
+    waiting = set(request_ids)
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
+    deadline = time.monotonic() + timeout
+    try:
+        while waiting:
+            ordered = sorted(waiting)
+            with client.pipeline(transaction=False) as pipe:
+                for request_id in ordered:
+                    pipe.exists(tokens_key(request_id))
+                found = pipe.execute()
+            waiting -= {r for r, exists in zip(ordered, found, strict=True) if exists}
+            if not waiting or time.monotonic() > deadline:
+                break
+            if worker is not None and worker.returncode is not None:
+                break
+            time.sleep(0.25)
+    finally:
+        client.close()
+    return waiting
+
+
+# --------------------------------------------------------------------------- the worker
+
+
+class WorkerError(AssertionError):
+    """The worker did not do what a test needed; the message carries its log."""
+
+
+class WorkerProcess:
+    """``streamtally worker --loglevel info`` as a subprocess, its output in `log`."""
+
+    def __init__(self, log: Path, env: Mapping[str, str]) -> None:
+        self.log = log
+        self.env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "STREAMTALLY_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
+            **env,
+        }
+        self._proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    @property
+    def proc(self) -> subprocess.Popen[bytes]:
+        if self._proc is None:
+            raise RuntimeError("the worker was not started")
+        return self._proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self.proc.poll()
+
+    def start(self) -> WorkerProcess:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("ab") as out:
+            self._proc = subprocess.Popen(
+                streamtally("worker", "--loglevel", "info"),
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=self.env,
+                cwd=REPO,
+                start_new_session=True,  # a Ctrl-C of pytest is not the worker's SIGINT
+            )
+        return self
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def describe(self, lines: int = 60) -> str:
+        """The worker's state and the end of its log, for a failure message."""
+        text = self.log_text().splitlines()
+        state = "running" if self.returncode is None else f"exited with {self.returncode}"
+        errors = [line for line in text if "Traceback" in line or "[ERROR]" in line]
+        head = f"worker pid {self.pid} {state}; log {self.log}"
+        if errors:
+            head += f"\n{len(errors)} error lines, first: {errors[0]}"
+        tail = "\n".join(text[-lines:])
+        return f"{head}\n--- last {min(lines, len(text))} log lines ---\n{tail}"
+
+    def wait_for_log(self, needle: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while needle not in self.log_text():
+            if self.returncode is not None:
+                raise WorkerError(f"worker exited before logging {needle!r}\n{self.describe()}")
+            if time.monotonic() > deadline:
+                raise WorkerError(f"no {needle!r} in {timeout:g} s\n{self.describe()}")
+            time.sleep(0.1)
+
+    def wait_ready(self, endpoints: Endpoints, probe_id: str, tenant: str, timeout: float) -> None:
+        """Wait until the worker has joined its group and a probe request went through."""
+        start = time.monotonic()
+        self.wait_for_log(READY_LINE, timeout)
+        sent = run_streamtally(
+            "produce", "--source", PROBE_SOURCE, "--tenant", tenant, "--request-id", probe_id,
+            str(PROBE_FILE), env=endpoints.env(), timeout=60,
+        )  # fmt: skip
+        if sent.returncode != 0:
+            raise WorkerError(f"probe produce failed: {sent.stderr.decode(errors='replace')}")
+        left = max(5.0, timeout - (time.monotonic() - start))
+        if wait_for_tokens(endpoints.redis_url, [probe_id], left, self):
+            raise WorkerError(f"probe {probe_id} never reached Redis\n{self.describe()}")
+
+    def stop(self, timeout: float = 30.0) -> tuple[int | None, float]:
+        """SIGTERM, then wait: (exit status, seconds); (None, timeout) if it had to be killed."""
+        proc = self.proc
+        start = time.monotonic()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=10)
+            return None, timeout
+        return code, time.monotonic() - start
+
+    def kill(self) -> None:
+        """Kill the worker if it still runs (cleanup after a failed test)."""
+        if self._proc is not None and self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(timeout=10)
+
+
+def assert_stopped_cleanly(worker: WorkerProcess, timeout: float = 30.0) -> float:
+    """SIGTERM the worker and assert it exits 0 within `timeout`; returns the seconds taken."""
+    code, took = worker.stop(timeout)
+    if code is None:
+        raise WorkerError(f"worker ignored SIGTERM for {timeout:g} s\n{worker.describe()}")
+    if code != 0:
+        raise WorkerError(f"worker exited {code} after SIGTERM, not 0\n{worker.describe()}")
+    return took
+
+
+# --------------------------------------------------------------------------- cleanup
+
+
+def forget_usage(redis_url: str, tenants: Iterable[str]) -> None:
+    """Delete the usage rows of `tenants` (only theirs) and their members of the row index.
+
+    The requests' Tokens keys and closing markers stay: they are the pipeline's
+    idempotency markers.  Without them a replay of the raw records (the worker
+    re-reads every record after its partition's oldest open request when it
+    restarts or rebalances) would write the requests and their usage again.
+    """
+    wanted = set(tenants)
+    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
+    try:
+        for member in client.smembers(ROWS_KEY):
+            day, tenant, model = json.loads(member)
+            if tenant in wanted:
+                client.delete(usage_key(day, tenant, model))
+                client.srem(ROWS_KEY, member)
+    finally:
+        client.close()
