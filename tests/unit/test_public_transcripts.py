@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from streamtally.models import Source
-from streamtally.normalize import fold_stream, read_events
 from tests.conftest import require_public_transcripts
+from tests.expected import assert_matches, fold_file
 
 EXPECTATIONS = Path(__file__).resolve().parent.parent / "expectations"
 
@@ -45,43 +45,5 @@ def test_every_public_transcript_has_an_expectation() -> None:
 )
 def test_public_transcript(folder: str, name: str, expected: dict[str, Any]) -> None:
     root = require_public_transcripts()
-    source = Source(expected["source"])
-    with (root / folder / name).open("rb") as stream:
-        tokens = fold_stream(source, read_events(source, stream), fallback_request_id="fallback")
-    got = tokens.to_json_dict()
-    if expected["request_id"] is None:
-        assert got["request_id"] == "fallback"
-    else:
-        assert got["request_id"] == expected["request_id"]
-    for key in (
-        "model",
-        "text",
-        "reasoning",
-        "tool_calls",
-        "usage",
-        "finish_reason",
-        "finish_reason_raw",
-    ):
-        assert got[key] == expected[key], key
-    if expected["error"] is None:
-        assert got["error"] is None
-    else:
-        assert expected["error"] in (got["error"] or "")
-    if "choices" in expected:
-        assert [
-            {
-                k: c[k]
-                for k in (
-                    "index",
-                    "text",
-                    "reasoning",
-                    "tool_calls",
-                    "finish_reason",
-                    "finish_reason_raw",
-                )
-            }
-            for c in got["choices"]
-        ] == expected["choices"]
-    else:
-        assert "choices" not in got
-    assert got["chunks"] > 0
+    got = fold_file(root / folder / name, Source(expected["source"]))
+    assert_matches(got, expected)
