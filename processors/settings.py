@@ -22,8 +22,8 @@ class WorkerSettings:
     request_timeout: float = 300.0
     #: Raw records taken per batch (one Redis round trip and one produce flush each).
     batch_size: int = 2000
-    #: Seconds to wait for a batch to fill.
-    batch_within: float = 0.005
+    #: Seconds to wait for a batch to fill (one Kafka flush and one Redis call per batch).
+    batch_within: float = 0.05
     #: Seconds without heartbeats before the group gives a dead worker's partitions away.
     session_timeout: float = 10.0
 

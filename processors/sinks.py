@@ -126,6 +126,9 @@ class Sinks:
     def __init__(self, *sinks: Sink, lookup: Any = _no_lookup) -> None:
         self._sinks = sinks
         self.lookup = lookup
+        # The agents (raw SSE, raw engine) and the timer share the sinks: one write
+        # at a time, or a flush would send another writer's half-added batch.
+        self._lock = asyncio.Lock()
 
     async def write(self, outputs: Outputs) -> None:
         """Make the outputs durable, retrying each step until it succeeds.
@@ -135,12 +138,13 @@ class Sinks:
         """
         if not outputs:
             return
-        for sink in self._sinks:
-            await retry(functools.partial(sink.begin, outputs), type(sink).__name__)
-        for sink in self._sinks:
-            sink.add(outputs)
-        for sink in self._sinks:
-            await retry(sink.flush, type(sink).__name__)
+        async with self._lock:
+            for sink in self._sinks:
+                await retry(functools.partial(sink.begin, outputs), type(sink).__name__)
+            for sink in self._sinks:
+                sink.add(outputs)
+            for sink in self._sinks:
+                await retry(sink.flush, type(sink).__name__)
 
 
 _TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)

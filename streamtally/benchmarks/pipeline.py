@@ -28,8 +28,15 @@ Readability in Redis is observed through keyspace notifications
 on `__keyspace@<db>__:st:tokens:bench-<run>-*`, timestamped with
 `time.perf_counter()` in this process, like the producer side.
 
+The worker runs in a namespace of its own (`STREAMTALLY_NAMESPACE`, default
+`streamtally-bench`: topics `streamtally-bench.*` with one-day retention, and
+consumer group `streamtally-bench`) on the same broker, so that no other worker
+(a demo, a test) joins its consumer group and takes partitions or replays its
+requests; set STREAMTALLY_NAMESPACE=streamtally to measure on the shared topics.
+
 The benchmark writes real records: Tokens keys, usage rows of tenant `bench`,
 chunks and billing events, and the scratch topic `streamtally.bench.passthrough`.
+Nothing is deleted.
 """
 
 from __future__ import annotations
