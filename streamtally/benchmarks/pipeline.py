@@ -293,7 +293,9 @@ class Names:
 
     @property
     def group(self) -> str:
-        return self.namespace
+        from processors.source import group_id
+
+        return group_id(self.namespace)
 
     def name(self, topic: Topic) -> str:
         return self.topics[topic.name].name

@@ -18,9 +18,11 @@ from processors.app import Pipeline, create_app
 from processors.requests import Outputs
 from processors.settings import WorkerSettings
 from processors.sinks import Sinks
+from processors.source import RawMessage
 from producers import raw_records
 from streamtally.models import Source
 from streamtally.normalize import fold_stream, read_events
+from topics import RAW_ENGINE, RAW_SSE
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
@@ -65,16 +67,34 @@ def pipeline(recording: RecordingSink) -> Pipeline:
     def make_sinks(app: faust.App) -> Sinks:
         return Sinks(recording)
 
-    return create_app(settings, make_sinks)
+    return create_app(settings, make_sinks, consume=False)
+
+
+_OFFSETS: dict[str, int] = {}
+
+
+def _batch(topic: str, key: bytes | None, values: list[bytes]) -> tuple[RawMessage, ...]:
+    """Raw messages as the consumer hands them to the agent, at the topic's next offsets."""
+    start = _OFFSETS.get(topic, 0)
+    _OFFSETS[topic] = start + len(values)
+    return tuple(
+        RawMessage(topic, 0, start + i, 1_790_000_000.0, key, value)
+        for i, value in enumerate(values)
+    )
+
+
+def _topic(source: Source) -> str:
+    return RAW_SSE.name if source.is_sse else RAW_ENGINE.name
 
 
 async def _put_transcript(agent: Any, source: Source, name: str, request_id: str) -> None:
     _, records = raw_records(
         source, (SAMPLES / name).read_bytes(), tenant="acme", request_id=request_id
     )
-    key = request_id.encode()
-    for record in records:
-        await agent.put(record, key=key)
+    # split in two batches, as a consumer may
+    half = len(records) // 2
+    for part in (records[:half], records[half:]):
+        await agent.put(_batch(_topic(source), request_id.encode(), part))
 
 
 def _fold(source: Source, name: str, request_id: str) -> dict[str, Any]:
@@ -96,7 +116,7 @@ def _fold(source: Source, name: str, request_id: str) -> dict[str, Any]:
 async def test_sse_agent_folds_a_request_like_the_fold_command(
     pipeline: Pipeline, recording: RecordingSink, source: Source, name: str
 ) -> None:
-    async with pipeline.agents["normalize-sse"].test_context() as agent:
+    async with pipeline.agents["process-raw"].test_context() as agent:
         await _put_transcript(agent, source, name, "req-1")
     out = recording.outputs
     assert len(out.completed) == 1
@@ -120,7 +140,7 @@ async def test_sse_agent_folds_a_request_like_the_fold_command(
 async def test_engine_agent_folds_a_request_like_the_fold_command(
     pipeline: Pipeline, recording: RecordingSink, source: Source, name: str
 ) -> None:
-    async with pipeline.agents["normalize-engine"].test_context() as agent:
+    async with pipeline.agents["process-raw"].test_context() as agent:
         await _put_transcript(agent, source, name, "eng-1")
     (done,) = recording.outputs.completed
     assert done.tokens.to_json_dict() == _fold(source, name, "eng-1")
@@ -129,8 +149,8 @@ async def test_engine_agent_folds_a_request_like_the_fold_command(
 async def test_undecodable_message_is_dead_lettered_and_counted(
     pipeline: Pipeline, recording: RecordingSink
 ) -> None:
-    async with pipeline.agents["normalize-sse"].test_context() as agent:
-        await agent.put(b"\x00not avro at all", key=b"bad-1")
+    async with pipeline.agents["process-raw"].test_context() as agent:
+        await agent.put(_batch(RAW_SSE.name, b"bad-1", [b"\x00not avro at all"]))
         await _put_transcript(agent, Source.OPENAI, "openai/text_usage.sse", "good-1")
     out = recording.outputs
     (letter,) = out.dead_letters
@@ -152,9 +172,9 @@ async def test_a_resent_record_is_applied_once(
         tenant="acme",
         request_id="dup-1",
     )
-    async with pipeline.agents["normalize-sse"].test_context() as agent:
-        for record in records[:3] + records[1:]:  # records 1 and 2 delivered twice
-            await agent.put(record, key=b"dup-1")
+    async with pipeline.agents["process-raw"].test_context() as agent:
+        # records 1 and 2 delivered twice
+        await agent.put(_batch(RAW_SSE.name, b"dup-1", records[:3] + records[1:]))
     (done,) = recording.outputs.completed
     assert done.tokens.to_json_dict() == _fold(Source.OPENAI, "openai/text_usage.sse", "dup-1")
     assert pipeline.processor.counters.duplicates == 2
@@ -175,10 +195,9 @@ async def test_event_after_the_end_marker_is_dead_lettered(
         tenant="t",
         request_id="late-1",
     )[1][0]
-    async with pipeline.agents["normalize-sse"].test_context() as agent:
-        for record in records:
-            await agent.put(record, key=b"late-1")
-        await agent.put(late, key=b"late-1")
+    async with pipeline.agents["process-raw"].test_context() as agent:
+        await agent.put(_batch(RAW_SSE.name, b"late-1", records))
+        await agent.put(_batch(RAW_SSE.name, b"late-1", [late]))
     out = recording.outputs
     assert len(out.completed) == 1
     (letter,) = out.dead_letters

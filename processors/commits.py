@@ -1,0 +1,72 @@
+"""Which offsets may be committed: a record counts as done only with all before it.
+
+Kafka keeps one committed offset per partition: everything below it is never
+read again.  So a raw record may be committed only when its request is closed
+and its outputs are durable, *and* every earlier record of its partition is
+too.  `CommitGate` holds every record (just its offset) in partition order and
+hands out, per partition, the offset up to which everything is done.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from collections.abc import Hashable, Iterable
+
+__all__ = ["CommitGate"]
+
+
+class _Held:
+    __slots__ = ("done", "offset")
+
+    def __init__(self, offset: int, done: bool) -> None:
+        self.offset = offset
+        self.done = done
+
+
+class CommitGate:
+    """Tracks held records per partition and what has become committable."""
+
+    def __init__(self) -> None:
+        self._queues: defaultdict[Hashable, deque[_Held]] = defaultdict(deque)
+        self._open: defaultdict[str, list[_Held]] = defaultdict(list)
+        self._ready: dict[Hashable, int] = {}
+
+    def __len__(self) -> int:
+        """Records held, done or not."""
+        return sum(len(q) for q in self._queues.values())
+
+    def hold(self, tp: Hashable, offset: int, request_id: str | None) -> None:
+        """Hold the record at `offset`; it is done now unless `request_id` is still open."""
+        held = _Held(offset, done=request_id is None)
+        self._queues[tp].append(held)
+        if request_id is not None:
+            self._open[request_id].append(held)
+
+    def finished(self, request_ids: Iterable[str]) -> None:
+        """These requests are closed and their outputs durable: their records are done."""
+        for request_id in request_ids:
+            for held in self._open.pop(request_id, ()):
+                held.done = True
+
+    def release(self) -> dict[Hashable, int]:
+        """Per partition, the offset to commit (all records below it done), when it moved."""
+        moved: dict[Hashable, int] = {}
+        for tp, queue in self._queues.items():
+            last = None
+            while queue and queue[0].done:
+                last = queue.popleft().offset
+            if last is not None:
+                moved[tp] = self._ready[tp] = last + 1
+        return moved
+
+    def committable(self) -> dict[Hashable, int]:
+        """Every partition's offset to commit, as of the last `release`."""
+        return dict(self._ready)
+
+    def drop(self, tps: Iterable[Hashable], request_ids: Iterable[str]) -> None:
+        """A rebalance took these partitions: forget their records (the next owner re-reads)."""
+        for tp in tps:
+            self._queues.pop(tp, None)
+            self._ready.pop(tp, None)
+        for request_id in request_ids:
+            self._open.pop(request_id, None)
