@@ -113,6 +113,7 @@ class Chunk(_Frozen):
     event_time: AwareDatetime
 
 
+_USAGE_FIELDS = frozenset(Usage.model_fields)
 _CHUNK_FIELDS = frozenset(Chunk.model_fields)
 _set = object.__setattr__
 
@@ -131,6 +132,32 @@ def trusted_chunk(**fields: Any) -> Chunk:
     _set(chunk, "__pydantic_extra__", None)
     _set(chunk, "__pydantic_private__", None)
     return chunk
+
+
+def trusted_usage(
+    input_tokens: int = 0,
+    output_tokens: int = 0,
+    reasoning_tokens: int = 0,
+    cached_tokens: int = 0,
+    cache_write_tokens: int = 0,
+) -> Usage:
+    """A `Usage` from counts the caller has already checked (non-negative ints)."""
+    usage = Usage.__new__(Usage)
+    _set(
+        usage,
+        "__dict__",
+        {
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "reasoning_tokens": reasoning_tokens,
+            "cached_tokens": cached_tokens,
+            "cache_write_tokens": cache_write_tokens,
+        },
+    )
+    _set(usage, "__pydantic_fields_set__", _USAGE_FIELDS)
+    _set(usage, "__pydantic_extra__", None)
+    _set(usage, "__pydantic_private__", None)
+    return usage
 
 
 class ToolCall(_Frozen):

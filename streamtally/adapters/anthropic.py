@@ -15,7 +15,7 @@ from streamtally.adapters.base import Adapter, Draft, as_str, parse_json_object
 from streamtally.adapters.finish import map_anthropic
 from streamtally.adapters.usage import RawUsage
 from streamtally.errors import InvalidEvent
-from streamtally.models import FinishReason, Source, ToolCallDelta, Usage
+from streamtally.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
 from streamtally.sse import STRAY, SseEvent
 
 __all__ = ["AnthropicAdapter"]
@@ -27,7 +27,7 @@ def _convert_usage(raw: Mapping[str, int]) -> Usage:
     uncached = raw.get("input_tokens", 0)
     read = raw.get("cache_read_input_tokens", 0)
     written = raw.get("cache_creation_input_tokens", 0)
-    return Usage(
+    return trusted_usage(
         input_tokens=uncached + read + written,
         output_tokens=raw.get("output_tokens", 0),
         reasoning_tokens=raw.get("thinking_tokens", 0),

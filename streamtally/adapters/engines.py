@@ -15,7 +15,7 @@ from streamtally.adapters.base import Adapter, Draft, ToolKeys, as_int, as_str
 from streamtally.adapters.finish import map_engine
 from streamtally.adapters.usage import RawUsage
 from streamtally.errors import InvalidEvent
-from streamtally.models import FinishReason, Source, ToolCallDelta, Usage
+from streamtally.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
 
 __all__ = ["AtomrAdapter", "DynamoAdapter", "VllmAdapter"]
 
@@ -61,7 +61,7 @@ def _finish(draft: Draft, raw: object) -> None:
 
 
 def _convert_completion_usage(raw: Mapping[str, int]) -> Usage:
-    return Usage(
+    return trusted_usage(
         input_tokens=raw.get("prompt", 0),
         output_tokens=raw.get("completion", 0),
         reasoning_tokens=raw.get("reasoning", 0),
@@ -110,7 +110,7 @@ class DynamoAdapter(Adapter):
 
 
 def _convert_request_output_usage(raw: Mapping[str, int]) -> Usage:
-    return Usage(
+    return trusted_usage(
         input_tokens=raw.get("input", 0),
         output_tokens=raw.get("output", 0),
         cached_tokens=raw.get("cached", 0),

@@ -19,7 +19,7 @@ from streamtally.adapters.base import Adapter, Draft, as_str, parse_json_object
 from streamtally.adapters.finish import map_gemini
 from streamtally.adapters.usage import RawUsage
 from streamtally.errors import InvalidEvent
-from streamtally.models import FinishReason, Source, ToolCallDelta, Usage
+from streamtally.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
 from streamtally.sse import SseEvent
 
 __all__ = ["GeminiAdapter"]
@@ -30,7 +30,7 @@ _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 def _convert_usage(raw: Mapping[str, int]) -> Usage:
     thoughts = raw.get("thoughtsTokenCount", 0)
-    return Usage(
+    return trusted_usage(
         input_tokens=raw.get("promptTokenCount", 0),
         output_tokens=raw.get("candidatesTokenCount", 0) + thoughts,
         reasoning_tokens=thoughts,

@@ -16,7 +16,7 @@ from streamtally.adapters.base import Adapter, Draft, ToolKeys, as_str, parse_js
 from streamtally.adapters.finish import map_openai
 from streamtally.adapters.usage import RawUsage
 from streamtally.errors import InvalidEvent
-from streamtally.models import FinishReason, Source, ToolCallDelta, Usage
+from streamtally.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
 from streamtally.sse import STRAY, SseEvent
 
 __all__ = ["OpenAIChatAdapter"]
@@ -32,7 +32,7 @@ def _convert_usage(raw: Mapping[str, int]) -> Usage:
     # Reasoning reported outside completion (xAI): the report's own total says so.
     if reasoning and raw.get("total") == prompt + completion + reasoning:
         output = completion + reasoning
-    return Usage(
+    return trusted_usage(
         input_tokens=prompt,
         output_tokens=output,
         reasoning_tokens=reasoning,

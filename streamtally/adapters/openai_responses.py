@@ -14,7 +14,7 @@ from streamtally.adapters.base import Adapter, Draft, as_str, parse_json_object
 from streamtally.adapters.finish import map_responses
 from streamtally.adapters.usage import RawUsage
 from streamtally.errors import InvalidEvent
-from streamtally.models import FinishReason, Source, ToolCallDelta, Usage
+from streamtally.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
 from streamtally.sse import STRAY, SseEvent
 
 __all__ = ["OpenAIResponsesAdapter"]
@@ -36,7 +36,7 @@ _TERMINAL = frozenset(
 
 
 def _convert_usage(raw: Mapping[str, int]) -> Usage:
-    return Usage(
+    return trusted_usage(
         input_tokens=raw.get("input", 0),
         output_tokens=raw.get("output", 0),
         reasoning_tokens=raw.get("reasoning", 0),
