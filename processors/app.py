@@ -174,6 +174,11 @@ def create_app(
             pipeline.source = None
             await source.stop()
 
+    async def close_sinks(_sender: Any, **_: Any) -> None:
+        if pipeline.sinks is not None:
+            await pipeline.sinks.close()
+
+    app.on_before_shutdown.connect(close_sinks)  # type: ignore[arg-type]
     if consume:
         app.task(consume_raw_topics)
     return pipeline

@@ -24,14 +24,16 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
+from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
 from processors.redis_keys import closed_markers
 from processors.redis_sink import RedisSink
 from processors.requests import Closed, Outputs
 from streamtally import avro
-from topics import BILLING, CHUNKS, DEADLETTER, TOKENS, encode_key
+from topics import ALL_TOPICS, BILLING, CHUNKS, DEADLETTER, TOKENS, encode_key
 
 __all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks", "retry"]
 
@@ -47,10 +49,26 @@ class Sink(Protocol):
 
 
 class KafkaSink:
-    """Chunks, completed Tokens, billing events and dead letters onto their topics."""
+    """Chunks, completed Tokens, billing events and dead letters onto their topics.
 
-    def __init__(self, producer: Any) -> None:
-        self._producer = producer
+    It sends whole record batches per partition (`create_batch` / `send_batch`)
+    with its own idempotent producer: one call per partition and flush instead of
+    one per message. Partitions are chosen as the default partitioner does
+    (murmur2 of the key), so a request keeps its partition number on every topic.
+    """
+
+    def __init__(self, bootstrap_servers: str) -> None:
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=bootstrap_servers,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=0,
+            max_batch_size=1 << 20,
+            max_request_size=8 << 20,
+        )
+        self._started = False
+        self._partitioner = DefaultPartitioner()
+        self._partitions = {t.name: list(range(t.partitions)) for t in ALL_TOPICS}
         self._pending: list[tuple[str, bytes | None, bytes]] = []
 
     async def begin(self, outputs: Outputs) -> None:
@@ -71,12 +89,32 @@ class KafkaSink:
         """Send everything added and wait for the broker; on failure nothing is dropped."""
         if not self._pending:
             return
-        futures = [
-            await self._producer.send(topic, key, value, None, None, None)
-            for topic, key, value in self._pending
-        ]
+        if not self._started:
+            await self._producer.start()
+            self._started = True
+        by_partition: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
+        for topic, key, value in self._pending:
+            partitions = self._partitions[topic]
+            partition = self._partitioner(key, partitions, partitions)
+            by_partition.setdefault((topic, partition), []).append((key, value))
+        futures = []
+        for (topic, partition), messages in by_partition.items():
+            batch = self._producer.create_batch()
+            for key, value in messages:
+                if batch.append(key=key, value=value, timestamp=None) is None:
+                    futures.append(
+                        await self._producer.send_batch(batch, topic, partition=partition)
+                    )
+                    batch = self._producer.create_batch()
+                    if batch.append(key=key, value=value, timestamp=None) is None:
+                        raise ValueError(f"a {topic} record of {len(value)} bytes fits no batch")
+            futures.append(await self._producer.send_batch(batch, topic, partition=partition))
         await asyncio.gather(*futures)
         self._pending = []
+
+    async def stop(self) -> None:
+        if self._started:
+            await self._producer.stop()
 
 
 class RedisOutputs:
@@ -110,6 +148,9 @@ class RedisOutputs:
         await self._sink.count_dead_letters(self._dead)
         self._dead = []
 
+    async def stop(self) -> None:
+        await self.client.aclose()
+
     async def lookup(self, request_ids: list[str]) -> dict[str, Closed]:
         found = await closed_markers(self.client, request_ids)
         return {r: Closed.from_marker(m, applied=a) for r, (m, a) in found.items()}
@@ -129,6 +170,14 @@ class Sinks:
         # The agents (raw SSE, raw engine) and the timer share the sinks: one write
         # at a time, or a flush would send another writer's half-added batch.
         self._lock = asyncio.Lock()
+
+    async def close(self) -> None:
+        """Release the sinks' connections (every write has already completed)."""
+        async with self._lock:
+            for sink in self._sinks:
+                stop = getattr(sink, "stop", None)
+                if stop is not None:
+                    await stop()
 
     async def write(self, outputs: Outputs) -> None:
         """Make the outputs durable, retrying each step until it succeeds.

@@ -26,6 +26,7 @@ __all__ = ["GROUP_ID", "RawMessage", "RawSource", "group_id"]
 
 log = logging.getLogger(__name__)
 
+
 def group_id(namespace: str = NAMESPACE) -> str:
     """The processors' consumer group in a namespace."""
     return f"{namespace}.processors"

@@ -40,7 +40,9 @@ def run(args: argparse.Namespace) -> NoReturn:
 
     def make_sinks(app: Any) -> Sinks:
         redis_outputs = RedisOutputs(aioredis.from_url(settings.redis_url))
-        return Sinks(KafkaSink(app.producer), redis_outputs, lookup=redis_outputs.lookup)
+        del app  # the sinks have their own batching producer
+        kafka = KafkaSink(settings.bootstrap_servers)
+        return Sinks(kafka, redis_outputs, lookup=redis_outputs.lookup)
 
     pipeline = create_app(settings, make_sinks)
     print(

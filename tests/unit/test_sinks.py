@@ -1,4 +1,4 @@
-"""Sinks: concurrent writers (the two agents and the timer) never resend each other's batch."""
+"""Sinks: concurrent writers (the agent and the timer) never resend each other's batch."""
 
 from __future__ import annotations
 
@@ -9,20 +9,52 @@ from typing import Any
 from processors.requests import Outputs
 from processors.sinks import KafkaSink, Sinks
 from streamtally.models import Chunk, Source
+from topics import CHUNKS
+
+
+class FakeBatch:
+    def __init__(self, room: int) -> None:
+        self.keys: list[bytes | None] = []
+        self.room = room
+
+    def append(self, *, key: bytes | None, value: bytes, timestamp: None) -> object | None:
+        if len(self.keys) >= self.room:
+            return None
+        self.keys.append(key)
+        return object()
 
 
 class SlowProducer:
-    """Records every send; each send and each ack yields to the event loop."""
+    """Records what each sent batch holds; sends and acks yield to the event loop."""
 
-    def __init__(self) -> None:
-        self.sent: list[bytes | None] = []
+    def __init__(self, room: int = 4, fail_on: int | None = None) -> None:
+        self.sent: list[tuple[str, int, bytes | None]] = []
+        self.room = room
+        self.fail_on = fail_on
+        self.batches = 0
 
-    async def send(self, topic: str, key: bytes | None, value: bytes, *_: Any) -> Any:
+    async def start(self) -> None:
+        return None
+
+    def create_batch(self) -> FakeBatch:
+        return FakeBatch(self.room)
+
+    async def send_batch(self, batch: FakeBatch, topic: str, *, partition: int) -> Any:
         await asyncio.sleep(0)
-        self.sent.append(key)
+        self.batches += 1
+        if self.batches == self.fail_on:
+            raise OSError("broker went away")
+        self.sent.extend((topic, partition, key) for key in batch.keys)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         asyncio.get_running_loop().call_later(0.001, future.set_result, None)
         return future
+
+
+def _sink(producer: SlowProducer) -> KafkaSink:
+    sink = KafkaSink("127.0.0.1:1")
+    sink._producer = producer  # type: ignore[assignment]
+    sink._started = True
+    return sink
 
 
 def _outputs(request_id: str, n: int) -> Outputs:
@@ -36,26 +68,28 @@ def _outputs(request_id: str, n: int) -> Outputs:
 
 async def test_concurrent_writes_send_every_output_exactly_once() -> None:
     producer = SlowProducer()
-    sinks = Sinks(KafkaSink(producer))
+    sinks = Sinks(_sink(producer))
     await asyncio.gather(
         sinks.write(_outputs("a", 50)),
         sinks.write(_outputs("b", 30)),
         sinks.write(_outputs("c", 7)),
     )
-    assert sorted(producer.sent) == sorted([b"a"] * 50 + [b"b"] * 30 + [b"c"] * 7)
+    keys = sorted(key or b"" for _, _, key in producer.sent)
+    assert keys == sorted([b"a"] * 50 + [b"b"] * 30 + [b"c"] * 7)
+
+
+async def test_a_request_keeps_one_partition_and_full_batches_split() -> None:
+    producer = SlowProducer(room=4)
+    await Sinks(_sink(producer)).write(_outputs("r", 10))
+    partitions = {(topic, partition) for topic, partition, _ in producer.sent}
+    assert len(partitions) == 1
+    assert next(iter(partitions))[0] == CHUNKS.name
+    assert producer.batches == 3  # 4 + 4 + 2
+    assert len(producer.sent) == 10
 
 
 async def test_a_failed_flush_keeps_its_batch_for_the_retry() -> None:
-    class FlakyProducer(SlowProducer):
-        calls = 0
-
-        async def send(self, topic: str, key: bytes | None, value: bytes, *_: Any) -> Any:
-            self.calls += 1
-            if self.calls == 3:
-                raise OSError("broker went away")
-            return await super().send(topic, key, value)
-
-    producer = FlakyProducer()
-    await Sinks(KafkaSink(producer)).write(_outputs("r", 5))
-    # the first two sends happened before the failure; the retry resends the whole batch
-    assert producer.sent.count(b"r") == 2 + 5
+    producer = SlowProducer(room=4, fail_on=2)
+    await Sinks(_sink(producer)).write(_outputs("r", 6))
+    # the first batch (4) went out before the failure; the retry resends all 6
+    assert len(producer.sent) == 4 + 6
