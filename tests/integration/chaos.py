@@ -210,7 +210,7 @@ async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes
 async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from processors.redis_keys import stats, usage_rows
+    from processors.redis_keys import stats
     from streamtally import avro
     from streamtally.billing import bill
     from streamtally.normalize import fold_stream, read_events
@@ -220,6 +220,7 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
     prices = PriceTable.load(SAMPLES / "prices.json")
     client = aioredis.from_url(redis_url)
     mismatched: list[str] = []
+    per_request: dict[str, dict[str, Any]] = {}
     truth: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
     fields = (
         "input_tokens",
@@ -245,12 +246,21 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
             for name in fields:
                 row[name] += getattr(tokens.usage, name)
             # the cost the pipeline should have charged (the event time only sets the day)
-            row["cost"] += bill(tokens, req["tenant"], _EPOCH, prices).cost
+            cost = bill(tokens, req["tenant"], _EPOCH, prices).cost
+            row["cost"] += cost
+            per_request[req["request_id"]] = {
+                "tenant": req["tenant"],
+                "model": tokens.model,
+                "finish_reason": tokens.finish_reason.value,
+                **{name: getattr(tokens.usage, name) for name in fields},
+                "cost": str(cost.normalize()),
+            }
+        # what the commands print: `streamtally usage --json`, `billing export --json`
         got: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
-        for row_ in await usage_rows(client):
+        for row_ in json.loads(_command("usage", "--json")):
             for name in ("requests", *fields):
                 got[row_["tenant"]][name] += Decimal(row_[name])
-            got[row_["tenant"]]["cost"] += Decimal(str(row_["cost"]))
+            got[row_["tenant"]]["cost"] += Decimal(row_["cost"])
         usage_mismatch = {
             t: {
                 "expected": {k: str(v) for k, v in truth[t].items()},
@@ -259,6 +269,16 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
             for t in set(truth) | set(got)
             if dict(truth[t]) != dict(got[t])
         }
+        exported: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        for line in _command("billing", "export", "--json", "--keep-replays").splitlines():
+            event = json.loads(line)
+            exported[event["request_id"]].append(event)
+        billing_mismatch = [
+            rid
+            for rid, expected in per_request.items()
+            if [_billing_fields(e) for e in exported.get(rid, [])][:1] != [expected]
+            or any(e != exported[rid][0] for e in exported[rid])
+        ]
         counts = await stats(client)
     finally:
         await client.aclose()
@@ -273,6 +293,8 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
     return {
         "tokens_mismatches": mismatched,
         "usage_mismatches": usage_mismatch,
+        "billing_export_mismatches": billing_mismatch[:5],
+        "billing_export_mismatch_count": len(billing_mismatch),
         "billing_events_delivered": len(billing),
         "billing_requests": len(by_request),
         "requests_without_billing": sorted(ids - set(by_request))[:5],
@@ -288,6 +310,33 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
 _EPOCH = __import__("datetime").datetime(2026, 1, 1, tzinfo=__import__("datetime").UTC)
 
 
+def _command(*args: str) -> str:
+    """What `streamtally ARGS` prints (same environment: namespace and Redis database)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "streamtally.cli", *args],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=REPO,
+        timeout=300,
+    )
+    return proc.stdout
+
+
+def _billing_fields(event: dict[str, Any]) -> dict[str, Any]:
+    keys = (
+        "tenant",
+        "model",
+        "finish_reason",
+        "input_tokens",
+        "output_tokens",
+        "reasoning_tokens",
+        "cached_tokens",
+        "cache_write_tokens",
+    )
+    return {**{k: event[k] for k in keys}, "cost": str(Decimal(event["cost"]).normalize())}
+
+
 async def _restart_broker(say: Any) -> float:
     from streamtally.stack import kafka
     from streamtally.stack.config import StackConfig
@@ -297,6 +346,36 @@ async def _restart_broker(say: Any) -> float:
     kafka.down(cfg, say)
     await asyncio.sleep(1.0)
     await asyncio.to_thread(kafka.up, cfg, say)
+    return time.monotonic() - start
+
+
+async def _wait_busy(url: str, ids: list[str], timeout: float = 60.0) -> None:
+    """Return once the worker is writing requests to Redis (or all are there)."""
+    import redis.asyncio as aioredis
+
+    client = aioredis.from_url(url)
+    try:
+        deadline = time.monotonic() + timeout
+        first: int | None = None
+        while time.monotonic() < deadline:
+            count = int(await client.hlen("st:closed"))
+            if count >= len(ids) or (first is not None and count >= first + 20):
+                return
+            first = count if first is None else first
+            await asyncio.sleep(0.1)
+    finally:
+        await client.aclose()
+
+
+async def _restart_redis(say: Any) -> float:
+    from streamtally.stack import redis
+    from streamtally.stack.config import StackConfig
+
+    cfg = StackConfig.from_env()
+    start = time.monotonic()
+    await asyncio.to_thread(redis.down, cfg, say)
+    await asyncio.sleep(1.0)
+    await asyncio.to_thread(redis.up, cfg, say)
     return time.monotonic() - start
 
 
@@ -322,6 +401,7 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
     kill_at = [0.2, 0.45, 0.75]
     restart_broker_at = 0.6 if os.environ.get("STREAMTALLY_CHAOS_BROKER_RESTART", "1") == "1" else 0
     broker_restarts = 0
+    redis_restarts = 0
     events: list[str] = []
     chaos_tasks: list[asyncio.Task[Any]] = []
 
@@ -345,6 +425,12 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
     messages, duplicates = await _produce(requests, rng, rate, progress)
     for task in chaos_tasks:
         await task
+    if restart_broker_at:
+        # once the worker is busy draining the backlog: its Redis writes must wait and retry
+        await _wait_busy(url, [r["request_id"] for r in requests])
+        events.append("restarting Redis while the worker drains the backlog")
+        await _restart_redis(say)
+        redis_restarts = 1
     produced_in = time.monotonic() - started
     client = aioredis.from_url(url)
     print(f"produced {messages} messages in {time.monotonic() - started:.1f}s", file=sys.stderr)
@@ -360,6 +446,8 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
         duplicates_sent=duplicates,
         worker_kills=worker.kills,
         broker_restarts=broker_restarts,
+        redis_restarts=redis_restarts,
+        worker_retries_logged=sum("retrying in" in line for line in log.read_text().splitlines()),
         never_finished=waiting[:5],
         never_finished_count=len(waiting),
         worker_exit_code=exit_code,

@@ -43,9 +43,11 @@ def test_chaos_run_loses_nothing_and_counts_nothing_twice(redis_url: str) -> Non
     context = f"worker log: {report['worker_log']}"
     assert report["worker_kills"] >= 3
     assert report["broker_restarts"] == 1
+    assert report["redis_restarts"] == 1
     assert report["never_finished_count"] == 0, context
     assert report["tokens_mismatches"] == [], context
     assert report["usage_mismatches"] == {}, context
+    assert report["billing_export_mismatch_count"] == 0, report["billing_export_mismatches"]
     assert report["billing_requests"] == requests
     assert report["requests_without_billing"] == []
     assert report["requests_with_two_different_billing_events"] == []
