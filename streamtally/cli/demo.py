@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import signal
 import subprocess
@@ -57,6 +58,7 @@ def _streamtally(*args: str) -> int:
 
 def run(args: argparse.Namespace) -> int:
     entries = read_manifest(args.manifest)
+    logging.getLogger("aiokafka").setLevel(logging.ERROR)  # see `streamtally produce`
     external = "KAFKA_BOOTSTRAP_SERVERS" in os.environ or "REDIS_URL" in os.environ
     if not args.no_stack and not external:
         _step("starting the local stack (Kafka + Redis)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -124,4 +125,7 @@ async def _produce(servers: str, entries: list[ManifestEntry]) -> int:
 
 def run(args: argparse.Namespace) -> int:
     entries = _entries(args)
+    # aiokafka warns of every retried send (a new topic's first leader election);
+    # retries are automatic and failures still raise, so only errors are shown.
+    logging.getLogger("aiokafka").setLevel(logging.ERROR)
     return asyncio.run(_produce(args.bootstrap_servers or bootstrap_servers(), entries))
