@@ -46,6 +46,7 @@ __all__ = [
     "remove_pid_file",
     "spawn_detached",
     "stop_process",
+    "stop_service",
     "tail",
     "write_pid_file",
 ]
@@ -206,6 +207,22 @@ def stop_process(pid: int, timeout: float) -> bool:
     if not _wait_gone(pid, _KILL_WAIT_S):
         raise StackError(f"pid {pid} survived SIGKILL; check it with `ps -o pid,stat,cmd -p {pid}`")
     return False
+
+
+def stop_service(name: str, current: ServiceStatus, say: Say, timeout: float) -> None:
+    """Stop a service of the stack: SIGTERM, then SIGKILL after `timeout`; clear its pid file."""
+    if current.pid is None or not current.running:
+        if current.pid_file.exists():
+            say(f"{name}: removing stale pid file {current.pid_file}")
+            remove_pid_file(current.pid_file)
+        say(f"{name}: not running")
+        return
+    say(f"{name}: stopping (pid {current.pid}) ...")
+    start = time.monotonic()
+    graceful = stop_process(current.pid, timeout)
+    remove_pid_file(current.pid_file)
+    how = "stopped" if graceful else f"killed (no exit within {timeout:.0f} s of SIGTERM)"
+    say(f"{name}: {how} in {time.monotonic() - start:.1f} s")
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -28,7 +28,7 @@ from streamtally.stack import (
     read_pid,
     remove_pid_file,
     spawn_detached,
-    stop_process,
+    stop_service,
     tail,
 )
 from streamtally.stack.config import StackConfig
@@ -258,19 +258,7 @@ def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 def down(cfg: StackConfig, say: Say, timeout: float = STOP_TIMEOUT_S) -> None:
-    current = status(cfg)
-    if current.pid is None or not current.running:
-        if current.pid_file.exists():
-            say(f"redis: removing stale pid file {current.pid_file}")
-            remove_pid_file(current.pid_file)
-        say("redis: not running")
-        return
-    say(f"redis: stopping (pid {current.pid}) ...")
-    start = time.monotonic()
-    graceful = stop_process(current.pid, timeout)
-    remove_pid_file(current.pid_file)
-    how = "stopped" if graceful else f"killed (no exit within {timeout:.0f} s of SIGTERM)"
-    say(f"redis: {how} in {time.monotonic() - start:.1f} s")
+    stop_service("redis", status(cfg), say, timeout)
 
 
 def wipe(cfg: StackConfig, say: Say) -> None:
