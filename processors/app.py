@@ -123,6 +123,9 @@ def create_app(
                 processor.learn_closed(request_id, closed)
 
     async def process(stream: Any) -> None:
+        tps: dict[tuple[str, int], TopicPartition] = {}
+        sse_topic = RAW_SSE.name
+        for_sse, for_engine = processor.handle_sse, processor.handle_engine
         async for fetched in stream:
             owned = pipeline.source.assignment() if pipeline.source is not None else None
             batch: Sequence[RawMessage] = fetched
@@ -131,17 +134,20 @@ def create_app(
             await learn(batch)
             outputs = Outputs()
             for m in batch:
-                handle = (
-                    processor.handle_sse if m.topic == RAW_SSE.name else processor.handle_engine
+                handle = for_sse if m.topic == sse_topic else for_engine
+                handle(
+                    m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), outputs
                 )
-                position = Position(m.topic, m.partition, m.offset, m.timestamp)
-                outputs.extend(handle(m.key, m.value, position))
                 request_id = processor.request_id_of(m.key)
-                still_open = request_id is not None and processor.is_open(request_id)
+                tp = tps.get((m.topic, m.partition))
+                if tp is None:
+                    tp = tps[(m.topic, m.partition)] = TopicPartition(m.topic, m.partition)
                 gate.hold(
-                    TopicPartition(m.topic, m.partition),
+                    tp,
                     m.offset,
-                    request_id if still_open else None,
+                    request_id
+                    if request_id is not None and processor.is_open(request_id)
+                    else None,
                 )
             await finish(outputs)
 

@@ -227,27 +227,39 @@ class RequestProcessor:
         except UnicodeDecodeError:
             return None
 
-    def handle_sse(self, key: bytes | None, value: bytes, position: Position) -> Outputs:
-        """One message of the raw SSE topic."""
+    def handle_sse(
+        self, key: bytes | None, value: bytes, position: Position, out: Outputs | None = None
+    ) -> Outputs:
+        """One message of the raw SSE topic; its outputs are added to `out` (or a new one)."""
+        out = Outputs() if out is None else out
         self.counters.received += 1
         if len(value) > MAX_RECORD_BYTES:
-            return self._dead(_oversized(value), key, value, position)
+            self._dead(out, _oversized(value), key, value, position)
+            return out
         try:
             record: RawRecord = avro.decode_raw_sse_event(value)
         except InputError as exc:
-            return self._dead(exc, key, value, position)
-        return self._arrive(record, key, value, position)
+            self._dead(out, exc, key, value, position)
+            return out
+        self._arrive(out, _Raw(record, position, key, value))
+        return out
 
-    def handle_engine(self, key: bytes | None, value: bytes, position: Position) -> Outputs:
-        """One message of the raw engine-output topic."""
+    def handle_engine(
+        self, key: bytes | None, value: bytes, position: Position, out: Outputs | None = None
+    ) -> Outputs:
+        """One message of the raw engine-output topic; its outputs are added to `out`."""
+        out = Outputs() if out is None else out
         self.counters.received += 1
         if len(value) > MAX_RECORD_BYTES:
-            return self._dead(_oversized(value), key, value, position)
+            self._dead(out, _oversized(value), key, value, position)
+            return out
         try:
             record: RawRecord = avro.decode_raw_engine_output(value)
         except InputError as exc:
-            return self._dead(exc, key, value, position)
-        return self._arrive(record, key, value, position)
+            self._dead(out, exc, key, value, position)
+            return out
+        self._arrive(out, _Raw(record, position, key, value))
+        return out
 
     def expire(self) -> Outputs:
         """Close every request that has been quiet for longer than the timeout."""
@@ -256,7 +268,7 @@ class RequestProcessor:
         for request_id in [r for r, s in self._open.items() if s.last_seen < deadline]:
             state = self._open[request_id]
             reason = CloseReason.GAP if state.waiting else CloseReason.TIMEOUT
-            out.extend(self._finish(request_id, state, reason))
+            self._finish(out, request_id, state, reason)
             self.counters.requests_timed_out += 1
         return out
 
@@ -271,25 +283,26 @@ class RequestProcessor:
             self.counters.revoked += len(self._open.pop(request_id).waiting)
         return dropped
 
-    # -- internals ----------------------------------------------------------------------
+    # -- internals: each adds what it produces to `out` ----------------------------------
 
-    def _arrive(
-        self, record: RawRecord, key: bytes | None, value: bytes, position: Position
-    ) -> Outputs:
+    def _arrive(self, out: Outputs, raw: _Raw) -> None:
+        record, key, value, position = raw.record, raw.key, raw.value, raw.position
         request_id = record.request_id
         source = record.source.value
         if key is not None and key != request_id.encode():
             reason = InputError(
                 f"message key {key!r} is not the record's request id {request_id!r}"
             )
-            return self._dead(reason, key, value, position, source=source, request_id=request_id)
+            self._dead(out, reason, key, value, position, source=source, request_id=request_id)
+            return
         closed = self._closed.get(request_id)
         if closed is not None:
             if position.offset <= closed.offset:
                 self.counters.replayed += 1
-                return Outputs()
+                return
             late = InputError(f"event for request {request_id!r}, which is already closed")
-            return self._dead(late, key, value, position, source=source, request_id=request_id)
+            self._dead(out, late, key, value, position, source=source, request_id=request_id)
+            return
         state = self._open.get(request_id)
         if state is None:
             state = self._open[request_id] = _Open(
@@ -313,37 +326,37 @@ class RequestProcessor:
                 f"request {request_id!r} changed source or tenant mid-stream "
                 f"({state.source}/{state.tenant} → {source}/{record.tenant})"
             )
-            return self._dead(mixed, key, value, position, source=source, request_id=request_id)
+            self._dead(out, mixed, key, value, position, source=source, request_id=request_id)
+            return
         state.last_seen = self._clock()
         state.max_offset = max(state.max_offset, position.offset)
-        out = Outputs()
         if record.seq < state.next_seq or record.seq in state.waiting:
             self.counters.duplicates += 1
             state.duplicates += 1
         elif record.seq > state.next_seq:
-            state.waiting[record.seq] = _Raw(record, position, key, value)  # wait for the gap
+            state.waiting[record.seq] = raw  # wait for the gap
         else:
-            out.extend(self._apply(request_id, state, _Raw(record, position, key, value)))
+            self._apply(out, request_id, state, raw)
             while request_id in self._open and state.next_seq in state.waiting:
-                out.extend(self._apply(request_id, state, state.waiting.pop(state.next_seq)))
+                self._apply(out, request_id, state, state.waiting.pop(state.next_seq))
         planned = state.close_at
         if request_id in self._open and planned is not None and position.offset >= planned.offset:
             # An earlier run closed this request here: close it the same way again.
-            out.extend(self._finish(request_id, state, planned.reason))
-        return out
+            self._finish(out, request_id, state, planned.reason)
 
-    def _apply(self, request_id: str, state: _Open, raw: _Raw, *, closing: bool = False) -> Outputs:
+    def _apply(
+        self, out: Outputs, request_id: str, state: _Open, raw: _Raw, *, closing: bool = False
+    ) -> None:
         """Apply the next record of a request; an END closes it unless it is `closing` already."""
         record, position = raw.record, raw.position
         state.next_seq = record.seq + 1
         state.last_time = record.received_at
-        out = Outputs()
         if record.kind is EventKind.END:
             state.records += 1
             self.counters.applied += 1
             if not closing:
-                out.extend(self._finish(request_id, state, CloseReason.END))
-            return out
+                self._finish(out, request_id, state, CloseReason.END)
+            return
         event: Any = (
             SseEvent(record.data, record.event, record.sse_id)
             if isinstance(record, RawSseEvent)
@@ -352,25 +365,24 @@ class RequestProcessor:
         try:
             chunks = state.normalizer.feed(event, record.received_at)
         except InputError as exc:
-            return self._dead(
-                exc, raw.key, raw.value, position, source=state.source, request_id=request_id
+            self._dead(
+                out, exc, raw.key, raw.value, position, source=state.source, request_id=request_id
             )
+            return
         state.records += 1
         self.counters.applied += 1
         for chunk in chunks:
             state.fold.add(chunk)
         out.chunks.extend(chunks)
-        return out
 
-    def _finish(self, request_id: str, state: _Open, reason: CloseReason) -> Outputs:
+    def _finish(self, out: Outputs, request_id: str, state: _Open, reason: CloseReason) -> None:
         """Close a request: at its END, by timeout, or over a gap (see `CloseReason`)."""
         del self._open[request_id]
-        out = Outputs()
         message = NO_FINISH
         if reason is CloseReason.GAP:
             first_missing = state.next_seq
             for seq in sorted(state.waiting):
-                out.extend(self._apply(request_id, state, state.waiting.pop(seq), closing=True))
+                self._apply(out, request_id, state, state.waiting.pop(seq), closing=True)
             state.fold.fail(
                 f"raw events missing from seq {first_missing}: closed after "
                 f"{self.timeout:g}s without them"
@@ -380,23 +392,21 @@ class RequestProcessor:
         for seq in sorted(state.waiting):  # after the END marker: too late to belong
             waiting = state.waiting.pop(seq)
             late = InputError(f"event seq {seq} of request {request_id!r} after its end marker")
-            out.extend(
-                self._dead(
-                    late,
-                    waiting.key,
-                    waiting.value,
-                    waiting.position,
-                    source=state.source,
-                    request_id=request_id,
-                )
+            self._dead(
+                out,
+                late,
+                waiting.key,
+                waiting.value,
+                waiting.position,
+                source=state.source,
+                request_id=request_id,
             )
-        closed = Closed(state.max_offset, reason, applied=False)
-        out.extend(self._close(request_id, state, state.last_time, message, closed))
-        return out
+        self._close(out, request_id, state, message, Closed(state.max_offset, reason, False))
 
     def _close(
-        self, request_id: str, state: _Open, when: datetime, reason: str, closed: Closed
-    ) -> Outputs:
+        self, out: Outputs, request_id: str, state: _Open, reason: str, closed: Closed
+    ) -> None:
+        when = state.last_time
         chunks = state.normalizer.end(when, fallback_request_id=request_id)
         for chunk in chunks:
             state.fold.add(chunk)
@@ -404,8 +414,8 @@ class RequestProcessor:
         billing = bill(tokens, state.tenant, when, self.prices)
         self._remember(request_id, Closed(closed.offset, closed.reason, applied=True))
         self.counters.requests_completed += 1
-        done = Completed(tokens, billing, closed, state.records, state.duplicates)
-        return Outputs(chunks=chunks, completed=[done])
+        out.chunks.extend(chunks)
+        out.completed.append(Completed(tokens, billing, closed, state.records, state.duplicates))
 
     def _remember(self, request_id: str, closed: Closed) -> None:
         self._closed[request_id] = closed
@@ -415,6 +425,7 @@ class RequestProcessor:
 
     def _dead(
         self,
+        out: Outputs,
         exc: Exception,
         key: bytes | None,
         value: bytes,
@@ -422,7 +433,7 @@ class RequestProcessor:
         *,
         source: str | None = None,
         request_id: str | None = None,
-    ) -> Outputs:
+    ) -> None:
         self.counters.dead_lettered += 1
         # The record's own Kafka time, not the wall clock: a replay dead-letters
         # the same record into the same bytes.
@@ -431,19 +442,20 @@ class RequestProcessor:
             if position.timestamp is not None
             else datetime(1970, 1, 1, tzinfo=UTC)
         )
-        letter = DeadLetter(
-            topic=position.topic,
-            partition=position.partition,
-            offset=position.offset,
-            key=key,
-            value=value,
-            reason=str(exc),
-            error_type=type(exc).__name__,
-            source=source,
-            request_id=request_id,
-            dead_lettered_at=when,
+        out.dead_letters.append(
+            DeadLetter(
+                topic=position.topic,
+                partition=position.partition,
+                offset=position.offset,
+                key=key,
+                value=value,
+                reason=str(exc),
+                error_type=type(exc).__name__,
+                source=source,
+                request_id=request_id,
+                dead_lettered_at=when,
+            )
         )
-        return Outputs(dead_letters=[letter])
 
 
 def _oversized(value: bytes) -> InputError:
