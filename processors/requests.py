@@ -231,35 +231,13 @@ class RequestProcessor:
         self, key: bytes | None, value: bytes, position: Position, out: Outputs | None = None
     ) -> Outputs:
         """One message of the raw SSE topic; its outputs are added to `out` (or a new one)."""
-        out = Outputs() if out is None else out
-        self.counters.received += 1
-        if len(value) > MAX_RECORD_BYTES:
-            self._dead(out, _oversized(value), key, value, position)
-            return out
-        try:
-            record: RawRecord = avro.decode_raw_sse_event(value)
-        except InputError as exc:
-            self._dead(out, exc, key, value, position)
-            return out
-        self._arrive(out, _Raw(record, position, key, value))
-        return out
+        return self._handle(avro.decode_raw_sse_event, key, value, position, out)
 
     def handle_engine(
         self, key: bytes | None, value: bytes, position: Position, out: Outputs | None = None
     ) -> Outputs:
         """One message of the raw engine-output topic; its outputs are added to `out`."""
-        out = Outputs() if out is None else out
-        self.counters.received += 1
-        if len(value) > MAX_RECORD_BYTES:
-            self._dead(out, _oversized(value), key, value, position)
-            return out
-        try:
-            record: RawRecord = avro.decode_raw_engine_output(value)
-        except InputError as exc:
-            self._dead(out, exc, key, value, position)
-            return out
-        self._arrive(out, _Raw(record, position, key, value))
-        return out
+        return self._handle(avro.decode_raw_engine_output, key, value, position, out)
 
     def expire(self) -> Outputs:
         """Close every request that has been quiet for longer than the timeout."""
@@ -284,6 +262,27 @@ class RequestProcessor:
         return dropped
 
     # -- internals: each adds what it produces to `out` ----------------------------------
+
+    def _handle(
+        self,
+        decode: Callable[[bytes], RawRecord],
+        key: bytes | None,
+        value: bytes,
+        position: Position,
+        out: Outputs | None,
+    ) -> Outputs:
+        out = Outputs() if out is None else out
+        self.counters.received += 1
+        if len(value) > MAX_RECORD_BYTES:
+            self._dead(out, _oversized(value), key, value, position)
+            return out
+        try:
+            record = decode(value)
+        except InputError as exc:
+            self._dead(out, exc, key, value, position)
+            return out
+        self._arrive(out, _Raw(record, position, key, value))
+        return out
 
     def _arrive(self, out: Outputs, raw: _Raw) -> None:
         record, key, value, position = raw.record, raw.key, raw.value, raw.position

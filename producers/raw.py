@@ -51,14 +51,18 @@ def raw_records(
 ) -> tuple[str, list[bytes]]:
     """The request id and the encoded raw records (events, then END) of one transcript."""
     events = list(read_events(source, io.BytesIO(data)))
-    if not source.is_sse:
-        _check_engine_lines(source, events, options)
-    rid = request_id or discover_request_id(source, events, options) or fallback_request_id(data)
+    if source.is_sse:
+        found = request_id or discover_request_id(source, events, options)
+    else:
+        found = _check_engine_lines(source, events, options)
+    rid = request_id or found or fallback_request_id(data)
     return rid, list(_encode(source, events, rid, tenant=tenant, clock=clock, model=model))
 
 
-def _check_engine_lines(source: Source, events: list[Any], options: AdapterOptions | None) -> None:
-    """Refuse a file with a line that is not a valid output of its engine.
+def _check_engine_lines(
+    source: Source, events: list[Any], options: AdapterOptions | None
+) -> str | None:
+    """Refuse a file with a line that is not a valid output of its engine; its request id.
 
     Engine outputs travel as structured Avro records, which would quietly give
     a foreign line the shape of a valid one (missing fields take their
@@ -72,6 +76,7 @@ def _check_engine_lines(source: Source, events: list[Any], options: AdapterOptio
             raise InvalidEvent(
                 f"line {number} is not a valid {source.value} output ({exc}); nothing was sent"
             ) from exc
+    return adapter.provider_request_id
 
 
 def _encode(

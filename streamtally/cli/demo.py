@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from processors.redis_keys import tokens_key
 from producers import RawProducer
 from streamtally.cli.produce import ManifestEntry, read_manifest
 from streamtally.errors import StackError
@@ -112,7 +113,7 @@ async def _produce_and_wait(
         ids: set[str] = set()
         async with RawProducer(servers) as producer:
             for entry in entries:
-                if entry.request_id and await client.exists(f"st:tokens:{entry.request_id}"):
+                if entry.request_id and await client.exists(tokens_key(entry.request_id)):
                     ids.add(entry.request_id)
                     continue  # already processed by an earlier run: nothing to redo
                 sent = await producer.send_transcript(
@@ -129,7 +130,7 @@ async def _produce_and_wait(
         last = -1
         while waiting and time.monotonic() < deadline:
             for request_id in list(waiting):
-                if await client.exists(f"st:tokens:{request_id}"):
+                if await client.exists(tokens_key(request_id)):
                     waiting.discard(request_id)
             if len(waiting) != last:
                 last = len(waiting)
