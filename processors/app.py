@@ -27,13 +27,13 @@ import faust
 from aiokafka import TopicPartition
 from faust.app.base import BootStrategy
 
-from processors.commits import CommitGate
-from processors.requests import Outputs, Position, RequestProcessor
-from processors.settings import WorkerSettings
-from processors.sinks import Sinks, retry
-from processors.source import RawMessage, RawSource
-from streamtally.pricing import PriceTable
-from topics import NAMESPACE, RAW_SSE
+from streamtally.core.pricing import PriceTable
+from streamtally.processors.commits import CommitGate
+from streamtally.processors.requests import Outputs, Position, RequestProcessor
+from streamtally.processors.settings import WorkerSettings
+from streamtally.processors.sinks import Sinks, retry
+from streamtally.processors.source import RawMessage, RawSource
+from streamtally.topics import NAMESPACE, RAW_SSE
 
 __all__ = ["Pipeline", "create_app"]
 

@@ -35,15 +35,21 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from streamtally import avro
-from streamtally.billing import bill
+from streamtally.core.fold import NO_FINISH, Fold
+from streamtally.core.models import Chunk, Tokens
+from streamtally.core.normalize import Normalizer
+from streamtally.core.pricing import PriceTable
+from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
-from streamtally.fold import NO_FINISH, Fold
-from streamtally.models import Chunk, Tokens
-from streamtally.normalize import Normalizer
-from streamtally.pricing import PriceTable
-from streamtally.records import BillingEvent, DeadLetter, EventKind, RawEngineOutput, RawSseEvent
-from streamtally.sse import SseEvent
+from streamtally.wire import avro
+from streamtally.wire.billing import bill
+from streamtally.wire.records import (
+    BillingEvent,
+    DeadLetter,
+    EventKind,
+    RawEngineOutput,
+    RawSseEvent,
+)
 
 __all__ = [
     "CloseReason",

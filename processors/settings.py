@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamtally.errors import InputError
-from streamtally.stack.config import bootstrap_servers, redis_url, repo_root
+from streamtally.ops.stack.config import bootstrap_servers, redis_url, repo_root
 
 __all__ = ["WorkerSettings"]
 

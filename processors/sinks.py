@@ -29,11 +29,11 @@ from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
-from processors.redis_keys import closed_markers
-from processors.redis_sink import RedisSink
-from processors.requests import Closed, Outputs
-from streamtally import avro
-from topics import ALL_TOPICS, BILLING, CHUNKS, DEADLETTER, TOKENS, encode_key
+from streamtally.processors.requests import Closed, Outputs
+from streamtally.store.redis_keys import closed_markers
+from streamtally.store.redis_sink import RedisSink
+from streamtally.topics import ALL_TOPICS, BILLING, CHUNKS, DEADLETTER, TOKENS, encode_key
+from streamtally.wire import avro
 
 __all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks", "retry"]
 

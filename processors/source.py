@@ -19,8 +19,8 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from processors.settings import WorkerSettings
-from topics import NAMESPACE, RAW_ENGINE, RAW_SSE
+from streamtally.processors.settings import WorkerSettings
+from streamtally.topics import NAMESPACE, RAW_ENGINE, RAW_SSE
 
 __all__ = ["GROUP_ID", "RawMessage", "RawSource", "group_id"]
 

@@ -9,6 +9,6 @@ then an end-of-stream marker.  The producer is idempotent (acks=all,
 enable_idempotence), so its own retries never duplicate a record.
 """
 
-from producers.raw import RawProducer, SentRequest, raw_records
+from streamtally.producers.raw import RawProducer, SentRequest, raw_records
 
 __all__ = ["RawProducer", "SentRequest", "raw_records"]

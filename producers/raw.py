@@ -13,19 +13,19 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError
 
-from streamtally import avro
-from streamtally.adapters.base import AdapterOptions
-from streamtally.errors import InvalidEvent, StackError
-from streamtally.models import Source, utc_now
-from streamtally.normalize import (
+from streamtally.core.adapters.base import AdapterOptions
+from streamtally.core.models import Source, utc_now
+from streamtally.core.normalize import (
     discover_request_id,
     fallback_request_id,
     make_adapter,
     read_events,
 )
-from streamtally.records import RawEngineOutput, RawSseEvent
-from streamtally.sse import SseEvent
-from topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.core.sse import SseEvent
+from streamtally.errors import InvalidEvent, StackError
+from streamtally.topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.wire import avro
+from streamtally.wire.records import RawEngineOutput, RawSseEvent
 
 __all__ = ["RawProducer", "SentRequest", "raw_records"]
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from streamtally.models import Source
-from streamtally.normalize import fold_stream, read_events
+from streamtally.core.models import Source
+from streamtally.core.normalize import fold_stream, read_events
 
 _FIELDS = (
     "source",

@@ -10,7 +10,7 @@ number everywhere).  The dead-letter topic keeps the key of the record it
 holds.
 
 Values: Avro single-object encoding of the topic's `value_schema` (see
-`streamtally.avro` and docs/avro-framing.md).
+`streamtally.wire.avro` and docs/avro-framing.md).
 """
 
 from __future__ import annotations

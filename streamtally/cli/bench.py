@@ -49,7 +49,7 @@ def _say(text: str) -> None:
 
 
 def run_fold(args: argparse.Namespace) -> int:
-    from streamtally.benchmarks import fold
+    from benchmarks import fold
 
     results = fold.run(args.seconds, progress=_say)
     if args.json:
@@ -78,7 +78,7 @@ def run_fold(args: argparse.Namespace) -> int:
 
 
 def run_pipeline(args: argparse.Namespace) -> int:
-    from streamtally.benchmarks import pipeline
+    from benchmarks import pipeline
 
     try:
         settings = pipeline.PipelineSettings(

@@ -4,9 +4,9 @@ The end offset of each partition is taken once, at start; the export reads
 each partition from its beginning to that offset (committed records only:
 isolation level read_committed), so it always terminates and never waits for
 new events.  No consumer group is used and no offsets are committed
-(`streamtally.kafka.read_topic`).
+(`streamtally.wire.kafka.read_topic`).
 
-Events are decoded with `streamtally.avro.decode_billing_event`, replays
+Events are decoded with `streamtally.wire.avro.decode_billing_event`, replays
 (a second record with an `event_id` already seen) are dropped unless
 ``--keep-replays``, and the rest is printed ordered by (event_time, event_id).
 A record that does not decode is reported on stderr with its partition and
@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamtally.avro import AvroDecodeError, decode_billing_event
-from streamtally.kafka import read_topic
-from streamtally.records import BillingEvent, scaled_cost
-from streamtally.stack.config import bootstrap_servers
-from topics import BILLING
+from streamtally.ops.stack.config import bootstrap_servers
+from streamtally.topics import BILLING
+from streamtally.wire.avro import AvroDecodeError, decode_billing_event
+from streamtally.wire.kafka import read_topic
+from streamtally.wire.records import BillingEvent, scaled_cost
 
 __all__ = ["Export", "add_parser", "event_json", "read_billing_events"]
 

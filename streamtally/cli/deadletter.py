@@ -1,7 +1,7 @@
 """`streamtally deadletter`: what is on the dead-letter topic, counted by reason.
 
 The topic is read from its beginning to its current end (end offsets taken
-at start: `streamtally.kafka.read_topic`), so the command always terminates.
+at start: `streamtally.wire.kafka.read_topic`), so the command always terminates.
 Dead letters are deduplicated by the position of the record they hold
 (topic, partition, offset): after a crash the worker dead-letters the same
 record again, byte-identically, and that copy is not a second failure.  The
@@ -26,11 +26,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from streamtally.avro import AvroDecodeError, decode_dead_letter
-from streamtally.kafka import read_topic
-from streamtally.records import DeadLetter
-from streamtally.stack.config import bootstrap_servers
-from topics import DEADLETTER
+from streamtally.ops.stack.config import bootstrap_servers
+from streamtally.topics import DEADLETTER
+from streamtally.wire.avro import AvroDecodeError, decode_dead_letter
+from streamtally.wire.kafka import read_topic
+from streamtally.wire.records import DeadLetter
 
 __all__ = [
     "Letters",

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from processors.redis_keys import tokens_key
-from producers import RawProducer
 from streamtally.cli.produce import ManifestEntry, read_manifest
 from streamtally.errors import StackError
-from streamtally.kafka import ensure_topics
-from streamtally.stack.config import StackConfig, bootstrap_servers, redis_url, repo_root
+from streamtally.ops.stack.config import StackConfig, bootstrap_servers, redis_url, repo_root
+from streamtally.producers import RawProducer
+from streamtally.store.redis_keys import tokens_key
+from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["add_parser"]
 

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 from typing import IO
 
-from streamtally.adapters.base import AdapterOptions
+from streamtally.core.adapters.base import AdapterOptions
+from streamtally.core.models import Source
+from streamtally.core.normalize import fallback_request_id, fold_stream, read_events
 from streamtally.errors import InputError
-from streamtally.models import Source
-from streamtally.normalize import fallback_request_id, fold_stream, read_events
 
 __all__ = ["add_parser"]
 

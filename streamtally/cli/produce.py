@@ -10,12 +10,12 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from producers import RawProducer
-from streamtally.adapters.base import AdapterOptions
+from streamtally.core.adapters.base import AdapterOptions
+from streamtally.core.models import Source
 from streamtally.errors import InputError
-from streamtally.kafka import ensure_topics
-from streamtally.models import Source
-from streamtally.stack.config import bootstrap_servers
+from streamtally.ops.stack.config import bootstrap_servers
+from streamtally.producers import RawProducer
+from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["ManifestEntry", "add_parser", "read_manifest"]
 

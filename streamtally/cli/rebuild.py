@@ -1,6 +1,6 @@
 """`streamtally rebuild`: rebuild lost Redis state from the Tokens and billing topics.
 
-The logic (join, read, apply) is `streamtally.rebuild`, whose docstring says
+The logic (join, read, apply) is `streamtally.ops.rebuild`, whose docstring says
 what is rebuilt and what is not.  This command checks Redis first: when it
 already holds Tokens it refuses unless ``--yes`` (the requests there would be
 left untouched, so going on is safe; the check is against pointing the
@@ -17,10 +17,10 @@ import sys
 from collections import Counter
 from typing import Any, Final
 
-from streamtally import rebuild
 from streamtally.cli.tokens import add_redis_url, run_redis
-from streamtally.stack.config import bootstrap_servers, redis_url
-from topics import BILLING, TOKENS
+from streamtally.ops import rebuild
+from streamtally.ops.stack.config import bootstrap_servers, redis_url
+from streamtally.topics import BILLING, TOKENS
 
 __all__ = ["add_parser"]
 

@@ -12,8 +12,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
-from streamtally.stack import StackConfig, StackError, kafka, redis
-from streamtally.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
+from streamtally.ops.stack import StackConfig, StackError, kafka, redis
+from streamtally.ops.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
 
 EXIT_OK = 0
 EXIT_ERROR = 1

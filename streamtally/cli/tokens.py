@@ -17,9 +17,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from processors.redis_keys import get_tokens_text
 from streamtally.errors import InputError, StackError
-from streamtally.stack.config import redis_url
+from streamtally.ops.stack.config import redis_url
+from streamtally.store.redis_keys import get_tokens_text
 
 __all__ = ["add_parser", "add_redis_url", "run_redis"]
 

@@ -9,8 +9,8 @@ from collections.abc import Sequence
 from datetime import date
 from typing import Any
 
-from processors.redis_keys import PICO, TOKEN_FIELDS, usage_rows
 from streamtally.cli.tokens import add_redis_url, run_redis
+from streamtally.store.redis_keys import PICO, TOKEN_FIELDS, usage_rows
 
 __all__ = ["add_parser", "format_table"]
 

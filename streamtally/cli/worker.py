@@ -7,7 +7,7 @@ import asyncio
 import sys
 from typing import Any, NoReturn
 
-from streamtally.kafka import ensure_topics
+from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["add_parser"]
 
@@ -31,9 +31,9 @@ def run(args: argparse.Namespace) -> NoReturn:
     import faust
     import redis.asyncio as aioredis
 
-    from processors.app import create_app
-    from processors.settings import WorkerSettings
-    from processors.sinks import KafkaSink, RedisOutputs, Sinks
+    from streamtally.processors.app import create_app
+    from streamtally.processors.settings import WorkerSettings
+    from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
 
     settings = WorkerSettings.from_env()
     asyncio.run(ensure_topics(settings.bootstrap_servers))

@@ -14,15 +14,15 @@ from typing import Any
 import faust
 import pytest
 
-from processors.app import Pipeline, create_app
-from processors.requests import Outputs
-from processors.settings import WorkerSettings
-from processors.sinks import Sinks
-from processors.source import RawMessage
-from producers import raw_records
-from streamtally.models import Source
-from streamtally.normalize import fold_stream, read_events
-from topics import RAW_ENGINE, RAW_SSE
+from streamtally.core.models import Source
+from streamtally.core.normalize import fold_stream, read_events
+from streamtally.processors.app import Pipeline, create_app
+from streamtally.processors.requests import Outputs
+from streamtally.processors.settings import WorkerSettings
+from streamtally.processors.sinks import Sinks
+from streamtally.processors.source import RawMessage
+from streamtally.producers import raw_records
+from streamtally.topics import RAW_ENGINE, RAW_SSE
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"

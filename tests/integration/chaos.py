@@ -109,8 +109,8 @@ async def _produce(
     requests: list[dict[str, Any]], rng: random.Random, rate: float, progress: Any
 ) -> tuple[int, int]:
     """Send every request's records interleaved; returns (messages, duplicates sent)."""
-    from producers import RawProducer, raw_records
-    from streamtally.stack.config import bootstrap_servers
+    from streamtally.ops.stack.config import bootstrap_servers
+    from streamtally.producers import RawProducer, raw_records
 
     queues: list[tuple[dict[str, Any], list[bytes]]] = []
     for req in requests:
@@ -172,8 +172,8 @@ async def _wait_all(client: Any, ids: list[str], timeout: float) -> list[str]:
 async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes]]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from streamtally.stack.config import bootstrap_servers
-    from topics import by_name
+    from streamtally.ops.stack.config import bootstrap_servers
+    from streamtally.topics import by_name
 
     consumer = AIOKafkaConsumer(
         bootstrap_servers=bootstrap_servers(),
@@ -210,12 +210,12 @@ async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes
 async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from processors.redis_keys import stats
-    from streamtally import avro
-    from streamtally.billing import bill
-    from streamtally.normalize import fold_stream, read_events
-    from streamtally.pricing import PriceTable
-    from topics import BILLING, DEADLETTER, RAW_ENGINE, RAW_SSE
+    from streamtally.core.normalize import fold_stream, read_events
+    from streamtally.core.pricing import PriceTable
+    from streamtally.store.redis_keys import stats
+    from streamtally.topics import BILLING, DEADLETTER, RAW_ENGINE, RAW_SSE
+    from streamtally.wire import avro
+    from streamtally.wire.billing import bill
 
     prices = PriceTable.load(SAMPLES / "prices.json")
     client = aioredis.from_url(redis_url)
@@ -338,8 +338,8 @@ def _billing_fields(event: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _restart_broker(say: Any) -> float:
-    from streamtally.stack import kafka
-    from streamtally.stack.config import StackConfig
+    from streamtally.ops.stack import kafka
+    from streamtally.ops.stack.config import StackConfig
 
     cfg = StackConfig.from_env()
     start = time.monotonic()
@@ -368,8 +368,8 @@ async def _wait_busy(url: str, ids: list[str], timeout: float = 60.0) -> None:
 
 
 async def _restart_redis(say: Any) -> float:
-    from streamtally.stack import redis
-    from streamtally.stack.config import StackConfig
+    from streamtally.ops.stack import redis
+    from streamtally.ops.stack.config import StackConfig
 
     cfg = StackConfig.from_env()
     start = time.monotonic()
@@ -382,8 +382,8 @@ async def _restart_redis(say: Any) -> float:
 async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from streamtally.kafka import ensure_topics
-    from streamtally.stack.config import bootstrap_servers, redis_url
+    from streamtally.ops.stack.config import bootstrap_servers, redis_url
+    from streamtally.wire.kafka import ensure_topics
 
     run_id = uuid.uuid4().hex[:8]
     namespace = os.environ["STREAMTALLY_NAMESPACE"]

@@ -38,9 +38,9 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from streamtally.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, StackConfig
-from streamtally.stack.config import bootstrap_servers as _bootstrap_servers
-from streamtally.stack.config import redis_url as _redis_url
+from streamtally.ops.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, StackConfig
+from streamtally.ops.stack.config import bootstrap_servers as _bootstrap_servers
+from streamtally.ops.stack.config import redis_url as _redis_url
 from tests.integration.worker import (
     Endpoints,
     StackMode,

@@ -31,9 +31,9 @@ import redis
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from processors.redis_keys import CLOSED_KEY, DEAD_SEEN_KEY, STATS_KEY
-from streamtally.avro import decode_dead_letter
-from streamtally.kafka import read_topic
+from streamtally.store.redis_keys import CLOSED_KEY, DEAD_SEEN_KEY, STATS_KEY
+from streamtally.wire.avro import decode_dead_letter
+from streamtally.wire.kafka import read_topic
 from tests.integration.worker import (
     READY_LINE,
     SAMPLES,

@@ -38,12 +38,13 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
-from producers import RawProducer
-from streamtally.avro import AvroDecodeError, decode_dead_letter
-from streamtally.billing import bill
-from streamtally.models import Source, Tokens
-from streamtally.pricing import PriceTable
-from streamtally.records import DeadLetter
+from streamtally.core.models import Source, Tokens
+from streamtally.core.pricing import PriceTable
+from streamtally.producers import RawProducer
+from streamtally.topics import DEADLETTER, RAW_SSE
+from streamtally.wire.avro import AvroDecodeError, decode_dead_letter
+from streamtally.wire.billing import bill
+from streamtally.wire.records import DeadLetter
 from tests.conftest import PROVIDER_FIXTURES, require_public_transcripts
 from tests.integration.worker import (
     KAFKA_IMAGE,
@@ -63,7 +64,6 @@ from tests.integration.worker import (
     wait_for_tokens,
     write_manifest,
 )
-from topics import DEADLETTER, RAW_SSE
 
 EXPECTATIONS = Path(__file__).resolve().parents[1] / "expectations"
 #: Seconds the worker gets to put all of the run's requests into Redis.

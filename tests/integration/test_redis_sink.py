@@ -18,13 +18,19 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from processors.redis_keys import ROWS_KEY, tokens_key, usage_key
-from processors.redis_sink import RedisSink, get_tokens, get_tokens_text, tokens_json, usage_rows
-from streamtally.billing import bill
 from streamtally.cli import main
-from streamtally.models import FinishReason, Source, Tokens, Usage
-from streamtally.pricing import PriceTable
-from streamtally.records import BillingEvent
+from streamtally.core.models import FinishReason, Source, Tokens, Usage
+from streamtally.core.pricing import PriceTable
+from streamtally.store.redis_keys import ROWS_KEY, tokens_key, usage_key
+from streamtally.store.redis_sink import (
+    RedisSink,
+    get_tokens,
+    get_tokens_text,
+    tokens_json,
+    usage_rows,
+)
+from streamtally.wire.billing import bill
+from streamtally.wire.records import BillingEvent
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ import redis as redis_client
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from streamtally.stack import StackConfig, bootstrap_servers, kafka, redis, redis_url
-from streamtally.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
+from streamtally.ops.stack import StackConfig, bootstrap_servers, kafka, redis, redis_url
+from streamtally.ops.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
 
 pytestmark = pytest.mark.integration
 

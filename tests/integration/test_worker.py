@@ -17,10 +17,11 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
-from producers import RawProducer
-from producers.raw import raw_records
 from streamtally.cli import main
-from streamtally.models import Source
+from streamtally.core.models import Source
+from streamtally.producers import RawProducer
+from streamtally.producers.raw import raw_records
+from streamtally.topics import RAW_SSE
 from tests.integration.worker import (
     PROBE_FILE,
     PROBE_SOURCE,
@@ -34,7 +35,6 @@ from tests.integration.worker import (
     run_streamtally,
     wait_for_tokens,
 )
-from topics import RAW_SSE
 
 pytestmark = pytest.mark.integration
 

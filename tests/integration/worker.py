@@ -29,8 +29,8 @@ from typing import Any, Final
 
 import redis
 
-from processors.redis_keys import ROWS_KEY, tokens_key, usage_key
-from streamtally.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, repo_root
+from streamtally.ops.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, repo_root
+from streamtally.store.redis_keys import ROWS_KEY, tokens_key, usage_key
 
 REPO: Final = repo_root()
 SAMPLES: Final = REPO / "samples"
@@ -57,7 +57,7 @@ class StackMode(enum.Enum):
 def choose_stack_mode(environ: Mapping[str, str], docker_answers: Callable[[], bool]) -> StackMode:
     """Which stack the integration tests use; `docker_answers` is only asked when needed.
 
-    "Set" means set and not blank, as `streamtally.stack.config` reads them; one
+    "Set" means set and not blank, as `streamtally.ops.stack.config` reads them; one
     of the two is enough (the other then defaults to the local stack's address,
     like every streamtally command does).
     """

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from streamtally.adapters.base import AdapterOptions
+from streamtally.core.adapters.base import AdapterOptions
+from streamtally.core.fold import NO_FINISH
+from streamtally.core.models import FinishReason, Source, Tokens, ToolCall, Usage
+from streamtally.core.normalize import fold_stream
+from streamtally.core.sse import SseEvent, iter_events
 from streamtally.errors import InputError, NotAStream
-from streamtally.fold import NO_FINISH
-from streamtally.models import FinishReason, Source, Tokens, ToolCall, Usage
-from streamtally.normalize import fold_stream
-from streamtally.sse import SseEvent, iter_events
 
 F = FinishReason
 Obj = dict[str, Any]

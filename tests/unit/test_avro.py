@@ -14,9 +14,7 @@ from typing import Any
 
 import pytest
 
-from streamtally import avro
-from streamtally.errors import InputError
-from streamtally.models import (
+from streamtally.core.models import (
     ChoiceTokens,
     Chunk,
     FinishReason,
@@ -26,7 +24,9 @@ from streamtally.models import (
     ToolCallDelta,
     Usage,
 )
-from streamtally.records import (
+from streamtally.errors import InputError
+from streamtally.wire import avro
+from streamtally.wire.records import (
     BillingEvent,
     DeadLetter,
     EventKind,
@@ -39,7 +39,7 @@ T0 = datetime(2025, 3, 4, 5, 6, 7, 891011, tzinfo=UTC)
 UNICODE = "héllo wörld ✓ 日本語 🎉 \u0000 \u2028 𝄞"
 
 # --------------------------------------------------------------------------- reference CRC-64-AVRO
-# Written from the Avro specification ("Schema Fingerprints"), independent of streamtally.avro.
+# Written from the Avro specification ("Schema Fingerprints"), independent of streamtally.wire.avro.
 
 _EMPTY64 = 0xC15D213AA4D7A795
 _MASK64 = (1 << 64) - 1
@@ -1037,7 +1037,7 @@ def test_only_the_codec_imports_fastavro() -> None:
     pattern = re.compile(r"^\s*(import fastavro|from fastavro)", re.MULTILINE)
     offenders = [
         str(path.relative_to(ROOT))
-        for package in ("streamtally", "topics", "producers", "processors")
+        for package in ("streamtally", "topics", "producers", "processors", "benchmarks")
         for path in (ROOT / package).rglob("*.py")
         if path.name != "avro.py" and pattern.search(path.read_text(encoding="utf-8"))
     ]
@@ -1056,7 +1056,7 @@ def test_history_is_complete(name: str) -> None:
     assert len({v.fingerprint for v in versions}) == len(versions), "two versions are identical"
     cur = avro.current(name)
     assert cur.version == versions[-1].version, (
-        f"the current {name} schema is not released: run `python -m streamtally.avro release` "
+        f"the current {name} schema is not released: run `python -m streamtally.wire.avro release` "
         "to add it to schemas/history (after this test's compatibility check passes)"
     )
 
@@ -1149,8 +1149,8 @@ def test_the_framing_doc_lists_the_current_fingerprints() -> None:
 
 RESOLUTION_SCRIPT = """
 from datetime import UTC, datetime
-from streamtally import avro
-from streamtally.models import Source
+from streamtally.wire import avro
+from streamtally.core.models import Source
 
 T = datetime(2025, 1, 1, tzinfo=UTC)
 base = {"request_id": "r", "seq": 1, "source": "OPENAI", "event_time": T}

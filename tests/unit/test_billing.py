@@ -9,10 +9,10 @@ from decimal import Decimal
 
 import pytest
 
-from streamtally.avro import decode_billing_event, encode_billing_event
-from streamtally.billing import bill, event_id, price_request
-from streamtally.models import FinishReason, Source, Tokens, Usage
-from streamtally.pricing import PriceTable
+from streamtally.core.models import FinishReason, Source, Tokens, Usage
+from streamtally.core.pricing import PriceTable
+from streamtally.wire.avro import decode_billing_event, encode_billing_event
+from streamtally.wire.billing import bill, event_id, price_request
 
 PRICES = PriceTable.from_dict(
     {
@@ -108,7 +108,7 @@ def test_unpriced_model_is_billed_at_zero_flagged_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     tokens = make_tokens(model="mystery-1")
-    with caplog.at_level(logging.WARNING, logger="streamtally.billing"):
+    with caplog.at_level(logging.WARNING, logger="streamtally.wire.billing"):
         billed = price_request(tokens, "acme", WHEN, PRICES)
     assert not billed.priced
     assert billed.event.cost == Decimal(0)

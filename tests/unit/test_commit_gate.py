@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import pytest
 from aiokafka import TopicPartition
 
-from processors.commits import CommitGate
+from streamtally.processors.commits import CommitGate
 
 TP_A = TopicPartition("streamtally.raw.sse", 0)
 TP_B = TopicPartition("streamtally.raw.sse", 1)

@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from streamtally.fold import NO_FINISH, Fold, fold
-from streamtally.models import (
+from streamtally.core.fold import NO_FINISH, Fold, fold
+from streamtally.core.models import (
     ZERO_USAGE,
     Chunk,
     FinishReason,

@@ -34,14 +34,14 @@ from pathlib import Path
 
 import pytest
 
-from processors.requests import Completed, Outputs, Position, RequestProcessor
-from producers import raw_records
-from streamtally import avro
 from streamtally.cli import main
+from streamtally.core.models import FinishReason, Source, Tokens
+from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
-from streamtally.models import FinishReason, Source, Tokens
-from streamtally.pricing import PriceTable
-from topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.processors.requests import Completed, Outputs, Position, RequestProcessor
+from streamtally.producers import raw_records
+from streamtally.topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.wire import avro
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from streamtally.models import Source
+from streamtally.core.models import Source
 from tests.conftest import require_public_transcripts
 from tests.expected import assert_matches, fold_file
 

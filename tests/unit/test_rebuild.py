@@ -1,4 +1,4 @@
-"""`streamtally.rebuild.join`: latest Tokens wins, billing replays collapse, orphans reported."""
+"""`streamtally.ops.rebuild.join`: latest Tokens wins, billing replays collapse."""
 
 from __future__ import annotations
 
@@ -7,11 +7,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from streamtally.billing import bill
 from streamtally.cli import build_parser
-from streamtally.models import FinishReason, Source, Tokens, Usage
-from streamtally.pricing import PriceTable
-from streamtally.rebuild import (
+from streamtally.core.models import FinishReason, Source, Tokens, Usage
+from streamtally.core.pricing import PriceTable
+from streamtally.ops.rebuild import (
     CLOSED_MARKER,
     Plan,
     Skipped,
@@ -19,7 +18,8 @@ from streamtally.rebuild import (
     TokensRecord,
     join,
 )
-from streamtally.records import BillingEvent
+from streamtally.wire.billing import bill
+from streamtally.wire.records import BillingEvent
 
 PRICES = PriceTable.from_dict(
     {

@@ -22,7 +22,11 @@ from typing import Any
 
 import pytest
 
-from processors.requests import (
+from streamtally.core.fold import NO_FINISH
+from streamtally.core.models import FinishReason, Source, Tokens
+from streamtally.core.normalize import fold_stream, read_events
+from streamtally.core.pricing import PriceTable
+from streamtally.processors.requests import (
     MAX_RECORD_BYTES,
     Closed,
     CloseReason,
@@ -31,15 +35,11 @@ from processors.requests import (
     Position,
     RequestProcessor,
 )
-from producers import raw_records
-from streamtally import avro
-from streamtally.billing import bill
-from streamtally.fold import NO_FINISH
-from streamtally.models import FinishReason, Source, Tokens
-from streamtally.normalize import fold_stream, read_events
-from streamtally.pricing import PriceTable
-from streamtally.records import RawEngineOutput, RawSseEvent
-from topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.producers import raw_records
+from streamtally.topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.wire import avro
+from streamtally.wire.billing import bill
+from streamtally.wire.records import RawEngineOutput, RawSseEvent
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"

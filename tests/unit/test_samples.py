@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from streamtally.models import Source
+from streamtally.core.models import Source
 from tests.expected import assert_matches, fold_file
 
 REPO = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
-from processors.requests import Outputs
-from processors.sinks import KafkaSink, Sinks
-from streamtally.models import Chunk, Source
-from topics import CHUNKS
+from streamtally.core.models import Chunk, Source
+from streamtally.processors.requests import Outputs
+from streamtally.processors.sinks import KafkaSink, Sinks
+from streamtally.topics import CHUNKS
 
 
 class FakeBatch:

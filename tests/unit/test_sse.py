@@ -8,7 +8,7 @@ from itertools import pairwise
 
 import pytest
 
-from streamtally.sse import STRAY, SseDecoder, SseEvent, iter_events
+from streamtally.core.sse import STRAY, SseDecoder, SseEvent, iter_events
 
 
 def decode(reads: Iterable[bytes]) -> list[SseEvent]:

@@ -6,10 +6,10 @@ import dataclasses
 
 import pytest
 
-import topics
-from streamtally import avro
+from streamtally import topics
 from streamtally.errors import InputError
-from topics import ALL_TOPICS, DAY_MS, Topic
+from streamtally.topics import ALL_TOPICS, DAY_MS, Topic
+from streamtally.wire import avro
 
 
 def test_names_are_unique_and_namespaced() -> None:

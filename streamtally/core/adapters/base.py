@@ -1,0 +1,152 @@
+"""What every adapter is: per-request state that turns raw events into drafts.
+
+An adapter sees one request's raw events in order (`feed`), then the end of
+the stream (`end`).  It returns `Draft`s: the content of a chunk without the
+request-level envelope (request id, sequence number, time), which the
+`Normalizer` adds.  Adapters keep only the state their wire format forces on
+them (a block's type, a running token count, a cumulative text to diff).
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import orjson
+
+from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage
+from streamtally.errors import InvalidEvent
+
+__all__ = [
+    "Adapter",
+    "AdapterOptions",
+    "Draft",
+    "ToolKeys",
+    "as_int",
+    "as_str",
+    "parse_json_object",
+]
+
+
+@dataclass(slots=True)
+class Draft:
+    """The normalised content of one raw event (for one choice)."""
+
+    choice: int = 0
+    text: str = ""
+    reasoning: str = ""
+    tools: list[ToolCallDelta] = field(default_factory=list)
+    usage: Usage | None = None
+    finish: FinishReason | None = None
+    finish_raw: str | None = None
+    error: str | None = None
+
+    def carries_anything(self) -> bool:
+        return bool(
+            self.text
+            or self.reasoning
+            or self.tools
+            or self.usage is not None
+            or self.finish is not None
+            or self.error is not None
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterOptions:
+    """Per-stream settings that the wire format itself does not carry."""
+
+    #: vLLM `RequestOutputKind` when a line does not say: "DELTA" or "CUMULATIVE".
+    vllm_output_kind: str = "DELTA"
+
+
+class Adapter(ABC):
+    """Turns one request's raw events of one source into drafts."""
+
+    source: ClassVar[Source]
+
+    def __init__(self, options: AdapterOptions | None = None) -> None:
+        self.options = options or AdapterOptions()
+        #: The provider's own id for the request, once seen.
+        self.provider_request_id: str | None = None
+        #: The model, once known.
+        self.model: str | None = None
+
+    @abstractmethod
+    def feed(self, event: Any) -> list[Draft]:
+        """Apply one raw event; raise `InvalidEvent` if it is not of this source."""
+
+    def end(self) -> list[Draft]:
+        """The stream is over: drafts for anything still pending."""
+        return []
+
+    def _see_id(self, value: object) -> None:
+        if self.provider_request_id is None and isinstance(value, str) and value:
+            self.provider_request_id = value
+
+    def _see_model(self, value: object) -> None:
+        if self.model is None and isinstance(value, str) and value:
+            self.model = value
+
+
+class ToolKeys:
+    """Resolves each OpenAI-shaped tool-call entry of one choice to its index.
+
+    The key is the entry's `index`; without one, a known non-empty `id`; without
+    either, the latest call (a continuation).  A new id without an index starts
+    the next call.
+    """
+
+    __slots__ = ("by_id", "latest", "next")
+
+    def __init__(self) -> None:
+        self.by_id: dict[str, int] = {}
+        self.latest: int | None = None
+        self.next = 0
+
+    def index_of(self, entry: Mapping[str, Any]) -> int:
+        call_id = as_str(entry.get("id"))
+        index = entry.get("index")
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            if call_id in self.by_id:
+                index = self.by_id[call_id]
+            elif call_id or self.latest is None:
+                index = self.next
+            else:
+                index = self.latest
+        if call_id:
+            self.by_id.setdefault(call_id, index)
+        self.latest = index
+        self.next = max(self.next, index + 1)
+        return index
+
+
+def parse_json_object(text: str) -> dict[str, Any] | None:
+    """The JSON object in `text`, or None when `text` is not JSON (keep-alives, `[DONE]`)."""
+    if not text or (text[0] != "{" and text.lstrip()[:1] != "{"):
+        return None  # `[DONE]`, keep-alives and other non-object payloads
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError:
+        try:  # what orjson refuses but JSON allows (integers beyond 64 bits)
+            value = json.loads(text)
+        except ValueError:
+            return None
+    return value if isinstance(value, dict) else None
+
+
+def as_str(value: object) -> str:
+    """A string field, or "" when absent/null/not a string."""
+    return value if isinstance(value, str) else ""
+
+
+def as_int(value: object, what: str) -> int | None:
+    """A token count: None when absent/null, else a non-negative int."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise InvalidEvent(f"{what} is not a non-negative integer: {value!r}")
+    return value

@@ -1,0 +1,253 @@
+"""`gemini`: `streamGenerateContent?alt=sse` of the Gemini API and Vertex AI.
+
+Function calls arrive whole (`args` as an object, serialised here as compact
+JSON) or, on Vertex with streamed arguments, as a named start part, then
+`partialArgs` parts addressed by JSON path, then an empty `functionCall`.
+Calls are numbered in order of appearance.  `usageMetadata` is a running
+total, merged field by field (Vertex sends count-less objects until the end).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from itertools import pairwise
+from typing import Any
+
+from streamtally.core.adapters.base import Adapter, Draft, as_str, parse_json_object
+from streamtally.core.adapters.finish import map_gemini
+from streamtally.core.adapters.usage import RawUsage
+from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
+from streamtally.core.sse import SseEvent
+from streamtally.errors import InvalidEvent
+
+__all__ = ["GeminiAdapter"]
+
+_SHAPE_KEYS = ("candidates", "usageMetadata", "promptFeedback", "error", "modelVersion")
+_PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+def _convert_usage(raw: Mapping[str, int]) -> Usage:
+    thoughts = raw.get("thoughtsTokenCount", 0)
+    return trusted_usage(
+        input_tokens=raw.get("promptTokenCount", 0),
+        output_tokens=raw.get("candidatesTokenCount", 0) + thoughts,
+        reasoning_tokens=thoughts,
+        cached_tokens=raw.get("cachedContentTokenCount", 0),
+    )
+
+
+_USAGE_FIELDS = (
+    "promptTokenCount",
+    "candidatesTokenCount",
+    "thoughtsTokenCount",
+    "cachedContentTokenCount",
+)
+
+
+def _compact(value: object) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+class _StreamedArgs:
+    """Builds one call's arguments from Vertex `partialArgs` (JSON path → value)."""
+
+    __slots__ = ("root",)
+
+    def __init__(self) -> None:
+        self.root: dict[str, Any] = {}
+
+    def apply(self, partial: Mapping[str, Any]) -> None:
+        path = as_str(partial.get("jsonPath"))
+        if not path.startswith("$"):
+            raise InvalidEvent(f"partialArgs jsonPath does not start with $: {path!r}")
+        steps: list[str | int] = []
+        pos = 1
+        while pos < len(path):
+            match = _PATH_STEP.match(path, pos)
+            if match is None:
+                raise InvalidEvent(f"unsupported partialArgs jsonPath: {path!r}")
+            steps.append(match.group(1) if match.group(1) is not None else int(match.group(2)))
+            pos = match.end()
+        if not steps:
+            raise InvalidEvent(f"partialArgs jsonPath names no field: {path!r}")
+        if "stringValue" in partial:
+            value: Any = as_str(partial["stringValue"])
+        elif "numberValue" in partial:
+            value = partial["numberValue"]
+        elif "boolValue" in partial:
+            value = partial["boolValue"]
+        else:
+            value = None
+        self._set(steps, value)
+
+    def _set(self, steps: list[str | int], value: Any) -> None:
+        node: Any = self.root
+        for step, following in pairwise(steps):
+            child = _get(node, step)
+            if child is None:
+                child = [] if isinstance(following, int) else {}
+                _put(node, step, child)
+            node = child
+        last = steps[-1]
+        current = _get(node, last)
+        if isinstance(value, str) and isinstance(current, str):
+            value = current + value
+        _put(node, last, value)
+
+
+def _get(node: Any, step: str | int) -> Any:
+    if isinstance(step, int):
+        return node[step] if isinstance(node, list) and step < len(node) else None
+    return node.get(step) if isinstance(node, dict) else None
+
+
+def _put(node: Any, step: str | int, value: Any) -> None:
+    if isinstance(step, int):
+        if not isinstance(node, list):
+            raise InvalidEvent("partialArgs path indexes a value that is not a list")
+        node.extend([None] * (step + 1 - len(node)))
+        node[step] = value
+    elif isinstance(node, dict):
+        node[step] = value
+    else:
+        raise InvalidEvent("partialArgs path names a field of a value that is not an object")
+
+
+class GeminiAdapter(Adapter):
+    source = Source.GEMINI
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._usage = RawUsage(_convert_usage)
+        self._calls: dict[int, int] = {}  # candidate -> number of calls started
+        self._open: dict[int, tuple[int, _StreamedArgs]] = {}  # candidate -> streamed call
+
+    def feed(self, event: SseEvent) -> list[Draft]:
+        obj = parse_json_object(event.data)
+        if obj is None:
+            return []
+        if obj.keys().isdisjoint(_SHAPE_KEYS):
+            raise InvalidEvent(
+                "not a Gemini GenerateContentResponse "
+                f"(expected one of {', '.join(_SHAPE_KEYS)}; got keys {', '.join(sorted(obj)[:8])})"
+            )
+        if obj.get("error"):
+            return [self._error(obj["error"])]
+        if self.provider_request_id is None:
+            self._see_id(obj.get("responseId"))
+        if self.model is None:
+            self._see_model(obj.get("modelVersion"))
+        drafts: list[Draft] = []
+        candidates = obj.get("candidates")
+        if isinstance(candidates, list):
+            for candidate in candidates:
+                if isinstance(candidate, dict):
+                    draft = self._candidate(candidate)
+                    if draft.carries_anything():
+                        drafts.append(draft)
+        feedback = obj.get("promptFeedback")
+        if isinstance(feedback, dict) and feedback.get("blockReason"):
+            raw = as_str(feedback["blockReason"])
+            drafts.append(Draft(finish=FinishReason.CONTENT_FILTER, finish_raw=raw))
+        usage = obj.get("usageMetadata")
+        reported = (
+            {name: usage[name] for name in _USAGE_FIELDS if name in usage}
+            if isinstance(usage, dict)
+            else None
+        )
+        if reported:
+            total = self._usage.report(reported)
+            if drafts:
+                drafts[0].usage = total
+            else:
+                drafts.append(Draft(usage=total))
+        return drafts
+
+    def end(self) -> list[Draft]:
+        drafts = [self._close(candidate) for candidate in sorted(self._open)]
+        self._open.clear()
+        return drafts
+
+    def _error(self, error: object) -> Draft:
+        message = ""
+        if isinstance(error, dict):
+            message = as_str(error.get("message")) or as_str(error.get("status"))
+        return Draft(finish=FinishReason.ERROR, finish_raw="error", error=message or str(error))
+
+    def _candidate(self, candidate: Mapping[str, Any]) -> Draft:
+        index = candidate.get("index", 0)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise InvalidEvent(f"candidate index is not a non-negative integer: {index!r}")
+        draft = Draft(choice=index)
+        content = candidate.get("content")
+        parts = content.get("parts") if isinstance(content, dict) else None
+        text: list[str] = []
+        thoughts: list[str] = []
+        if isinstance(parts, list):
+            for part in parts:
+                if not isinstance(part, dict):
+                    continue
+                if "text" in part:
+                    (thoughts if part.get("thought") is True else text).append(as_str(part["text"]))
+                call = part.get("functionCall")
+                if isinstance(call, dict):
+                    draft.tools.extend(self._function_call(index, call))
+        draft.text = "".join(text)
+        draft.reasoning = "".join(thoughts)
+        raw = candidate.get("finishReason")
+        if isinstance(raw, str) and raw:
+            if index in self._open:
+                draft.tools.extend(self._close(index).tools)
+                del self._open[index]
+            draft.finish = map_gemini(raw)
+            draft.finish_raw = raw
+            if draft.finish is FinishReason.ERROR:
+                draft.error = as_str(candidate.get("finishMessage")) or raw
+        return draft
+
+    def _function_call(self, candidate: int, call: Mapping[str, Any]) -> list[ToolCallDelta]:
+        name = as_str(call.get("name"))
+        out: list[ToolCallDelta] = []
+        if name:
+            if candidate in self._open:
+                out.extend(self._close(candidate).tools)
+                del self._open[candidate]
+            number = self._calls.get(candidate, 0)
+            self._calls[candidate] = number + 1
+            call_id = as_str(call.get("id")) or None
+            if call.get("willContinue") is True:
+                args = _StreamedArgs()
+                self._apply_partials(args, call)
+                self._open[candidate] = (number, args)
+                out.append(ToolCallDelta(index=number, id=call_id, name=name))
+            else:
+                arguments = call.get("args")
+                rendered = _compact(arguments) if arguments is not None else ""
+                out.append(
+                    ToolCallDelta(index=number, id=call_id, name=name, arguments_delta=rendered)
+                )
+            return out
+        if candidate not in self._open:
+            return out  # an empty terminator or stray partials with no open call
+        if "partialArgs" in call or call.get("willContinue") is True:
+            self._apply_partials(self._open[candidate][1], call)
+        else:  # `functionCall: {}` ends the streamed call
+            out.extend(self._close(candidate).tools)
+            del self._open[candidate]
+        return out
+
+    def _apply_partials(self, args: _StreamedArgs, call: Mapping[str, Any]) -> None:
+        partials = call.get("partialArgs")
+        if isinstance(partials, list):
+            for partial in partials:
+                if isinstance(partial, dict):
+                    args.apply(partial)
+
+    def _close(self, candidate: int) -> Draft:
+        number, args = self._open[candidate]
+        rendered = _compact(args.root) if args.root else ""
+        return Draft(
+            choice=candidate, tools=[ToolCallDelta(index=number, arguments_delta=rendered)]
+        )

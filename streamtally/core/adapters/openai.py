@@ -1,0 +1,217 @@
+"""`openai`: Chat Completions SSE and every OpenAI-compatible server.
+
+Covers OpenAI, Azure, DeepSeek, Qwen/DashScope (compatible mode and the native
+`output.choices[].message` envelope), vLLM, SGLang, Groq, Mistral (content
+arrays with thinking parts, tool calls without index), xAI, Together,
+OpenRouter, Moonshot and Ollama.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from streamtally.core.adapters.base import Adapter, Draft, ToolKeys, as_str, parse_json_object
+from streamtally.core.adapters.finish import map_openai
+from streamtally.core.adapters.usage import RawUsage
+from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
+from streamtally.core.sse import STRAY, SseEvent
+from streamtally.errors import InvalidEvent
+
+__all__ = ["OpenAIChatAdapter"]
+
+_SHAPE_KEYS = ("choices", "error", "usage", "output")
+
+
+def _convert_usage(raw: Mapping[str, int]) -> Usage:
+    prompt = raw.get("prompt", 0)
+    completion = raw.get("completion", 0)
+    reasoning = raw.get("reasoning", 0)
+    output = completion
+    # Reasoning reported outside completion (xAI): the report's own total says so.
+    if reasoning and raw.get("total") == prompt + completion + reasoning:
+        output = completion + reasoning
+    return trusted_usage(
+        input_tokens=prompt,
+        output_tokens=output,
+        reasoning_tokens=reasoning,
+        cached_tokens=raw.get("cached", 0),
+        cache_write_tokens=raw.get("cache_write", 0),
+    )
+
+
+def _usage_fields(usage: Mapping[str, Any]) -> dict[str, object]:
+    prompt_details = usage.get("prompt_tokens_details") or {}
+    completion_details = (
+        usage.get("completion_tokens_details") or usage.get("output_tokens_details") or {}
+    )
+    cached = usage.get("prompt_cache_hit_tokens")  # DeepSeek
+    if cached is None:
+        cached = prompt_details.get("cached_tokens")
+    prompt = usage.get("prompt_tokens")
+    completion = usage.get("completion_tokens")
+    if prompt is None and completion is None:  # DashScope native names
+        prompt, completion = usage.get("input_tokens"), usage.get("output_tokens")
+    return {
+        "prompt": prompt,
+        "completion": completion,
+        "total": usage.get("total_tokens"),
+        "cached": cached,
+        "cache_write": prompt_details.get("cache_write_tokens"),
+        "reasoning": completion_details.get("reasoning_tokens"),
+    }
+
+
+def _text_and_thinking(content: object) -> tuple[str, str]:
+    """`delta.content`: a string, or (Mistral) an array of text/thinking parts."""
+    if isinstance(content, str):
+        return content, ""
+    if not isinstance(content, list):
+        return "", ""
+    text: list[str] = []
+    thinking: list[str] = []
+    for part in content:
+        if not isinstance(part, dict):
+            continue
+        if part.get("type") == "thinking":
+            inner = part.get("thinking")
+            if isinstance(inner, list):
+                thinking.extend(as_str(p.get("text")) for p in inner if isinstance(p, dict))
+            else:
+                thinking.append(as_str(inner))
+        else:
+            text.append(as_str(part.get("text")))
+    return "".join(text), "".join(thinking)
+
+
+def _reasoning(delta: Mapping[str, Any]) -> str:
+    for key in ("reasoning_content", "reasoning"):
+        value = delta.get(key)
+        if isinstance(value, str) and value:
+            return value
+    details = delta.get("reasoning_details")
+    if isinstance(details, list):
+        return "".join(
+            as_str(d.get("text"))
+            for d in details
+            if isinstance(d, dict) and d.get("type") == "reasoning.text"
+        )
+    return ""
+
+
+def _error_message(error: object) -> str:
+    if isinstance(error, dict):
+        message = error.get("message")
+        if isinstance(message, str) and message:
+            return message
+        return str(error.get("type") or error.get("code") or error)
+    return str(error)
+
+
+class OpenAIChatAdapter(Adapter):
+    source = Source.OPENAI
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._usage = RawUsage(_convert_usage)
+        self._tools: dict[int, ToolKeys] = {}
+        self._done = False
+
+    def feed(self, event: SseEvent) -> list[Draft]:
+        if self._done:
+            return []  # nothing after `[DONE]` belongs to the stream
+        data = event.data
+        if event.event == STRAY:
+            obj = parse_json_object(data)
+            return self._error(obj["error"]) if obj and obj.get("error") else []
+        if data.startswith("[DONE]"):
+            self._done = True
+            return []
+        obj = parse_json_object(data)
+        if obj is None:
+            return []  # keep-alive or other non-JSON payload
+        if obj.keys().isdisjoint(_SHAPE_KEYS) or (
+            isinstance(obj.get("type"), str) and "choices" not in obj and "output" not in obj
+        ):  # no chat chunk shape, or a typed event (Anthropic, Responses)
+            raise InvalidEvent(
+                "not an OpenAI-compatible chat completion chunk "
+                f"(expected one of {', '.join(_SHAPE_KEYS)}; got keys {', '.join(sorted(obj)[:8])})"
+            )
+        if self.provider_request_id is None:
+            self._see_id(obj.get("id"))
+            self._see_id(obj.get("request_id"))
+        if self.model is None:
+            self._see_model(obj.get("model"))
+        drafts: list[Draft] = []
+        if obj.get("error"):
+            drafts.extend(self._error(obj["error"]))
+        choices = obj.get("choices")
+        output = obj.get("output")
+        if isinstance(output, dict):  # DashScope native envelope
+            choices = output.get("choices")
+        if isinstance(choices, list):
+            for choice in choices:
+                if isinstance(choice, dict):
+                    draft = self._choice(choice)
+                    if draft.carries_anything():
+                        drafts.append(draft)
+        usage = obj.get("usage")
+        if not isinstance(usage, dict):
+            x_groq = obj.get("x_groq")
+            usage = x_groq.get("usage") if isinstance(x_groq, dict) else None
+        if isinstance(usage, dict):
+            total = self._usage.report(_usage_fields(usage))
+            if drafts:
+                drafts[0].usage = total
+            else:
+                drafts.append(Draft(usage=total))
+        return drafts
+
+    def _error(self, error: object) -> list[Draft]:
+        return [Draft(finish=FinishReason.ERROR, finish_raw="error", error=_error_message(error))]
+
+    def _choice(self, choice: Mapping[str, Any]) -> Draft:
+        index = choice.get("index", 0)
+        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+            raise InvalidEvent(f"choice index is not a non-negative integer: {index!r}")
+        draft = Draft(choice=index)
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            delta = choice.get("message")
+        if isinstance(delta, dict):
+            text, thinking = _text_and_thinking(delta.get("content"))
+            draft.text = text + as_str(delta.get("refusal"))
+            draft.reasoning = thinking + _reasoning(delta)
+            tool_calls = delta.get("tool_calls")
+            if isinstance(tool_calls, list) and tool_calls:
+                draft.tools = self._tool_deltas(index, tool_calls)
+        raw = choice.get("finish_reason")
+        if isinstance(raw, str) and raw and raw != "null":
+            draft.finish = map_openai(raw)
+            draft.finish_raw = raw
+        return draft
+
+    def _tool_deltas(self, choice: int, entries: list[Any]) -> list[ToolCallDelta]:
+        keys = self._tools.get(choice)
+        if keys is None:
+            keys = self._tools[choice] = ToolKeys()
+        out: list[ToolCallDelta] = []
+        for entry in entries:
+            if not isinstance(entry, dict):
+                continue
+            function = entry.get("function")
+            if not isinstance(function, dict):
+                function = {}
+            arguments = function.get("arguments")
+            if isinstance(arguments, dict):  # some servers send an object
+                arguments = json.dumps(arguments, separators=(",", ":"), ensure_ascii=False)
+            out.append(
+                ToolCallDelta(
+                    index=keys.index_of(entry),
+                    id=as_str(entry.get("id")) or None,
+                    name=as_str(function.get("name")) or None,
+                    arguments_delta=as_str(arguments),
+                )
+            )
+        return out

@@ -1,0 +1,161 @@
+"""`openai-responses`: the Responses API SSE stream.
+
+Items are keyed by `output_index` (proxies rotate item ids).  The finish and
+the usage come from the terminal `response.*` event; an `error` event is
+terminal too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from streamtally.core.adapters.base import Adapter, Draft, as_str, parse_json_object
+from streamtally.core.adapters.finish import map_responses
+from streamtally.core.adapters.usage import RawUsage
+from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
+from streamtally.core.sse import STRAY, SseEvent
+from streamtally.errors import InvalidEvent
+
+__all__ = ["OpenAIResponsesAdapter"]
+
+_TOOL_ITEMS = frozenset({"function_call", "custom_tool_call"})
+_TEXT_DELTAS = frozenset({"response.output_text.delta", "response.refusal.delta"})
+_REASONING_DELTAS = frozenset(
+    {"response.reasoning_summary_text.delta", "response.reasoning_text.delta"}
+)
+_ARGUMENT_DELTAS = frozenset(
+    {"response.function_call_arguments.delta", "response.custom_tool_call_input.delta"}
+)
+_ARGUMENT_DONE = frozenset(
+    {"response.function_call_arguments.done", "response.custom_tool_call_input.done"}
+)
+_TERMINAL = frozenset(
+    {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
+)
+
+
+def _convert_usage(raw: Mapping[str, int]) -> Usage:
+    return trusted_usage(
+        input_tokens=raw.get("input", 0),
+        output_tokens=raw.get("output", 0),
+        reasoning_tokens=raw.get("reasoning", 0),
+        cached_tokens=raw.get("cached", 0),
+        cache_write_tokens=raw.get("cache_write", 0),
+    )
+
+
+def _usage_fields(usage: Mapping[str, Any]) -> dict[str, object]:
+    inputs = usage.get("input_tokens_details") or {}
+    outputs = usage.get("output_tokens_details") or {}
+    return {
+        "input": usage.get("input_tokens"),
+        "output": usage.get("output_tokens"),
+        "cached": inputs.get("cached_tokens"),
+        "cache_write": inputs.get("cache_write_tokens"),
+        "reasoning": outputs.get("reasoning_tokens"),
+    }
+
+
+def _output_index(obj: Mapping[str, Any]) -> int:
+    index = obj.get("output_index")
+    if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        raise InvalidEvent(f"{obj.get('type')} without a valid output_index: {index!r}")
+    return index
+
+
+class OpenAIResponsesAdapter(Adapter):
+    source = Source.OPENAI_RESPONSES
+
+    def __init__(self, options: Any = None) -> None:
+        super().__init__(options)
+        self._usage = RawUsage(_convert_usage)
+        self._with_arguments: set[int] = set()
+
+    def feed(self, event: SseEvent) -> list[Draft]:
+        obj = parse_json_object(event.data)
+        if obj is None:
+            return []
+        kind = obj.get("type")
+        if event.event == STRAY:
+            kind = "error" if "error" in obj else None
+            obj = obj["error"] if isinstance(obj.get("error"), dict) else obj
+        if not isinstance(kind, str):
+            raise InvalidEvent(
+                f'not a Responses API event (no "type"; keys {", ".join(sorted(obj)[:8])})'
+            )
+        if kind in _TEXT_DELTAS:
+            return self._some(Draft(text=as_str(obj.get("delta"))))
+        if kind in _REASONING_DELTAS:
+            return self._some(Draft(reasoning=as_str(obj.get("delta"))))
+        if kind in _ARGUMENT_DELTAS:
+            index = _output_index(obj)
+            self._with_arguments.add(index)
+            return self._arguments(index, as_str(obj.get("delta")))
+        if kind in _ARGUMENT_DONE:
+            index = _output_index(obj)
+            if index in self._with_arguments:
+                return []
+            self._with_arguments.add(index)
+            return self._arguments(index, as_str(obj.get("arguments") or obj.get("input")))
+        if kind == "response.output_item.added":
+            return self._item_added(obj)
+        if kind in _TERMINAL:
+            return self._terminal(obj)
+        if kind == "error":
+            inner = obj.get("error")
+            body = inner if isinstance(inner, dict) else obj
+            message = as_str(body.get("message")) or as_str(body.get("code")) or "error event"
+            return [Draft(finish=FinishReason.ERROR, finish_raw="error", error=message)]
+        if kind.startswith("response."):
+            response = obj.get("response")
+            if isinstance(response, dict):
+                self._see_id(response.get("id"))
+                self._see_model(response.get("model"))
+            return []
+        raise InvalidEvent(f"not a Responses API event type: {kind!r}")
+
+    def _some(self, draft: Draft) -> list[Draft]:
+        return [draft] if draft.carries_anything() else []
+
+    def _arguments(self, index: int, fragment: str) -> list[Draft]:
+        return self._some(Draft(tools=[ToolCallDelta(index=index, arguments_delta=fragment)]))
+
+    def _item_added(self, obj: Mapping[str, Any]) -> list[Draft]:
+        item = obj.get("item")
+        if not isinstance(item, dict) or item.get("type") not in _TOOL_ITEMS:
+            return []
+        index = _output_index(obj)
+        arguments = as_str(item.get("arguments") or item.get("input"))
+        if arguments:
+            self._with_arguments.add(index)
+        delta = ToolCallDelta(
+            index=index,
+            id=as_str(item.get("call_id")) or as_str(item.get("id")) or None,
+            name=as_str(item.get("name")) or None,
+            arguments_delta=arguments,
+        )
+        return [Draft(tools=[delta])]
+
+    def _terminal(self, obj: Mapping[str, Any]) -> list[Draft]:
+        response = obj.get("response")
+        if not isinstance(response, dict):
+            raise InvalidEvent(f"{obj.get('type')} without a response object")
+        self._see_id(response.get("id"))
+        self._see_model(response.get("model"))
+        status = as_str(response.get("status")) or as_str(obj.get("type")).removeprefix("response.")
+        details = response.get("incomplete_details")
+        reason = as_str(details.get("reason")) if isinstance(details, dict) else ""
+        draft = Draft(
+            finish=map_responses(status, reason or None),
+            finish_raw=reason if status == "incomplete" and reason else status,
+        )
+        error = response.get("error")
+        if isinstance(error, dict):
+            draft.error = as_str(error.get("message")) or as_str(error.get("code")) or None
+        if draft.finish is FinishReason.ERROR and draft.error is None:
+            draft.error = f"response {status}"
+        usage = response.get("usage")
+        if isinstance(usage, dict):
+            draft.usage = self._usage.report(_usage_fields(usage))
+        return [draft]

@@ -1,0 +1,177 @@
+"""The fold: a request's chunks, applied in order, become one `Tokens` record.
+
+This is the single implementation behind both `streamtally fold` and the
+stream processors.  The rules are those of the normalisation contract:
+
+* usage is a running total: the last reported value wins, never a sum;
+* a null never overwrites a finish reason already seen, and when several
+  apply the strongest wins (error, cancelled > length > content_filter >
+  tool_calls > stop);
+* a choice that called tools and finished with a plain stop finished with
+  `tool_calls`;
+* a choice that never saw a finish signal finished with `error`;
+* tool calls are keyed by index; `id` and `name` are set once and never
+  blanked; argument fragments are joined in order and `""` means `{}`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from streamtally.core.models import (
+    PRECEDENCE,
+    ZERO_USAGE,
+    ChoiceTokens,
+    Chunk,
+    FinishReason,
+    Source,
+    Tokens,
+    ToolCall,
+    Usage,
+)
+
+__all__ = ["NO_FINISH", "Fold", "fold"]
+
+#: The error recorded for a stream that ended without any finish signal.
+NO_FINISH = "stream ended without a finish reason"
+
+
+class _Tool:
+    __slots__ = ("args", "id", "name")
+
+    def __init__(self) -> None:
+        self.id: str | None = None
+        self.name: str | None = None
+        self.args: list[str] = []
+
+    def result(self, index: int) -> ToolCall:
+        return ToolCall(
+            index=index, id=self.id, name=self.name, arguments="".join(self.args) or "{}"
+        )
+
+
+class _Choice:
+    __slots__ = ("finish", "finish_raw", "rank", "reasoning", "text", "tools")
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.reasoning: list[str] = []
+        self.tools: dict[int, _Tool] = {}
+        self.finish: FinishReason | None = None
+        self.finish_raw: str | None = None
+        self.rank = -1
+
+    def result(self, index: int, finish: FinishReason, raw: str | None) -> ChoiceTokens:
+        return ChoiceTokens(
+            index=index,
+            text="".join(self.text),
+            reasoning="".join(self.reasoning),
+            tool_calls=tuple(self.tools[i].result(i) for i in sorted(self.tools)),
+            finish_reason=finish,
+            finish_reason_raw=raw,
+        )
+
+
+class Fold:
+    """Accumulates one request's chunks; `result()` gives its `Tokens`."""
+
+    __slots__ = ("_choices", "chunks", "error", "model", "request_id", "source", "usage")
+
+    def __init__(self, request_id: str, source: Source) -> None:
+        self.request_id = request_id
+        self.source = source
+        self.model: str | None = None
+        self.usage: Usage | None = None
+        self.error: str | None = None
+        self.chunks = 0
+        self._choices: dict[int, _Choice] = {0: _Choice()}
+
+    def add(self, chunk: Chunk) -> None:
+        self.chunks += 1
+        if self.model is None and chunk.model:
+            self.model = chunk.model
+        if chunk.usage is not None:
+            self.usage = chunk.usage
+        if chunk.error is not None and self.error is None:
+            self.error = chunk.error
+        choice = self._choices.get(chunk.choice)
+        if choice is None:
+            choice = self._choices[chunk.choice] = _Choice()
+        if chunk.text_delta:
+            choice.text.append(chunk.text_delta)
+        if chunk.reasoning_delta:
+            choice.reasoning.append(chunk.reasoning_delta)
+        for delta in chunk.tool_call_deltas:
+            tool = choice.tools.get(delta.index)
+            if tool is None:
+                tool = choice.tools[delta.index] = _Tool()
+            if delta.id and tool.id is None:
+                tool.id = delta.id
+            if delta.name and tool.name is None:
+                tool.name = delta.name
+            if delta.arguments_delta:
+                tool.args.append(delta.arguments_delta)
+        finish = chunk.finish_reason
+        if finish is not None and PRECEDENCE[finish] > choice.rank:
+            choice.finish = finish
+            choice.finish_raw = chunk.finish_reason_raw
+            choice.rank = PRECEDENCE[finish]
+
+    def fail(self, message: str) -> None:
+        """A request-level failure (raw events missing): every choice finishes `error`."""
+        if self.error is None:
+            self.error = message
+        for choice in self._choices.values():
+            if PRECEDENCE[FinishReason.ERROR] > choice.rank:
+                choice.finish, choice.finish_raw = FinishReason.ERROR, None
+                choice.rank = PRECEDENCE[FinishReason.ERROR]
+
+    @property
+    def finished(self) -> bool:
+        """True once every choice seen so far has a finish signal."""
+        return all(c.finish is not None for c in self._choices.values())
+
+    def result(self, *, ended: bool = True, reason: str = NO_FINISH) -> Tokens:
+        """The request's `Tokens`.
+
+        `ended` says the stream is over, so a choice without a finish signal
+        finished with `error` and `reason` becomes the error message (unless
+        an error was already reported).
+        """
+        error = self.error
+        results: list[ChoiceTokens] = []
+        for index in sorted(self._choices):
+            choice = self._choices[index]
+            finish, raw = choice.finish, choice.finish_raw
+            if finish is None:
+                if not ended:
+                    raise ValueError(f"request {self.request_id!r} has not finished")
+                finish, raw = FinishReason.ERROR, None
+                if error is None:
+                    error = reason
+            elif finish is FinishReason.STOP and choice.tools:
+                finish = FinishReason.TOOL_CALLS
+            results.append(choice.result(index, finish, raw))
+        first = results[0]
+        return Tokens(
+            request_id=self.request_id,
+            source=self.source,
+            model=self.model,
+            text=first.text,
+            reasoning=first.reasoning,
+            tool_calls=first.tool_calls,
+            usage=self.usage or ZERO_USAGE,
+            finish_reason=first.finish_reason,
+            finish_reason_raw=first.finish_reason_raw,
+            error=error,
+            chunks=self.chunks,
+            choices=tuple(results) if len(results) > 1 else (),
+        )
+
+
+def fold(chunks: Iterable[Chunk], request_id: str, source: Source) -> Tokens:
+    """Fold a complete stream of one request's chunks into its `Tokens`."""
+    acc = Fold(request_id, source)
+    for chunk in chunks:
+        acc.add(chunk)
+    return acc.result()

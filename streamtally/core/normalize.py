@@ -1,0 +1,214 @@
+"""Raw events → chunks, for one request: the adapter registry and the `Normalizer`.
+
+`Normalizer` wraps the adapter of a source with the request-level envelope of
+every chunk (request id, sequence number, model, time).  When the caller does
+not know the request id yet (`streamtally fold` without `--request-id`),
+drafts wait until the provider's own id shows up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterable, Iterator
+from datetime import datetime
+from typing import IO, Any
+
+from streamtally.core.adapters.anthropic import AnthropicAdapter
+from streamtally.core.adapters.base import Adapter, AdapterOptions, Draft
+from streamtally.core.adapters.engines import AtomrAdapter, DynamoAdapter, VllmAdapter
+from streamtally.core.adapters.gemini import GeminiAdapter
+from streamtally.core.adapters.openai import OpenAIChatAdapter
+from streamtally.core.adapters.openai_responses import OpenAIResponsesAdapter
+from streamtally.core.fold import Fold
+from streamtally.core.models import Chunk, Source, Tokens, trusted_chunk, utc_now
+from streamtally.core.sse import SseDecoder, SseEvent
+from streamtally.errors import InvalidEvent, NotAStream
+
+__all__ = [
+    "ADAPTERS",
+    "Normalizer",
+    "discover_request_id",
+    "fallback_request_id",
+    "fold_stream",
+    "make_adapter",
+    "read_events",
+]
+
+ADAPTERS: dict[Source, type[Adapter]] = {
+    Source.OPENAI: OpenAIChatAdapter,
+    Source.OPENAI_RESPONSES: OpenAIResponsesAdapter,
+    Source.ANTHROPIC: AnthropicAdapter,
+    Source.GEMINI: GeminiAdapter,
+    Source.DYNAMO: DynamoAdapter,
+    Source.VLLM: VllmAdapter,
+    Source.ATOMR: AtomrAdapter,
+}
+
+_READ_SIZE = 1 << 16
+
+
+def make_adapter(source: Source, options: AdapterOptions | None = None) -> Adapter:
+    return ADAPTERS[source](options)
+
+
+class Normalizer:
+    """One request's raw events in, its chunks out."""
+
+    __slots__ = ("_adapter", "_model", "_pending", "_request_id", "_seq", "events", "source")
+
+    def __init__(
+        self,
+        source: Source,
+        request_id: str | None = None,
+        options: AdapterOptions | None = None,
+        model: str | None = None,
+    ) -> None:
+        """`model` names the model when the stream does not (engine outputs never do)."""
+        self.source = source
+        self._model = model
+        self._adapter = make_adapter(source, options)
+        self._request_id = request_id
+        self._pending: list[tuple[Draft, datetime]] = []
+        self._seq = 0
+        #: Raw events applied so far.
+        self.events = 0
+
+    @property
+    def request_id(self) -> str | None:
+        return self._request_id or self._adapter.provider_request_id
+
+    @property
+    def model(self) -> str | None:
+        return self._adapter.model or self._model
+
+    def feed(self, event: SseEvent | Any, event_time: datetime | None = None) -> list[Chunk]:
+        """Apply one raw event (an `SseEvent`, or a JSON object for engines)."""
+        self.events += 1
+        return self._chunks(self._adapter.feed(event), event_time)
+
+    def end(self, event_time: datetime | None = None, fallback_request_id: str = "") -> list[Chunk]:
+        """The stream is over; `fallback_request_id` names a request with no id at all."""
+        chunks = self._chunks(self._adapter.end(), event_time)
+        if self._pending:
+            if self.request_id is None:
+                self._request_id = fallback_request_id or "unknown"
+            chunks = self._flush() + chunks
+        return chunks
+
+    def _chunks(self, drafts: list[Draft], event_time: datetime | None) -> list[Chunk]:
+        if not drafts:
+            return []
+        when = event_time or utc_now()
+        if self.request_id is None:
+            self._pending.extend((draft, when) for draft in drafts)
+            return []
+        out = self._flush() if self._pending else []
+        out.extend(self._chunk(draft, when) for draft in drafts)
+        return out
+
+    def _flush(self) -> list[Chunk]:
+        pending, self._pending = self._pending, []
+        return [self._chunk(draft, when) for draft, when in pending]
+
+    def _chunk(self, draft: Draft, when: datetime) -> Chunk:
+        request_id = self.request_id
+        assert request_id is not None
+        chunk = trusted_chunk(
+            request_id=request_id,
+            seq=self._seq,
+            source=self.source,
+            model=self._adapter.model or self._model,
+            choice=draft.choice,
+            text_delta=draft.text,
+            reasoning_delta=draft.reasoning,
+            tool_call_deltas=tuple(draft.tools),
+            usage=draft.usage,
+            finish_reason=draft.finish,
+            finish_reason_raw=draft.finish_raw,
+            error=draft.error,
+            event_time=when,
+        )
+        self._seq += 1
+        return chunk
+
+
+def read_events(source: Source, stream: IO[bytes]) -> Iterator[SseEvent | Any]:
+    """The raw events of one transcript: SSE events, or one JSON object per line."""
+    if source.is_sse:
+        decoder = SseDecoder()
+        while data := stream.read(_READ_SIZE):
+            yield from decoder.feed(data)
+        yield from decoder.close()
+        return
+    for number, line in enumerate(stream, start=1):
+        text = line.strip()
+        if not text:
+            continue
+        try:
+            yield json.loads(text)
+        except ValueError as exc:
+            raise InvalidEvent(f"line {number} is not JSON: {exc}") from exc
+
+
+def fold_stream(
+    source: Source,
+    events: Iterable[SseEvent | Any],
+    request_id: str | None = None,
+    *,
+    options: AdapterOptions | None = None,
+    fallback_request_id: str = "",
+    on_invalid: Callable[[int, InvalidEvent], None] | None = None,
+    model: str | None = None,
+) -> Tokens:
+    """Normalise and fold one whole request: what `streamtally fold` prints.
+
+    An event that is not valid for `source` is skipped, as the processors
+    dead-letter it and go on (`on_invalid` hears of it), so the command and
+    the pipeline give the same Tokens.  Input with no valid event at all is
+    not a stream of `source`: `NotAStream`.
+    """
+    normalizer = Normalizer(source, request_id, options, model)
+    chunks: list[Chunk] = []
+    first_error: str | None = None
+    now = utc_now()
+    for number, event in enumerate(events, start=1):
+        try:
+            chunks.extend(normalizer.feed(event, now))
+        except InvalidEvent as exc:
+            if first_error is None:
+                first_error = f"event {number}: {exc}"
+            if on_invalid is not None:
+                on_invalid(number, exc)
+    chunks.extend(normalizer.end(now, fallback_request_id=fallback_request_id))
+    if not chunks:
+        what = "SSE events" if source.is_sse else "lines"
+        detail = f" ({first_error})" if first_error else ""
+        raise NotAStream(
+            f"no {source.value} content in {normalizer.events} {what}{detail}: "
+            f"is this a {source.value} stream? (see `streamtally fold --help` for the sources)"
+        )
+    acc = Fold(chunks[0].request_id, source)
+    for chunk in chunks:
+        acc.add(chunk)
+    return acc.result()
+
+
+def fallback_request_id(data: bytes) -> str:
+    """The id of a request whose stream names none: derived from its bytes, so stable."""
+    return "sha256-" + hashlib.sha256(data).hexdigest()[:24]
+
+
+def discover_request_id(
+    source: Source, events: Iterable[SseEvent | Any], options: AdapterOptions | None = None
+) -> str | None:
+    """The provider's own id for the request, as `streamtally fold` reports it."""
+    adapter = make_adapter(source, options)
+    for event in events:
+        try:
+            adapter.feed(event)
+        except InvalidEvent:
+            continue  # the worker will dead-letter it; the id may still come later
+        if adapter.provider_request_id is not None:
+            return adapter.provider_request_id
+    return None

@@ -1,0 +1,258 @@
+"""Local development stack: one Kafka broker (KRaft, broker+controller) and one Redis.
+
+``streamtally stack up|down|status`` drives it (see :mod:`streamtally.cli.stack`);
+:mod:`streamtally.ops.stack.kafka` and :mod:`streamtally.ops.stack.redis` hold the two
+services. Application code only needs :func:`bootstrap_servers` and
+:func:`redis_url`, which honour ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL``.
+
+This module also holds the small process toolkit both services share: pid files,
+detached start (own session, output to a log file), liveness, stop with
+SIGTERM then SIGKILL, port checks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamtally.errors import StackError
+from streamtally.ops.stack.config import (
+    StackConfig,
+    bootstrap_servers,
+    redis_url,
+)
+
+__all__ = [
+    "Say",
+    "ServiceState",
+    "ServiceStatus",
+    "StackConfig",
+    "StackError",
+    "bootstrap_servers",
+    "indent",
+    "port_in_use",
+    "port_open",
+    "process_status",
+    "read_pid",
+    "redis_url",
+    "remove_pid_file",
+    "spawn_detached",
+    "stop_process",
+    "stop_service",
+    "tail",
+    "write_pid_file",
+]
+
+Say = Callable[[str], None]
+"""Where progress lines go (``print`` in the CLI)."""
+
+_POLL_S = 0.1
+_KILL_WAIT_S = 5.0
+
+
+class ServiceState(enum.Enum):
+    RUNNING = "running"
+    STOPPED = "stopped"
+    STALE = "stale pid file"
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceStatus:
+    name: str
+    state: ServiceState
+    pid: int | None
+    port: int
+    pid_file: Path
+
+    @property
+    def running(self) -> bool:
+        return self.state is ServiceState.RUNNING
+
+    def describe(self) -> str:
+        if self.state is ServiceState.RUNNING:
+            return f"{self.name}: running (pid {self.pid}, port {self.port})"
+        if self.state is ServiceState.STALE:
+            who = "unreadable pid" if self.pid is None else f"pid {self.pid} is not {self.name}"
+            return f"{self.name}: stale pid file {self.pid_file} ({who}); `stack up` replaces it"
+        return f"{self.name}: stopped"
+
+
+def _proc_file(pid: int, name: str) -> bytes | None:
+    try:
+        return Path(f"/proc/{pid}/{name}").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+
+
+def _is_alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    stat = _proc_file(pid, "stat")
+    if stat is None:
+        return True
+    # /proc/PID/stat is "pid (comm) S ...": the state letter follows the last ')'.
+    state = stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3]
+    return state not in (b"Z", b"X")
+
+
+def _cmdline(pid: int) -> str:
+    raw = _proc_file(pid, "cmdline") or b""
+    return raw.replace(b"\0", b" ").decode(errors="replace")
+
+
+def _reap(pid: int) -> None:
+    """Collect ``pid`` if it is our own exited child (only when started in-process)."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+
+
+def read_pid(pid_file: Path) -> int | None:
+    try:
+        return int(pid_file.read_text(encoding="ascii").strip())
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return None
+
+
+def process_status(name: str, pid_file: Path, marker: str, port: int) -> ServiceStatus:
+    """Status from ``pid_file``: running only if the pid lives and its command line has ``marker``.
+
+    The marker guards against a recycled pid now used by an unrelated process.
+    """
+    if not pid_file.exists():
+        return ServiceStatus(name, ServiceState.STOPPED, None, port, pid_file)
+    pid = read_pid(pid_file)
+    if pid is not None:
+        _reap(pid)
+    if pid is not None and _is_alive(pid) and marker in _cmdline(pid):
+        return ServiceStatus(name, ServiceState.RUNNING, pid, port, pid_file)
+    return ServiceStatus(name, ServiceState.STALE, pid, port, pid_file)
+
+
+def write_pid_file(pid_file: Path, pid: int) -> None:
+    tmp = pid_file.with_name(pid_file.name + ".tmp")
+    tmp.write_text(f"{pid}\n", encoding="ascii")
+    tmp.replace(pid_file)
+
+
+def remove_pid_file(pid_file: Path) -> None:
+    pid_file.unlink(missing_ok=True)
+
+
+def spawn_detached(
+    argv: Sequence[str],
+    *,
+    cwd: Path,
+    log_file: Path,
+    pid_file: Path,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen[bytes]:
+    """Start ``argv`` in its own session (outlives the CLI); stdout+stderr go to ``log_file``."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    if log_file.exists():  # keep one previous run's output, so tails show only this run
+        log_file.replace(log_file.with_name(log_file.name + ".prev"))
+    with log_file.open("wb") as log:
+        proc = subprocess.Popen(
+            list(argv),
+            cwd=cwd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            close_fds=True,
+            env=None if env is None else dict(env),
+        )
+    write_pid_file(pid_file, proc.pid)
+    return proc
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    """Signal the process group ``pid`` leads (we start services with their own session)."""
+    with contextlib.suppress(ProcessLookupError):
+        if os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+
+
+def _wait_gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        _reap(pid)
+        if not _is_alive(pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(_POLL_S)
+
+
+def stop_process(pid: int, timeout: float) -> bool:
+    """SIGTERM, wait up to ``timeout`` s, then SIGKILL. True if it stopped on SIGTERM."""
+    _signal(pid, signal.SIGTERM)
+    if _wait_gone(pid, timeout):
+        return True
+    _signal(pid, signal.SIGKILL)
+    if not _wait_gone(pid, _KILL_WAIT_S):
+        raise StackError(f"pid {pid} survived SIGKILL; check it with `ps -o pid,stat,cmd -p {pid}`")
+    return False
+
+
+def stop_service(name: str, current: ServiceStatus, say: Say, timeout: float) -> None:
+    """Stop a service of the stack: SIGTERM, then SIGKILL after `timeout`; clear its pid file."""
+    if current.pid is None or not current.running:
+        if current.pid_file.exists():
+            say(f"{name}: removing stale pid file {current.pid_file}")
+            remove_pid_file(current.pid_file)
+        say(f"{name}: not running")
+        return
+    say(f"{name}: stopping (pid {current.pid}) ...")
+    start = time.monotonic()
+    graceful = stop_process(current.pid, timeout)
+    remove_pid_file(current.pid_file)
+    how = "stopped" if graceful else f"killed (no exit within {timeout:.0f} s of SIGTERM)"
+    say(f"{name}: {how} in {time.monotonic() - start:.1f} s")
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """True if something already listens on ``host:port`` (TIME_WAIT leftovers do not count)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def port_open(host: str, port: int, timeout: float = 0.5) -> bool:
+    """True if a TCP connection to ``host:port`` succeeds."""
+    try:
+        with socket.create_connection((host, port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    """The last ``lines`` lines of a text file ('' if it does not exist)."""
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def indent(text: str, prefix: str = "    ") -> str:
+    return "\n".join(prefix + line for line in text.splitlines())

@@ -1,0 +1,270 @@
+"""Redis for local work: Debian's ``redis-server``, run by us on a loopback port.
+
+Layout under ``<state>/redis``::
+
+    redis.conf    rewritten on every start (AOF everysec + RDB save points)
+    data/         dump.rdb and appendonlydir/
+    redis.log     Redis' own log;  redis.out: its stdout/stderr
+    redis.pid
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from streamtally.errors import StackError
+from streamtally.ops.stack import (
+    Say,
+    ServiceStatus,
+    indent,
+    port_in_use,
+    process_status,
+    read_pid,
+    remove_pid_file,
+    spawn_detached,
+    stop_service,
+    tail,
+)
+from streamtally.ops.stack.config import StackConfig
+
+REDIS_SERVER = "redis-server"
+DEBIAN_PACKAGE = "redis-server"
+DEBIAN_SERVICE_PID = Path("/run/redis/redis-server.pid")
+READY_TIMEOUT_S = 60.0
+STOP_TIMEOUT_S = 30.0
+_APT_TIMEOUT_S = 900.0
+
+
+@dataclass(frozen=True, slots=True)
+class RedisPaths:
+    root: Path
+
+    @property
+    def conf(self) -> Path:
+        return self.root / "redis.conf"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.root / "data"
+
+    @property
+    def log_file(self) -> Path:
+        return self.root / "redis.log"
+
+    @property
+    def out_log(self) -> Path:
+        return self.root / "redis.out"
+
+    @property
+    def pid_file(self) -> Path:
+        return self.root / "redis.pid"
+
+
+def paths(cfg: StackConfig) -> RedisPaths:
+    return RedisPaths(cfg.redis_dir)
+
+
+# --------------------------------------------------------------------------- install
+
+
+def _run_logged(argv: list[str], say: Say) -> None:
+    say(f"redis: running `{' '.join(argv)}` ...")
+    env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+    result = subprocess.run(
+        argv, env=env, capture_output=True, text=True, check=False, timeout=_APT_TIMEOUT_S
+    )
+    if result.returncode != 0:
+        output = (result.stdout + result.stderr).strip().splitlines()[-20:]
+        raise StackError(
+            f"`{' '.join(argv)}` failed (exit {result.returncode}):\n{indent(chr(10).join(output))}"
+        )
+
+
+def _debian_service_pid() -> int | None:
+    pid = read_pid(DEBIAN_SERVICE_PID)
+    if pid is None:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    return pid
+
+
+def stop_debian_service(say: Say) -> None:
+    """Stop (and under systemd disable) the distro's redis-server service if it runs."""
+    pid = _debian_service_pid()
+    if pid is None:
+        return
+    systemctl = shutil.which("systemctl")
+    service = shutil.which("service")
+    if systemctl is not None and Path("/run/systemd/system").is_dir():
+        _run_logged([systemctl, "disable", "--now", "redis-server.service"], say)
+    elif service is not None:
+        _run_logged([service, "redis-server", "stop"], say)
+    else:
+        say(f"redis: stopping the distro's redis-server (pid {pid}) with SIGTERM")
+        os.kill(pid, signal.SIGTERM)
+
+
+def find_redis_server(say: Say) -> str:
+    """``redis-server`` from PATH, installed with apt-get when missing."""
+    found = shutil.which(REDIS_SERVER)
+    if found is not None:
+        return found
+    apt_get = shutil.which("apt-get")
+    if apt_get is None:
+        raise StackError(
+            "redis-server not found and no apt-get: install Redis 7 and put redis-server on PATH"
+        )
+    if os.geteuid() != 0:
+        raise StackError(f"redis-server not found: run `sudo apt-get install -y {DEBIAN_PACKAGE}`")
+    say("redis: redis-server not found on PATH; installing Debian's package")
+    _run_logged([apt_get, "update"], say)
+    _run_logged([apt_get, "install", "-y", DEBIAN_PACKAGE], say)
+    # Debian's postinst may start its own service on 6379; ours must own the port.
+    stop_debian_service(say)
+    found = shutil.which(REDIS_SERVER)
+    if found is None:
+        raise StackError(f"apt-get installed {DEBIAN_PACKAGE} but redis-server is not on PATH")
+    return found
+
+
+# --------------------------------------------------------------------------- config
+
+
+def _quote(value: Path | str) -> str:
+    text = str(value).replace("\\", "\\\\").replace('"', '\\"')
+    return f'"{text}"'
+
+
+def redis_conf(cfg: StackConfig, rp: RedisPaths) -> str:
+    lines = [
+        "# Written by `streamtally stack up` on every start.",
+        f"bind {cfg.host}",
+        f"port {cfg.redis_port}",
+        "protected-mode yes",
+        "daemonize no",
+        "supervised no",
+        f"pidfile {_quote(rp.pid_file)}",
+        f"logfile {_quote(rp.log_file)}",
+        "loglevel notice",
+        f"dir {_quote(rp.data_dir)}",
+        "dbfilename dump.rdb",
+        "save 3600 1 300 100 60 10000",
+        "appendonly yes",
+        "appendfsync everysec",
+        'appendfilename "appendonly.aof"',
+        'appenddirname "appendonlydir"',
+    ]
+    return "\n".join(lines) + "\n"
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+def redis_answers(cfg: StackConfig) -> bool:
+    import redis
+    import redis.exceptions
+
+    client = redis.Redis(
+        host=cfg.host, port=cfg.redis_port, socket_timeout=1.0, socket_connect_timeout=1.0
+    )
+    try:
+        return bool(client.ping())
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+        return False  # includes BusyLoadingError while the AOF is replayed
+    finally:
+        client.close()
+
+
+def _startup_failure(rp: RedisPaths, what: str) -> StackError:
+    details = tail(rp.log_file) or tail(rp.out_log)
+    return StackError(
+        f"redis {what}. See {rp.log_file} and {rp.out_log}"
+        + (f"; last lines:\n{indent(details)}" if details else "")
+    )
+
+
+def wait_ready(
+    cfg: StackConfig, rp: RedisPaths, proc: subprocess.Popen[bytes] | None, timeout: float
+) -> float:
+    start = time.monotonic()
+    deadline = start + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            remove_pid_file(rp.pid_file)
+            raise _startup_failure(rp, f"exited with code {proc.returncode} while starting")
+        if redis_answers(cfg):
+            return time.monotonic() - start
+        time.sleep(0.1)
+    raise _startup_failure(
+        rp, f"did not answer PING on {cfg.host}:{cfg.redis_port} within {timeout:g} s"
+    )
+
+
+# --------------------------------------------------------------------------- lifecycle
+
+
+def status(cfg: StackConfig) -> ServiceStatus:
+    rp = paths(cfg)
+    return process_status("redis", rp.pid_file, REDIS_SERVER, cfg.redis_port)
+
+
+def _free_port(cfg: StackConfig, say: Say) -> None:
+    if not port_in_use(cfg.host, cfg.redis_port):
+        return
+    if _debian_service_pid() is not None:
+        say(f"redis: the distro's redis-server service holds port {cfg.redis_port}; stopping it")
+        stop_debian_service(say)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while port_in_use(cfg.host, cfg.redis_port) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    if port_in_use(cfg.host, cfg.redis_port):
+        raise StackError(
+            f"port {cfg.redis_port} on {cfg.host} is already in use by another process "
+            f"(see `ss -ltnp 'sport = :{cfg.redis_port}'`): stop it, or pick another port "
+            "with STREAMTALLY_REDIS_PORT"
+        )
+
+
+def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
+    """Start redis-server unless it runs already; return once it answers PING."""
+    rp = paths(cfg)
+    current = status(cfg)
+    if current.running:
+        say(f"redis: already running (pid {current.pid}, {cfg.local_redis_url()})")
+        wait_ready(cfg, rp, None, timeout)
+        return
+    if current.pid_file.exists():
+        say(f"redis: removing stale pid file {rp.pid_file}")
+        remove_pid_file(rp.pid_file)
+    server = find_redis_server(say)
+    _free_port(cfg, say)
+    rp.data_dir.mkdir(parents=True, exist_ok=True)
+    rp.conf.write_text(redis_conf(cfg, rp), encoding="utf-8")
+    say(f"redis: starting {server} on {cfg.host}:{cfg.redis_port} ...")
+    proc = spawn_detached(
+        [server, str(rp.conf)], cwd=rp.root, log_file=rp.out_log, pid_file=rp.pid_file
+    )
+    waited = wait_ready(cfg, rp, proc, timeout)
+    say(f"redis: ready in {waited:.1f} s (pid {proc.pid}, {cfg.local_redis_url()})")
+
+
+def down(cfg: StackConfig, say: Say, timeout: float = STOP_TIMEOUT_S) -> None:
+    stop_service("redis", status(cfg), say, timeout)
+
+
+def wipe(cfg: StackConfig, say: Say) -> None:
+    rp = paths(cfg)
+    if rp.data_dir.exists():
+        shutil.rmtree(rp.data_dir)
+    for leftover in (rp.log_file, rp.out_log, rp.conf):
+        leftover.unlink(missing_ok=True)
+    say(f"redis: wiped data and logs under {rp.root}")

@@ -1,0 +1,1 @@
+"""The wire: record types, their Avro encoding, and Kafka plumbing shared by every client."""

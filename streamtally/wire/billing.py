@@ -1,0 +1,107 @@
+"""Pricing a finished request into its `BillingEvent`.
+
+One billing event goes out per finished request, whatever its finish
+reason: requests that ended in an error or were cancelled are billed for
+the usage the provider reported (often 0 tokens, so a cost of 0).
+
+`event_id` is the idempotency key of the event: a function of the request id
+alone, so replaying a request (after a crash, or a re-run of the pipeline)
+produces the same id and downstream consumers drop the duplicate.
+
+Unpriced models (no entry, prefix or ``"*"`` in the price table, or no model
+at all) are still billed, with cost ``Decimal(0)``, so their usage is never
+lost; `Billed.priced` is False for them and a warning is logged on the
+``streamtally.wire.billing`` logger.  Re-price them from the event's token counts
+once the price table knows the model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Final
+
+from streamtally.core.models import Tokens
+from streamtally.core.pricing import PriceTable, Quote
+from streamtally.wire.records import COST_SCALE, BillingEvent
+
+__all__ = ["EVENT_ID_PREFIX", "Billed", "bill", "event_id", "price_request"]
+
+log = logging.getLogger("streamtally.wire.billing")
+
+#: Versioned namespace of `event_id`; changing it changes every id (never do it lightly).
+EVENT_ID_PREFIX: Final = b"streamtally.billing.v1\x00"
+
+#: The cost of an unpriced request, at the Avro scale.
+_ZERO: Final = Decimal((0, (0,), -COST_SCALE))
+
+
+def event_id(request_id: str) -> str:
+    """The deterministic id of a request's billing event: 32 hex chars of a sha256.
+
+    ``sha256(b"streamtally.billing.v1\\x00" + request_id.encode("utf-8"))[:32 hex]``.
+    """
+    if not request_id:
+        raise ValueError("request_id must not be empty")
+    return hashlib.sha256(EVENT_ID_PREFIX + request_id.encode("utf-8")).hexdigest()[:32]
+
+
+@dataclass(frozen=True, slots=True)
+class Billed:
+    """A billing event with how it was priced."""
+
+    event: BillingEvent
+    quote: Quote
+
+    @property
+    def priced(self) -> bool:
+        """False when the model was not in the price table (the event's cost is then 0)."""
+        return self.quote.priced
+
+
+_WARNED: set[tuple[str | None, str]] = set()
+
+
+def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: PriceTable) -> Billed:
+    """The billing event of the finished request `tokens`, and the quote behind its cost."""
+    if event_time.tzinfo is None or event_time.utcoffset() is None:
+        raise ValueError(f"event_time must be timezone-aware, got {event_time!r}")
+    usage = tokens.usage
+    quote = prices.quote(tokens.model, usage)
+    if quote.cost is None and (tokens.model, prices.version) not in _WARNED:
+        _WARNED.add((tokens.model, prices.version))  # once per model: not a log flood
+        log.warning(
+            "unpriced model %r (first seen in request %s, tenant %s): billed at 0 %s with "
+            "price table %s; add it to the price table",
+            tokens.model,
+            tokens.request_id,
+            tenant,
+            prices.currency,
+            prices.version,
+        )
+    event = BillingEvent(
+        event_id=event_id(tokens.request_id),
+        request_id=tokens.request_id,
+        tenant=tenant,
+        model=tokens.model,
+        source=tokens.source,
+        finish_reason=tokens.finish_reason,
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+        cached_tokens=usage.cached_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
+        cost=_ZERO if quote.cost is None else quote.cost,
+        currency=prices.currency,
+        price_table_version=prices.version,
+        event_time=event_time,
+    )
+    return Billed(event=event, quote=quote)
+
+
+def bill(tokens: Tokens, tenant: str, event_time: datetime, prices: PriceTable) -> BillingEvent:
+    """The billing event of the finished request `tokens` (cost 0 if its model is unpriced)."""
+    return price_request(tokens, tenant, event_time, prices).event

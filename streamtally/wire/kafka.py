@@ -1,0 +1,170 @@
+"""Kafka plumbing shared by producers, the worker and the read commands.
+
+`ensure_topics` creates the declared topics; `read_topic` reads one topic
+from its beginning to its current end, which is what the read commands
+(`billing export`, `deadletter`, `rebuild`) do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any, Final
+
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+
+from streamtally.errors import StackError
+from streamtally.topics import ALL_TOPICS, Topic, kafka_config
+
+__all__ = ["STALL_TIMEOUT_S", "TopicRecord", "ensure_topics", "read_topic"]
+
+#: `read_topic` gives up when no partition has moved for this long while records remain.
+STALL_TIMEOUT_S: Final = 30.0
+
+#: What `read_topic` says when the topic does not exist, unless told otherwise.
+_MISSING_HINT: Final = (
+    "nothing was written there yet (`streamtally worker` creates the topics), "
+    "or it is the wrong Kafka or namespace (STREAMTALLY_NAMESPACE)"
+)
+
+
+async def ensure_topics(
+    bootstrap_servers: str, wanted: tuple[Topic, ...] = ALL_TOPICS
+) -> list[str]:
+    """Create the declared topics that do not exist yet; return the names created."""
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=15000)
+    try:
+        await admin.start()
+    except KafkaConnectionError as exc:
+        raise StackError(
+            f"cannot reach Kafka at {bootstrap_servers}: start it with `streamtally stack up` "
+            "or set KAFKA_BOOTSTRAP_SERVERS"
+        ) from exc
+    try:
+        existing = set(await admin.list_topics())
+        missing = [t for t in wanted if t.name not in existing]
+        if missing:
+            # Another process may create them concurrently: that is what we wanted.
+            with contextlib.suppress(TopicAlreadyExistsError):
+                await admin.create_topics(
+                    [
+                        NewTopic(
+                            name=t.name,
+                            num_partitions=t.partitions,
+                            replication_factor=t.replication_factor,
+                            topic_configs=kafka_config(t),
+                        )
+                        for t in missing
+                    ]
+                )
+        return [t.name for t in missing]
+    finally:
+        await admin.close()
+
+
+@dataclass(frozen=True, slots=True)
+class TopicRecord:
+    """One record as read from Kafka: where it is, its raw key and value, its time."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    #: None for a tombstone.
+    value: bytes | None
+    #: The record's Kafka timestamp, milliseconds since the Unix epoch.
+    timestamp_ms: int
+
+
+async def read_topic(
+    servers: str,
+    topic: str,
+    *,
+    missing_hint: str = _MISSING_HINT,
+    stall_timeout: float = STALL_TIMEOUT_S,
+) -> AsyncGenerator[TopicRecord, None]:
+    """Every record of `topic`, from its beginning to its end offsets at the time of the call.
+
+    The end offset of each partition is taken once, at start, so the read
+    always terminates and never waits for new records; only committed
+    records are read (isolation level read_committed).  No consumer group
+    is used and no offsets are committed.  Records come in offset order
+    within a partition; partitions are interleaved.
+
+    An async generator holding a consumer: close it when stopping early
+    (``async with contextlib.aclosing(read_topic(...)) as records``).
+
+    Raises `StackError` when Kafka cannot be reached (with the
+    `streamtally stack up` hint), the topic does not exist (with
+    `missing_hint`), a read fails, or no partition moves for
+    `stall_timeout` seconds before its end.
+    """
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+    from aiokafka.errors import KafkaError
+
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=servers,
+        group_id=None,
+        enable_auto_commit=False,
+        auto_offset_reset="earliest",
+        isolation_level="read_committed",
+        request_timeout_ms=15000,
+    )
+    try:
+        await consumer.start()
+    except KafkaConnectionError as exc:
+        await consumer.stop()
+        raise StackError(
+            f"cannot reach Kafka at {servers}: start the local stack with `streamtally stack up`, "
+            "or pass --bootstrap-servers / set KAFKA_BOOTSTRAP_SERVERS"
+        ) from exc
+    except KafkaError as exc:
+        await consumer.stop()
+        raise StackError(f"connecting to Kafka at {servers} failed: {exc}") from exc
+    try:
+        # `consumer.topics()` fetches this very metadata but returns only the names.
+        cluster = await consumer._client.fetch_all_metadata()
+        partitions = cluster.partitions_for_topic(topic)
+        if not partitions:
+            raise StackError(f"topic {topic} does not exist on {servers}: {missing_hint}")
+        tps = [TopicPartition(topic, p) for p in sorted(partitions)]
+        consumer.assign(tps)
+        ends: dict[Any, int] = await consumer.end_offsets(tps)
+        begins: dict[Any, int] = await consumer.beginning_offsets(tps)
+        await consumer.seek_to_beginning(*tps)
+        remaining = {tp for tp in tps if ends[tp] > begins[tp]}
+        positions = dict(begins)
+        last_progress = time.monotonic()
+        while remaining:
+            batches = await consumer.getmany(*remaining, timeout_ms=500)
+            for tp, records in batches.items():
+                for record in records:
+                    if record.offset < ends[tp]:
+                        yield TopicRecord(
+                            topic=topic,
+                            partition=tp.partition,
+                            offset=record.offset,
+                            key=record.key,
+                            value=record.value,
+                            timestamp_ms=record.timestamp,
+                        )
+            for tp in list(remaining):
+                position = await consumer.position(tp)
+                if position != positions[tp]:
+                    positions[tp] = position
+                    last_progress = time.monotonic()
+                if position >= ends[tp]:
+                    remaining.discard(tp)
+            if remaining and time.monotonic() - last_progress > stall_timeout:
+                stuck = ", ".join(f"{tp.partition}" for tp in sorted(remaining))
+                raise StackError(
+                    f"reading {topic} stalled for {stall_timeout:.0f} s before its end "
+                    f"(partitions {stuck})"
+                )
+    except KafkaError as exc:
+        raise StackError(f"reading {topic} from Kafka at {servers} failed: {exc}") from exc
+    finally:
+        await consumer.stop()

@@ -1,0 +1,299 @@
+"""Plain records of the Kafka topics that are not a model: raw events, billing, dead letters.
+
+They are frozen dataclasses that check their own invariants; `streamtally.wire.avro`
+encodes and decodes them (`encode_raw_sse_event`, `decode_billing_event`, ...).
+This module does not import fastavro.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from enum import StrEnum
+from types import MappingProxyType
+from typing import Any, Final
+
+from streamtally.core.models import FinishReason, Source, Usage, utc_now
+
+__all__ = [
+    "COST_PRECISION",
+    "COST_SCALE",
+    "ENGINE_PAYLOAD_TYPES",
+    "BillingEvent",
+    "DeadLetter",
+    "EventKind",
+    "RawEngineOutput",
+    "RawSseEvent",
+    "scaled_cost",
+]
+
+#: `BillingEvent.cost` is an Avro decimal(38, 12): at most 12 decimal places, 38 digits.
+COST_PRECISION: Final = 38
+COST_SCALE: Final = 12
+
+#: The Avro record each engine source's payload is (`RawEngineOutput.payload`).
+ENGINE_PAYLOAD_TYPES: Final = MappingProxyType(
+    {
+        Source.DYNAMO: "LLMEngineOutput",
+        Source.VLLM: "RequestOutput",
+        Source.ATOMR: "TokenChunk",
+    }
+)
+
+
+class EventKind(StrEnum):
+    """What a raw record is: one event of the request, or its end-of-stream marker."""
+
+    EVENT = "event"
+    END = "end"
+
+
+def _check_common(request_id: str, seq: int, received_at: datetime) -> None:
+    if not request_id:
+        raise ValueError("request_id must not be empty")
+    if seq < 0:
+        raise ValueError(f"seq must be >= 0, got {seq}")
+    _check_aware("received_at", received_at)
+
+
+def _check_aware(name: str, value: datetime) -> None:
+    if value.tzinfo is None or value.utcoffset() is None:
+        raise ValueError(f"{name} must be a timezone-aware datetime, got {value!r}")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RawSseEvent:
+    """One dispatched server-sent event of a provider stream (topic `streamtally.raw.sse`).
+
+    `kind=END` is the end-of-stream marker the producer writes after the
+    request's last event; it carries no event (`event="message"`, `data=""`).
+    """
+
+    request_id: str
+    seq: int
+    source: Source
+    tenant: str
+    received_at: datetime
+    kind: EventKind = EventKind.EVENT
+    event: str = "message"
+    data: str = ""
+    sse_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_common(self.request_id, self.seq, self.received_at)
+        if not self.source.is_sse:
+            raise ValueError(f"source {self.source.value!r} is not an SSE source")
+
+    @classmethod
+    def end(
+        cls, *, request_id: str, seq: int, source: Source, tenant: str, received_at: datetime
+    ) -> RawSseEvent:
+        """The end-of-stream marker of a request."""
+        return cls(
+            request_id=request_id,
+            seq=seq,
+            source=source,
+            tenant=tenant,
+            received_at=received_at,
+            kind=EventKind.END,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RawEngineOutput:
+    """One inference-engine output of a request (topic `streamtally.raw.engine`).
+
+    `payload` is the engine's output as a plain dict, exactly what one JSON
+    line of that engine parses to (fields streamtally does not keep are
+    dropped on encoding; absent ones decode as their default): a Dynamo
+    `LLMEngineOutput` for `dynamo`, a vLLM `RequestOutput` for `vllm`, an atomr
+    `TokenChunk` for `atomr`.  It is None exactly for the `END` marker.
+    Being a dict, it makes the record unhashable.
+    """
+
+    request_id: str
+    seq: int
+    source: Source
+    tenant: str
+    received_at: datetime
+    kind: EventKind = EventKind.EVENT
+    payload: dict[str, Any] | None = field(default=None)
+    #: The model the engine served (engine outputs do not say; the producer does).
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_common(self.request_id, self.seq, self.received_at)
+        if self.source not in ENGINE_PAYLOAD_TYPES:
+            raise ValueError(f"source {self.source.value!r} is not an engine source")
+        if self.kind is EventKind.END and self.payload is not None:
+            raise ValueError("an END marker carries no payload")
+        if self.kind is EventKind.EVENT and self.payload is None:
+            raise ValueError("an EVENT needs a payload")
+
+    @property
+    def payload_type(self) -> str:
+        """The Avro record of the payload: `LLMEngineOutput`, `RequestOutput` or `TokenChunk`."""
+        return ENGINE_PAYLOAD_TYPES[self.source]
+
+    @classmethod
+    def end(
+        cls,
+        *,
+        request_id: str,
+        seq: int,
+        source: Source,
+        tenant: str,
+        received_at: datetime,
+        model: str | None = None,
+    ) -> RawEngineOutput:
+        """The end-of-stream marker of a request."""
+        return cls(
+            request_id=request_id,
+            seq=seq,
+            source=source,
+            tenant=tenant,
+            received_at=received_at,
+            kind=EventKind.END,
+            model=model,
+        )
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BillingEvent:
+    """The billable outcome of one request, priced (topic `streamtally.billing`).
+
+    `cost` is an exact `Decimal` with at most 12 decimal places and 38 digits
+    (Avro decimal(38, 12)); floats are refused.  `event_id` is the
+    deterministic idempotency key computed by whoever prices the request.
+    """
+
+    event_id: str
+    request_id: str
+    tenant: str
+    model: str | None
+    source: Source
+    finish_reason: FinishReason
+    input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    cost: Decimal
+    currency: str = "USD"
+    price_table_version: str
+    event_time: datetime
+
+    def __post_init__(self) -> None:
+        if not self.event_id:
+            raise ValueError("event_id must not be empty")
+        if not self.request_id:
+            raise ValueError("request_id must not be empty")
+        for name in (
+            "input_tokens",
+            "output_tokens",
+            "reasoning_tokens",
+            "cached_tokens",
+            "cache_write_tokens",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        scaled_cost(self.cost)
+        _check_aware("event_time", self.event_time)
+
+    @property
+    def usage(self) -> Usage:
+        """The five usage fields as a `Usage`."""
+        return Usage(
+            input_tokens=self.input_tokens,
+            output_tokens=self.output_tokens,
+            reasoning_tokens=self.reasoning_tokens,
+            cached_tokens=self.cached_tokens,
+            cache_write_tokens=self.cache_write_tokens,
+        )
+
+
+def scaled_cost(cost: object) -> Decimal:
+    """`cost` as a Decimal with exponent exactly -12 (the Avro scale), computed without rounding.
+
+    Raises TypeError for anything but a `Decimal` (floats above all) and
+    ValueError for a non-finite value, more than 12 significant decimal places
+    or more than 38 digits.
+    """
+    if not isinstance(cost, Decimal):
+        raise TypeError(
+            f"cost must be a decimal.Decimal (never a float), got {type(cost).__name__}"
+        )
+    sign, digits, exponent = cost.as_tuple()
+    if not isinstance(exponent, int):
+        raise ValueError(f"cost must be finite, got {cost}")
+    magnitude = int("".join(map(str, digits)) or "0")
+    shift = exponent + COST_SCALE
+    if shift >= 0:
+        unscaled = magnitude * 10**shift
+    else:
+        unscaled, rest = divmod(magnitude, 10**-shift)
+        if rest:
+            raise ValueError(f"cost {cost} has more than {COST_SCALE} decimal places")
+    text = str(unscaled)
+    if len(text) > COST_PRECISION:
+        raise ValueError(f"cost {cost} has more than {COST_PRECISION} digits at scale {COST_SCALE}")
+    return Decimal((sign, tuple(int(ch) for ch in text), -COST_SCALE))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class DeadLetter:
+    """A record no processor could handle, with its original bytes (`streamtally.deadletter`)."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes
+    reason: str
+    error_type: str
+    source: str | None = None
+    request_id: str | None = None
+    dead_lettered_at: datetime
+
+    def __post_init__(self) -> None:
+        _check_aware("dead_lettered_at", self.dead_lettered_at)
+
+    @classmethod
+    def from_exception(
+        cls,
+        exc: BaseException,
+        *,
+        topic: str,
+        partition: int,
+        offset: int,
+        key: bytes | None,
+        value: bytes,
+        source: str | None = None,
+        request_id: str | None = None,
+        at: datetime | None = None,
+    ) -> DeadLetter:
+        """The dead letter of a record whose processing raised `exc`.
+
+        `reason` is `str(exc)` and `error_type` its class name.  When no
+        `request_id` is given it is taken from the key (a UTF-8 request id on
+        every streamtally topic) if the key decodes.
+        """
+        if request_id is None and key:
+            try:
+                request_id = key.decode("utf-8")
+            except UnicodeDecodeError:
+                request_id = None
+        return cls(
+            topic=topic,
+            partition=partition,
+            offset=offset,
+            key=key,
+            value=value,
+            reason=str(exc) or type(exc).__name__,
+            error_type=type(exc).__name__,
+            source=source,
+            request_id=request_id,
+            dead_lettered_at=at if at is not None else utc_now(),
+        )
