@@ -1,0 +1,110 @@
+"""Avro on the wire: the schemas of every topic value, and their single-object framing.
+
+Every schema in `schemas/*.avsc` (one named type per file, namespace
+`io.streamtally.v1`) is read once at import, from the package data.  A
+record's file may name types of other files; each record is then expanded
+into one self-contained schema (a named type is defined where it first occurs
+and referred to by full name after), which is what its Parsing Canonical Form
+and fingerprint are taken of and what `schemas/history/<Name>/<n>.avsc`
+stores for each released version.
+
+A message is Avro *single-object encoding*::
+
+    C3 01 | CRC-64-AVRO fingerprint of the writer schema (8 bytes, little-endian) | Avro binary body
+
+`decode` looks the fingerprint up among the known versions of the record
+(current and `schemas/history/`) and resolves that writer schema to the
+current one.  Anything that is not such a message raises `AvroDecodeError`
+(an `InputError`: the processors dead-letter the record with its message).
+
+This package is the only place that imports fastavro.  Its modules, each
+re-exported here (import from `streamtally.wire.avro`, not from them):
+
+    _errors     the exceptions
+    _framing    the 10-byte header: MARKER, HEADER_SIZE
+    _names      named types in schema JSON, expansion into self-contained schemas
+    _schemas    the schema registry: loading, fingerprints, current(), history(), writer_of()
+    _codec      generic encode()/decode() of an Avro datum (a dict)
+    _encoders   models and records to messages (encode_chunk, ...)
+    _decoders   messages to models and records (decode_chunk, ...)
+    _compat     compatibility_errors() and release() of schema versions
+    __main__    `python -m streamtally.wire.avro fingerprints|release`
+"""
+
+from __future__ import annotations
+
+from streamtally.wire.avro._codec import decode, encode
+from streamtally.wire.avro._compat import compatibility_errors
+from streamtally.wire.avro._decoders import (
+    decode_billing_event,
+    decode_chunk,
+    decode_dead_letter,
+    decode_model,
+    decode_raw_engine_output,
+    decode_raw_sse_event,
+    decode_tokens,
+)
+from streamtally.wire.avro._encoders import (
+    encode_billing_event,
+    encode_chunk,
+    encode_dead_letter,
+    encode_model,
+    encode_raw_engine_output,
+    encode_raw_sse_event,
+    encode_tokens,
+)
+from streamtally.wire.avro._errors import (
+    AvroDecodeError,
+    AvroEncodeError,
+    AvroError,
+    AvroSchemaError,
+)
+from streamtally.wire.avro._framing import HEADER_SIZE, MARKER
+from streamtally.wire.avro._schemas import (
+    NAMESPACE,
+    RECORD_NAMES,
+    SCHEMA_DIR,
+    SchemaVersion,
+    canonical_form,
+    current,
+    fingerprint,
+    history,
+    schema_fingerprint,
+    writer_of,
+)
+
+__all__ = [
+    "HEADER_SIZE",
+    "MARKER",
+    "NAMESPACE",
+    "RECORD_NAMES",
+    "SCHEMA_DIR",
+    "AvroDecodeError",
+    "AvroEncodeError",
+    "AvroError",
+    "AvroSchemaError",
+    "SchemaVersion",
+    "canonical_form",
+    "compatibility_errors",
+    "current",
+    "decode",
+    "decode_billing_event",
+    "decode_chunk",
+    "decode_dead_letter",
+    "decode_model",
+    "decode_raw_engine_output",
+    "decode_raw_sse_event",
+    "decode_tokens",
+    "encode",
+    "encode_billing_event",
+    "encode_chunk",
+    "encode_dead_letter",
+    "encode_model",
+    "encode_raw_engine_output",
+    "encode_raw_sse_event",
+    "encode_tokens",
+    "fingerprint",
+    "history",
+    "schema_fingerprint",
+    "writer_of",
+]

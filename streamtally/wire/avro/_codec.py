@@ -1,0 +1,125 @@
+"""The generic codec: an Avro datum (a dict in fastavro's form) to and from a single-object message.
+
+`write` and `read` frame the body with the schema registry's header; the
+typed encoders and decoders are built on them.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+import fastavro
+from fastavro.read import SchemaResolutionError
+
+from streamtally.core.models import Source
+from streamtally.wire.avro._errors import AvroDecodeError, AvroEncodeError
+from streamtally.wire.avro._framing import HEADER_SIZE
+from streamtally.wire.avro._schemas import NAMESPACE, SchemaVersion, current, history, writer_of
+from streamtally.wire.records import ENGINE_PAYLOAD_TYPES
+
+__all__ = ["DECODE_ERRORS", "ENCODE_ERRORS", "decode", "encode", "read", "write"]
+
+#: What fastavro raises for a datum that does not fit the writer schema.
+ENCODE_ERRORS: Final = (TypeError, ValueError, KeyError, AttributeError, OverflowError)
+#: What fastavro raises for a body it cannot read (or resolve to the reader schema).
+DECODE_ERRORS: Final = (
+    EOFError,
+    ValueError,  # UnicodeDecodeError included
+    TypeError,
+    KeyError,
+    IndexError,
+    OverflowError,
+    SchemaResolutionError,
+)
+
+
+def write(version: SchemaVersion, record: Mapping[str, Any]) -> bytes:
+    """`record` written with the schema `version`, after its header."""
+    out = io.BytesIO()
+    out.write(version.header)
+    try:
+        fastavro.schemaless_writer(out, version.parsed, record)
+    except ENCODE_ERRORS as exc:
+        raise AvroEncodeError(f"{version.name}: {exc}") from exc
+    return out.getvalue()
+
+
+def read(name: str, data: bytes, *, record_names: bool = False) -> dict[str, Any]:
+    """The datum of a message of record `name`, resolved from its writer schema to the current."""
+    reader = current(name)
+    try:
+        writer = writer_of(data)
+    except AvroDecodeError as exc:
+        raise AvroDecodeError(f"{name}: {exc}") from None
+    if writer.name != name:
+        raise AvroDecodeError(f"expected a {name} message, got a {writer.label} one")
+    body = io.BytesIO(data)
+    body.seek(HEADER_SIZE)
+    try:
+        record = fastavro.schemaless_reader(
+            body,
+            writer.parsed,
+            None if writer is reader else reader.parsed,
+            return_record_name=record_names,
+            return_record_name_override=record_names,
+        )
+    except DECODE_ERRORS as exc:
+        raise AvroDecodeError(
+            f"{name}: cannot decode the body written with {writer.label} "
+            f"({type(exc).__name__}: {exc or 'truncated'})"
+        ) from exc
+    rest = len(data) - body.tell()
+    if rest:
+        raise AvroDecodeError(f"{name}: {rest} trailing bytes after the record")
+    if not isinstance(record, dict):
+        raise AvroDecodeError(f"{name}: decoded a {type(record).__name__}, not a record")
+    return record
+
+
+def _engine_variant(record: Mapping[str, Any]) -> dict[str, Any]:
+    """Name the branch of `RawEngineOutput.payload` after `source` (the union has three records)."""
+    payload = record.get("payload")
+    if not isinstance(payload, dict):  # None, or already in (name, dict) notation
+        return dict(record)
+    try:
+        branch = ENGINE_PAYLOAD_TYPES[Source[record["source"]]]
+    except KeyError:
+        raise AvroEncodeError(
+            f"RawEngineOutput: source {record.get('source')!r} is not DYNAMO, VLLM or ATOMR"
+        ) from None
+    return {**record, "payload": (f"{NAMESPACE}.{branch}", payload)}
+
+
+_PREPARE: Final[Mapping[str, Callable[[Mapping[str, Any]], Mapping[str, Any]]]] = {
+    "RawEngineOutput": _engine_variant,
+}
+
+
+def encode(name: str, record: Mapping[str, Any], *, version: int | None = None) -> bytes:
+    """Encode an Avro datum (a dict in fastavro's form) of record `name` as a single-object message.
+
+    Enum values are symbol strings, timestamps aware datetimes, decimals
+    `Decimal`s.  Keys the schema does not have are ignored; a missing key
+    takes the field's default.  `RawEngineOutput.payload` may be a plain dict:
+    its union branch is chosen by `source`.  `version` writes with that
+    released version of the schema instead of the current one.
+    """
+    writer = current(name)
+    if version is not None and version != writer.version:
+        released = [v for v in history(name) if v.version == version]
+        if not released:
+            raise KeyError(f"{name} has no released version {version}")
+        writer = released[0]
+    prepare = _PREPARE.get(name)
+    return write(writer, prepare(record) if prepare else record)
+
+
+def decode(name: str, data: bytes) -> dict[str, Any]:
+    """Decode a single-object message of record `name` into a plain dict (fastavro's form).
+
+    Raises `AvroDecodeError` for a bad marker, an unknown fingerprint, a
+    message of another record, or a truncated or malformed body.
+    """
+    return read(name, data)

@@ -1,0 +1,206 @@
+"""Decoders: single-object messages to the models and records of the topics.
+
+Each reads the datum with `_codec.read` (resolving an older or newer writer
+schema to the current one) and builds the typed value, refusing with
+`AvroDecodeError` what it cannot represent (an `UNKNOWN` enum symbol, a
+payload of the wrong branch, a field the model's validation rejects).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
+
+from pydantic import BaseModel, ValidationError
+
+from streamtally.core.models import (
+    ChoiceTokens,
+    Chunk,
+    FinishReason,
+    Source,
+    Tokens,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+)
+from streamtally.wire.avro._codec import read
+from streamtally.wire.avro._errors import AvroDecodeError
+from streamtally.wire.avro._schemas import NAMESPACE
+from streamtally.wire.records import (
+    ENGINE_PAYLOAD_TYPES,
+    BillingEvent,
+    DeadLetter,
+    EventKind,
+    RawEngineOutput,
+    RawSseEvent,
+)
+
+if TYPE_CHECKING:
+    from streamtally.wire.avro._encoders import Model
+
+__all__ = [
+    "decode_billing_event",
+    "decode_chunk",
+    "decode_dead_letter",
+    "decode_model",
+    "decode_raw_engine_output",
+    "decode_raw_sse_event",
+    "decode_tokens",
+]
+
+M = TypeVar("M", bound="Model")
+_ModelT = TypeVar("_ModelT", bound=BaseModel)
+
+# --------------------------------------------------------------------------- enums
+
+_SOURCES: Final = {s.name: s for s in Source}
+_FINISH_REASONS: Final = {f.name: f for f in FinishReason}
+_KINDS: Final = {k.name: k for k in EventKind}
+
+
+def _symbol(table: Mapping[str, Any], symbol: str, what: str) -> Any:
+    try:
+        return table[symbol]
+    except KeyError:
+        raise AvroDecodeError(f"{what} {symbol!r} is unknown to this version") from None
+
+
+def _source(symbol: str) -> Source:
+    return cast(Source, _symbol(_SOURCES, symbol, "source"))
+
+
+def _finish(symbol: str | None) -> FinishReason | None:
+    return (
+        None
+        if symbol is None
+        else cast(FinishReason, _symbol(_FINISH_REASONS, symbol, "finish reason"))
+    )
+
+
+def _kind(symbol: str) -> EventKind:
+    return cast(EventKind, _symbol(_KINDS, symbol, "event kind"))
+
+
+# --------------------------------------------------------------------------- models
+
+
+def _choice_in(r: dict[str, Any]) -> dict[str, Any]:
+    return {**r, "finish_reason": _finish(r["finish_reason"])}
+
+
+def _chunk_in(r: dict[str, Any]) -> dict[str, Any]:
+    return {**r, "source": _source(r["source"]), "finish_reason": _finish(r["finish_reason"])}
+
+
+def _tokens_in(r: dict[str, Any]) -> dict[str, Any]:
+    return {
+        **r,
+        "source": _source(r["source"]),
+        "finish_reason": _finish(r["finish_reason"]),
+        "choices": [_choice_in(c) for c in r["choices"]],
+    }
+
+
+def _same(r: dict[str, Any]) -> dict[str, Any]:
+    return r
+
+
+# model class -> (record name, Avro datum -> model fields)
+_MODEL_DECODERS: Final[
+    Mapping[type[BaseModel], tuple[str, Callable[[dict[str, Any]], dict[str, Any]]]]
+] = {
+    Usage: ("Usage", _same),
+    ToolCallDelta: ("ToolCallDelta", _same),
+    ToolCall: ("ToolCall", _same),
+    ChoiceTokens: ("ChoiceTokens", _choice_in),
+    Chunk: ("Chunk", _chunk_in),
+    Tokens: ("Tokens", _tokens_in),
+}
+
+
+def _validate(cls: type[_ModelT], fields: dict[str, Any]) -> _ModelT:
+    try:
+        return cls.model_validate(fields)
+    except ValidationError as exc:
+        raise AvroDecodeError(f"decoded record is not a valid {cls.__name__}: {exc}") from exc
+
+
+def decode_model(cls: type[M], data: bytes) -> M:
+    """Decode a message of the record named like `cls` into an instance of `cls`."""
+    name, fields_in = _MODEL_DECODERS[cls]
+    return _validate(cls, fields_in(read(name, data)))
+
+
+def decode_chunk(data: bytes) -> Chunk:
+    return _validate(Chunk, _chunk_in(read("Chunk", data)))
+
+
+def decode_tokens(data: bytes) -> Tokens:
+    return _validate(Tokens, _tokens_in(read("Tokens", data)))
+
+
+# --------------------------------------------------------------------------- records
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise AvroDecodeError(message)
+
+
+def _record(cls: Callable[..., Any], fields: dict[str, Any]) -> Any:
+    try:
+        return cls(**fields)
+    except (ValueError, TypeError) as exc:
+        raise AvroDecodeError(
+            f"decoded record is not a valid {getattr(cls, '__name__', cls)}: {exc}"
+        ) from exc
+
+
+def decode_raw_sse_event(data: bytes) -> RawSseEvent:
+    r = read("RawSseEvent", data)
+    return cast(
+        RawSseEvent,
+        _record(RawSseEvent, {**r, "source": _source(r["source"]), "kind": _kind(r["kind"])}),
+    )
+
+
+def _payload_in(source: Source, payload: dict[str, Any]) -> dict[str, Any]:
+    text = payload.get("tool_call_delta") if source is Source.ATOMR else None
+    if text is None:
+        return payload
+    try:
+        return {**payload, "tool_call_delta": json.loads(text)}
+    except ValueError as exc:
+        raise AvroDecodeError(f"TokenChunk.tool_call_delta is not JSON text: {exc}") from exc
+
+
+def decode_raw_engine_output(data: bytes) -> RawEngineOutput:
+    """Decode a raw engine output; its payload is the dict the engine's JSON line parses to."""
+    r = read("RawEngineOutput", data, record_names=True)
+    source = _source(r["source"])
+    raw = r["payload"]
+    payload: dict[str, Any] | None = None
+    if raw is not None:
+        _require(isinstance(raw, tuple) and len(raw) == 2, "RawEngineOutput: unnamed payload")
+        branch, body = raw
+        expected = ENGINE_PAYLOAD_TYPES.get(source)
+        _require(
+            branch == f"{NAMESPACE}.{expected}",
+            f"RawEngineOutput: a {source.value} output carries a {branch.rpartition('.')[2]}",
+        )
+        payload = _payload_in(source, body)
+    fields = {**r, "source": source, "kind": _kind(r["kind"]), "payload": payload}
+    return cast(RawEngineOutput, _record(RawEngineOutput, fields))
+
+
+def decode_billing_event(data: bytes) -> BillingEvent:
+    r = read("BillingEvent", data)
+    finish = _finish(r["finish_reason"])
+    _require(finish is not None, "BillingEvent: no finish reason")
+    fields = {**r, "source": _source(r["source"]), "finish_reason": finish}
+    return cast(BillingEvent, _record(BillingEvent, fields))
+
+
+def decode_dead_letter(data: bytes) -> DeadLetter:
+    return cast(DeadLetter, _record(DeadLetter, read("DeadLetter", data)))
