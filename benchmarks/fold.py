@@ -18,7 +18,7 @@ from pathlib import Path
 
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
-from streamtally.ops.stack.config import repo_root
+from streamtally.settings import project_root
 
 __all__ = ["FoldResult", "engine_stream", "run"]
 
@@ -121,7 +121,10 @@ def _measure(source: Source, data: bytes, seconds: float) -> FoldResult:
 
 def run(seconds: float = 2.0, progress: Callable[[str], None] = print) -> list[FoldResult]:
     results = []
-    for source, data in _streams(repo_root() / "samples").items():
+    root = project_root()
+    if root is None:
+        raise RuntimeError("the fold benchmark runs from a clone (it reads samples/)")
+    for source, data in _streams(root / "samples").items():
         progress(f"folding {source.value} for {seconds:g}s …")
         results.append(_measure(source, data, seconds))
     return results

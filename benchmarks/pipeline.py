@@ -56,7 +56,7 @@ import time
 import uuid
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Final
@@ -69,21 +69,12 @@ from redis.exceptions import RedisError
 
 from benchmarks import passthrough
 from benchmarks.fold import engine_stream
-from streamtally import topics
 from streamtally.core.models import Source
 from streamtally.errors import StackError
-from streamtally.ops.stack.config import StackConfig, bootstrap_servers, redis_url, repo_root
+from streamtally.ops.stack.config import StackConfig
 from streamtally.producers import raw_records
-from streamtally.topics import (
-    ALL_TOPICS,
-    BILLING,
-    DAY_MS,
-    DEADLETTER,
-    RAW_ENGINE,
-    RAW_SSE,
-    Topic,
-    encode_key,
-)
+from streamtally.settings import Settings, project_root
+from streamtally.topics import DAY_MS, Topic, Topics, encode_key
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = [
@@ -130,8 +121,8 @@ class PipelineSettings:
     seconds: float = 20.0
     #: Requests in flight (interleaved) at a time while producing.
     concurrency: int = 16
-    bootstrap_servers: str = field(default_factory=bootstrap_servers)
-    redis_url: str = field(default_factory=redis_url)
+    bootstrap_servers: str = "127.0.0.1:9092"
+    redis_url: str = "redis://127.0.0.1:6379/0"
 
     def __post_init__(self) -> None:
         if self.events < 1 or self.rate <= 0 or self.seconds <= 0 or self.concurrency < 1:
@@ -286,48 +277,36 @@ class PipelineReport:
 class Names:
     """The topics and consumer group the benchmark's worker uses."""
 
-    #: Topic prefix and consumer group (`STREAMTALLY_NAMESPACE` of the worker).
-    namespace: str
-    #: Declared topic name (this process's `topics`) → the topic the worker uses.
-    topics: dict[str, Topic]
+    topics: Topics
+
+    @property
+    def namespace(self) -> str:
+        """Topic prefix and consumer group (`STREAMTALLY_NAMESPACE` of the worker)."""
+        return self.topics.namespace
 
     @property
     def group(self) -> str:
-        from streamtally.processors.source import group_id
+        return self.topics.processors_group
 
-        return group_id(self.namespace)
-
-    def name(self, topic: Topic) -> str:
-        return self.topics[topic.name].name
-
-    def partitions(self, *declared: Topic) -> list[Any]:
-        used = [self.topics[t.name] for t in declared]
+    def partitions(self, *used: Topic) -> list[Any]:
         return [TopicPartition(t.name, p) for t in used for p in range(t.partitions)]
 
 
-def bench_names(environ: dict[str, str] | None = None) -> Names:
+def bench_names(settings: Settings) -> Names:
     """`STREAMTALLY_NAMESPACE` if set, else `BENCH_NAMESPACE` with one-day retention.
 
     Running the worker in a namespace of its own keeps other workers on the
     broker (tests, demos) out of its consumer group: they would share its
     partitions, and their rebalances would replay its requests.
     """
-    env = os.environ if environ is None else environ
-    current: str | None = getattr(topics, "NAMESPACE", None)
-    if current is None:  # a `topics` without namespaces: the shared topics and group
-        return Names("streamtally", {t.name: t for t in ALL_TOPICS})
-    explicit = env.get("STREAMTALLY_NAMESPACE", "").strip()
-    namespace = explicit or BENCH_NAMESPACE
-    used: dict[str, Topic] = {}
-    for topic in ALL_TOPICS:
-        name = topic.name
-        if name.startswith(current + "."):
-            name = namespace + name[len(current) :]
-        renamed = dataclasses.replace(topic, name=name)
-        if not explicit and renamed.cleanup_policy == "delete":
-            renamed = dataclasses.replace(renamed, retention_ms=DAY_MS)  # scratch data
-        used[topic.name] = renamed
-    return Names(namespace, used)
+    if "namespace" in settings.model_fields_set:
+        return Names(Topics.in_namespace(settings.namespace))
+    scratch = Topics.in_namespace(BENCH_NAMESPACE)
+    one_day = [
+        dataclasses.replace(t, retention_ms=DAY_MS) if t.cleanup_policy == "delete" else t
+        for t in scratch.all
+    ]
+    return Names(Topics(BENCH_NAMESPACE, *one_day))
 
 
 # --------------------------------------------------------------------------- workload
@@ -385,7 +364,7 @@ class _Workload:
         start = time.perf_counter()
         _, records = raw_records(source, data, tenant=TENANT, request_id=request_id)
         self.encode_seconds += time.perf_counter() - start
-        topic = self.names.name(RAW_SSE if source.is_sse else RAW_ENGINE)
+        topic = (self.names.topics.raw_sse if source.is_sse else self.names.topics.raw_engine).name
         return BenchRequest(request_id, source, topic, records)
 
     def requests(self, min_events: int) -> list[BenchRequest]:
@@ -678,7 +657,7 @@ class _Kafka:
 
     async def lag(self) -> int:
         """Raw messages the worker group has not committed yet."""
-        tps = self.names.partitions(RAW_SSE, RAW_ENGINE)
+        tps = self.names.partitions(*self.names.topics.raw)
         ends = await self.end_offsets(tps)
         begins = dict(await self.consumer.beginning_offsets(tps))
         committed = await self.admin.list_consumer_group_offsets(self.names.group, partitions=tps)
@@ -812,8 +791,8 @@ async def _warm_up(ctx: _Context, requests: list[BenchRequest]) -> None:
 async def _throughput(
     ctx: _Context, requests: list[BenchRequest]
 ) -> tuple[Throughput, dict[Any, int], dict[Any, int]]:
-    raw_tps = ctx.names.partitions(RAW_SSE, RAW_ENGINE)
-    billing_tps = ctx.names.partitions(BILLING)
+    raw_tps = ctx.names.partitions(*ctx.names.topics.raw)
+    billing_tps = ctx.names.partitions(ctx.names.topics.billing)
     raw_start = await ctx.kafka.end_offsets(raw_tps)
     billing_start = await ctx.kafka.end_offsets(billing_tps)
     schedule = interleave(requests, ctx.settings.concurrency)
@@ -848,7 +827,7 @@ async def _throughput(
     billing_end = await ctx.kafka.end_offsets(billing_tps)
     keys = {encode_key(r) for r in ids}
     billing, billed = await ctx.kafka.count_keys(
-        ctx.names.name(BILLING), billing_start, billing_end, keys
+        ctx.names.topics.billing.name, billing_start, billing_end, keys
     )
     if billed != len(done):
         ctx.notes.append(
@@ -1020,7 +999,7 @@ async def _bench(
         await watcher.start()
         sampler = asyncio.create_task(worker.sample_rss())
         ctx = _Context(settings, names, progress, worker, kafka, watcher, client, notes)
-        dead_tps = names.partitions(DEADLETTER)
+        dead_tps = names.partitions(names.topics.deadletter)
         dead_start = await kafka.end_offsets(dead_tps)
 
         await _warm_up(ctx, warm)
@@ -1058,13 +1037,17 @@ async def _bench(
         await client.aclose()
 
 
-def run(settings: PipelineSettings | None = None, progress: Progress = print) -> PipelineReport:
+def run(
+    settings: PipelineSettings, app_settings: Settings, progress: Progress = print
+) -> PipelineReport:
     """Run the whole benchmark (see the module docstring); the worker is always stopped."""
-    settings = settings or PipelineSettings()
     run_id = uuid.uuid4().hex[:8]
     load_before = os.getloadavg()[0]
-    samples = repo_root() / "samples"
-    names = bench_names()
+    root = project_root()
+    if root is None:
+        raise StackError("the pipeline benchmark runs from a clone (it replays samples/)")
+    samples = root / "samples"
+    names = bench_names(app_settings)
     progress(f"pipeline benchmark run {run_id}: encoding the requests (not timed) …")
     workload = _Workload(run_id, samples, names)
     warm = workload.warmup()
@@ -1076,9 +1059,9 @@ def run(settings: PipelineSettings | None = None, progress: Progress = print) ->
         f"encoded in {workload.encode_seconds:.1f} s"
     )
     progress(f"worker namespace {names.namespace!r} (its topics and consumer group)")
-    asyncio.run(ensure_topics(settings.bootstrap_servers, tuple(names.topics.values())))
+    asyncio.run(ensure_topics(settings.bootstrap_servers, names.topics.all))
     asyncio.run(passthrough.ensure_passthrough_topic(settings.bootstrap_servers))
-    log = StackConfig.from_env().state_dir / "logs" / "bench-worker.log"
+    log = StackConfig.from_settings(app_settings).state_dir / "logs" / "bench-worker.log"
     env = dict(os.environ)
     env.update(
         KAFKA_BOOTSTRAP_SERVERS=settings.bootstrap_servers,

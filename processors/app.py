@@ -1,6 +1,6 @@
 """The faust application: the worker's task, agent, timer and their wiring.
 
-`create_app` builds everything from `WorkerSettings`:
+`create_app` builds everything from the `Settings`:
 
 - a task runs `RawSource`, which reads the raw topics in bulk and sends each
   batch of records to an in-memory channel;
@@ -30,10 +30,10 @@ from faust.app.base import BootStrategy
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
-from streamtally.processors.settings import WorkerSettings
 from streamtally.processors.sinks import Sinks, retry
 from streamtally.processors.source import RawMessage, RawSource
-from streamtally.topics import NAMESPACE, RAW_SSE
+from streamtally.settings import Settings
+from streamtally.topics import Topics
 
 __all__ = ["Pipeline", "create_app"]
 
@@ -70,7 +70,7 @@ def _broker_url(bootstrap_servers: str) -> str:
 
 
 def create_app(
-    settings: WorkerSettings,
+    settings: Settings,
     make_sinks: Callable[[faust.App], Sinks] | None = None,
     *,
     consume: bool = True,
@@ -81,8 +81,9 @@ def create_app(
     starts the raw-topic consumer with the worker (agent tests feed the agent
     themselves).
     """
+    topics = Topics.in_namespace(settings.namespace)
     app = _WorkerApp(
-        f"{NAMESPACE}.worker",
+        topics.worker_app_id,
         broker=_broker_url(settings.bootstrap_servers),
         store="memory://",
         topic_allow_declare=False,  # topics are declared by streamtally (topics/), not faust
@@ -94,7 +95,9 @@ def create_app(
         producer_max_request_size=8 << 20,
         stream_wait_empty=False,
     )
-    processor = RequestProcessor(PriceTable.load(settings.prices), timeout=settings.request_timeout)
+    processor = RequestProcessor(
+        PriceTable.load_or_default(settings.prices_path), timeout=settings.request_timeout
+    )
     pipeline = Pipeline(app=app, processor=processor, agents={})
     gate = pipeline.gate
     # At most two fetched batches wait for the agent: the consumer cannot run ahead.
@@ -124,7 +127,7 @@ def create_app(
 
     async def process(stream: Any) -> None:
         tps: dict[tuple[str, int], TopicPartition] = {}
-        sse_topic = RAW_SSE.name
+        sse_topic = topics.raw_sse.name
         for_sse, for_engine = processor.handle_sse, processor.handle_engine
         async for fetched in stream:
             owned = pipeline.source.assignment() if pipeline.source is not None else None
@@ -168,7 +171,7 @@ def create_app(
         gate.drop(tps, dropped)  # the next owner re-reads them
 
     async def consume_raw_topics() -> None:
-        source = RawSource(settings, revoked)
+        source = RawSource(settings, topics, revoked)
         await source.start()
         pipeline.source = source
         try:

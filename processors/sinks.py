@@ -24,7 +24,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
@@ -32,8 +31,9 @@ from redis.exceptions import RedisError
 from streamtally.processors.requests import Closed, Outputs
 from streamtally.store.redis_keys import closed_markers
 from streamtally.store.redis_sink import RedisSink
-from streamtally.topics import ALL_TOPICS, BILLING, CHUNKS, DEADLETTER, TOKENS, encode_key
+from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
+from streamtally.wire.kafka import idempotent_producer
 
 __all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks", "retry"]
 
@@ -57,33 +57,29 @@ class KafkaSink:
     (murmur2 of the key), so a request keeps its partition number on every topic.
     """
 
-    def __init__(self, bootstrap_servers: str) -> None:
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap_servers,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=0,
-            max_batch_size=1 << 20,
-            max_request_size=8 << 20,
-        )
+    def __init__(self, bootstrap_servers: str, topics: Topics) -> None:
+        self._producer = idempotent_producer(bootstrap_servers, linger_ms=0)
+        self._topics = topics
         self._started = False
         self._partitioner = DefaultPartitioner()
-        self._partitions = {t.name: list(range(t.partitions)) for t in ALL_TOPICS}
+        self._partitions = {t.name: list(range(t.partitions)) for t in topics.all}
         self._pending: list[tuple[str, bytes | None, bytes]] = []
 
     async def begin(self, outputs: Outputs) -> None:
         del outputs  # nothing to record before sending
 
     def add(self, outputs: Outputs) -> None:
-        pending = self._pending
+        pending, topics = self._pending, self._topics
         for chunk in outputs.chunks:
-            pending.append((CHUNKS.name, encode_key(chunk.request_id), avro.encode_chunk(chunk)))
+            pending.append(
+                (topics.chunks.name, encode_key(chunk.request_id), avro.encode_chunk(chunk))
+            )
         for done in outputs.completed:
             key = encode_key(done.tokens.request_id)
-            pending.append((TOKENS.name, key, avro.encode_tokens(done.tokens)))
-            pending.append((BILLING.name, key, avro.encode_billing_event(done.billing)))
+            pending.append((topics.tokens.name, key, avro.encode_tokens(done.tokens)))
+            pending.append((topics.billing.name, key, avro.encode_billing_event(done.billing)))
         for letter in outputs.dead_letters:
-            pending.append((DEADLETTER.name, letter.key, avro.encode_dead_letter(letter)))
+            pending.append((topics.deadletter.name, letter.key, avro.encode_dead_letter(letter)))
 
     async def flush(self) -> None:
         """Send everything added and wait for the broker; on failure nothing is dropped."""

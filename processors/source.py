@@ -19,21 +19,12 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
-from streamtally.processors.settings import WorkerSettings
-from streamtally.topics import NAMESPACE, RAW_ENGINE, RAW_SSE
+from streamtally.settings import Settings
+from streamtally.topics import Topics
 
-__all__ = ["GROUP_ID", "RawMessage", "RawSource", "group_id"]
+__all__ = ["RawMessage", "RawSource"]
 
 log = logging.getLogger(__name__)
-
-
-def group_id(namespace: str = NAMESPACE) -> str:
-    """The processors' consumer group in a namespace."""
-    return f"{namespace}.processors"
-
-
-#: The processors' consumer group.
-GROUP_ID = group_id()
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +56,15 @@ class RawSource:
 
     def __init__(
         self,
-        settings: WorkerSettings,
+        settings: Settings,
+        topics: Topics,
         on_revoked: Callable[[set[TopicPartition]], Awaitable[None]],
     ) -> None:
         self.settings = settings
+        self._topics = topics
         self._consumer = AIOKafkaConsumer(
             bootstrap_servers=settings.bootstrap_servers,
-            group_id=GROUP_ID,
+            group_id=topics.processors_group,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=settings.batch_size,
@@ -85,7 +78,7 @@ class RawSource:
 
     async def start(self) -> None:
         await self._consumer.start()
-        self._consumer.subscribe([RAW_SSE.name, RAW_ENGINE.name], listener=self._listener)
+        self._consumer.subscribe([t.name for t in self._topics.raw], listener=self._listener)
 
     async def stop(self) -> None:
         await self._consumer.stop()

@@ -10,7 +10,6 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any
 
-from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaConnectionError
 
 from streamtally.core.adapters.base import AdapterOptions
@@ -23,8 +22,9 @@ from streamtally.core.normalize import (
 )
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InvalidEvent, StackError
-from streamtally.topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.topics import DEFAULT_NAMESPACE, Topics, encode_key
 from streamtally.wire import avro
+from streamtally.wire.kafka import idempotent_producer
 from streamtally.wire.records import RawEngineOutput, RawSseEvent
 
 __all__ = ["RawProducer", "SentRequest", "raw_records"]
@@ -140,16 +140,16 @@ def _encode(
 class RawProducer:
     """An idempotent Kafka producer of raw records."""
 
-    def __init__(self, bootstrap_servers: str, *, linger_ms: int = 5) -> None:
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        linger_ms: int = 5,
+    ) -> None:
         self.bootstrap_servers = bootstrap_servers
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=bootstrap_servers,
-            acks="all",
-            enable_idempotence=True,
-            linger_ms=linger_ms,
-            max_batch_size=1 << 20,
-            max_request_size=8 << 20,
-        )
+        self.topics = Topics.in_namespace(namespace)
+        self._producer = idempotent_producer(bootstrap_servers, linger_ms=linger_ms)
 
     async def __aenter__(self) -> RawProducer:
         try:
@@ -196,7 +196,7 @@ class RawProducer:
 
     async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
         """Queue one encoded record; the returned future resolves when Kafka has it."""
-        topic = RAW_SSE.name if source.is_sse else RAW_ENGINE.name
+        topic = (self.topics.raw_sse if source.is_sse else self.topics.raw_engine).name
         future: asyncio.Future[Any] = await self._producer.send(
             topic, value, key=encode_key(request_id)
         )

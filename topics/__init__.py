@@ -11,38 +11,37 @@ holds.
 
 Values: Avro single-object encoding of the topic's `value_schema` (see
 `streamtally.wire.avro` and docs/avro-framing.md).
+
+Names: each topic is declared with its name inside a namespace (``raw.sse``);
+`Topics.in_namespace` gives the topics of one deployment, whose names carry
+the namespace as a prefix (``streamtally.raw.sse`` by default, another with
+``STREAMTALLY_NAMESPACE`` so that a test or a second deployment can share a
+broker).  The processors' consumer group is named in the same namespace.
 """
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from dataclasses import dataclass
 from typing import Final, Literal
 
 from streamtally.errors import InputError
 
 __all__ = [
-    "ALL_TOPICS",
-    "BILLING",
-    "CHUNKS",
     "DAY_MS",
-    "DEADLETTER",
+    "DECLARED",
+    "DEFAULT_NAMESPACE",
     "FOREVER",
     "MIB",
-    "NAMESPACE",
-    "RAW_ENGINE",
-    "RAW_SSE",
-    "TOKENS",
     "Topic",
-    "by_name",
+    "Topics",
     "decode_key",
     "encode_key",
     "kafka_config",
 ]
 
-#: Prefix of every topic name (and the worker's consumer group).  Read once from
-#: `STREAMTALLY_NAMESPACE` so that a test or a second deployment can share a broker.
-NAMESPACE: Final = os.environ.get("STREAMTALLY_NAMESPACE", "streamtally")
+#: Prefix of every topic name (and of the worker's consumer group) unless the settings name another.
+DEFAULT_NAMESPACE: Final = "streamtally"
 
 DAY_MS: Final = 24 * 60 * 60 * 1000
 #: `retention.ms` meaning "keep forever".
@@ -90,8 +89,8 @@ class Topic:
         return out
 
 
-RAW_SSE: Final = Topic(
-    name=f"{NAMESPACE}.raw.sse",
+_RAW_SSE: Final = Topic(
+    name="raw.sse",
     partitions=6,
     retention_ms=7 * DAY_MS,
     value_schema="RawSseEvent",
@@ -101,8 +100,8 @@ RAW_SSE: Final = Topic(
     ),
 )
 
-RAW_ENGINE: Final = Topic(
-    name=f"{NAMESPACE}.raw.engine",
+_RAW_ENGINE: Final = Topic(
+    name="raw.engine",
     partitions=6,
     retention_ms=7 * DAY_MS,
     value_schema="RawEngineOutput",
@@ -112,16 +111,16 @@ RAW_ENGINE: Final = Topic(
     ),
 )
 
-CHUNKS: Final = Topic(
-    name=f"{NAMESPACE}.chunks",
+_CHUNKS: Final = Topic(
+    name="chunks",
     partitions=6,
     retention_ms=7 * DAY_MS,
     value_schema="Chunk",
     description="One normalised Chunk per raw event that carried anything, in request order.",
 )
 
-TOKENS: Final = Topic(
-    name=f"{NAMESPACE}.tokens",
+_TOKENS: Final = Topic(
+    name="tokens",
     partitions=6,
     retention_ms=FOREVER,
     cleanup_policy="compact",
@@ -133,8 +132,8 @@ TOKENS: Final = Topic(
     max_message_bytes=8 * MIB,
 )
 
-BILLING: Final = Topic(
-    name=f"{NAMESPACE}.billing",
+_BILLING: Final = Topic(
+    name="billing",
     partitions=6,
     retention_ms=FOREVER,
     value_schema="BillingEvent",
@@ -144,8 +143,8 @@ BILLING: Final = Topic(
     ),
 )
 
-DEADLETTER: Final = Topic(
-    name=f"{NAMESPACE}.deadletter",
+_DEADLETTER: Final = Topic(
+    name="deadletter",
     partitions=1,
     retention_ms=30 * DAY_MS,
     value_schema="DeadLetter",
@@ -156,18 +155,64 @@ DEADLETTER: Final = Topic(
     max_message_bytes=16 * MIB,
 )
 
-#: Every topic, in pipeline order.
-ALL_TOPICS: Final = (RAW_SSE, RAW_ENGINE, CHUNKS, TOKENS, BILLING, DEADLETTER)
-
-_BY_NAME: Final = {t.name: t for t in ALL_TOPICS}
+#: Every topic as declared (names inside a namespace), in pipeline order.
+DECLARED: Final = (_RAW_SSE, _RAW_ENGINE, _CHUNKS, _TOKENS, _BILLING, _DEADLETTER)
 
 
-def by_name(name: str) -> Topic:
-    """The topic called `name`."""
-    try:
-        return _BY_NAME[name]
-    except KeyError:
-        raise KeyError(f"no topic {name!r}; known: {', '.join(_BY_NAME)}") from None
+@dataclass(frozen=True, slots=True)
+class Topics:
+    """The topics of one namespace (one deployment), with their full names."""
+
+    namespace: str
+    raw_sse: Topic
+    raw_engine: Topic
+    chunks: Topic
+    tokens: Topic
+    billing: Topic
+    deadletter: Topic
+
+    @classmethod
+    def in_namespace(cls, namespace: str = DEFAULT_NAMESPACE) -> Topics:
+        """The declared topics, named ``{namespace}.{name}``."""
+        if not namespace or any(not (c.isalnum() or c in "._-") for c in namespace):
+            raise ValueError(f"bad namespace {namespace!r}: letters, digits, '.', '_', '-'")
+        named = [dataclasses.replace(t, name=f"{namespace}.{t.name}") for t in DECLARED]
+        return cls(namespace, *named)
+
+    @property
+    def all(self) -> tuple[Topic, ...]:
+        """Every topic, in pipeline order."""
+        return (
+            self.raw_sse,
+            self.raw_engine,
+            self.chunks,
+            self.tokens,
+            self.billing,
+            self.deadletter,
+        )
+
+    @property
+    def raw(self) -> tuple[Topic, Topic]:
+        """The two topics producers write and the processors read."""
+        return (self.raw_sse, self.raw_engine)
+
+    @property
+    def processors_group(self) -> str:
+        """The processors' consumer group."""
+        return f"{self.namespace}.processors"
+
+    @property
+    def worker_app_id(self) -> str:
+        """The faust app id of the worker."""
+        return f"{self.namespace}.worker"
+
+    def by_name(self, name: str) -> Topic:
+        """The topic called `name` (its full name)."""
+        for topic in self.all:
+            if topic.name == name:
+                return topic
+        known = ", ".join(t.name for t in self.all)
+        raise KeyError(f"no topic {name!r}; known: {known}")
 
 
 def kafka_config(topic: Topic) -> dict[str, str]:

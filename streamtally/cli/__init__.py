@@ -9,6 +9,7 @@ from importlib import import_module
 
 from streamtally import __version__
 from streamtally.errors import StreamtallyError
+from streamtally.settings import Settings
 
 __all__ = ["main"]
 
@@ -47,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code: int = args.func(args)
+        # The one place the environment is read: every command gets these settings.
+        settings = Settings.load()
+        code: int = args.func(args, settings)
     except StreamtallyError as exc:
         print(f"streamtally {args.command}: {exc}", file=sys.stderr)
         return 2

@@ -7,6 +7,9 @@ import json
 import platform
 import sys
 
+from streamtally.errors import InputError
+from streamtally.settings import Settings
+
 __all__ = ["add_parser"]
 
 
@@ -48,8 +51,20 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
-def run_fold(args: argparse.Namespace) -> int:
-    from benchmarks import fold
+_NOT_INSTALLED = (
+    "the benchmarks live in a clone of streamtally (benchmarks/ and samples/), not in the "
+    "installed package: run `streamtally bench` (or `make bench`) from a clone"
+)
+
+
+def run_fold(args: argparse.Namespace, settings: Settings) -> int:
+    del settings  # the fold benchmark runs in this process, on the samples
+    try:
+        from benchmarks import fold
+    except ModuleNotFoundError as exc:
+        if exc.name != "benchmarks":
+            raise
+        raise InputError(_NOT_INSTALLED) from exc
 
     results = fold.run(args.seconds, progress=_say)
     if args.json:
@@ -77,17 +92,26 @@ def run_fold(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_pipeline(args: argparse.Namespace) -> int:
-    from benchmarks import pipeline
+def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
+    try:
+        from benchmarks import pipeline
+    except ModuleNotFoundError as exc:
+        if exc.name != "benchmarks":
+            raise
+        raise InputError(_NOT_INSTALLED) from exc
 
     try:
-        settings = pipeline.PipelineSettings(
-            events=args.events, rate=args.rate, seconds=args.seconds
+        bench = pipeline.PipelineSettings(
+            events=args.events,
+            rate=args.rate,
+            seconds=args.seconds,
+            bootstrap_servers=settings.bootstrap_servers,
+            redis_url=settings.redis_url,
         )
     except ValueError as exc:
         print(f"streamtally bench pipeline: {exc}", file=sys.stderr)
         return 2
-    report = pipeline.run(settings, progress=_say)
+    report = pipeline.run(bench, settings, progress=_say)
     if args.json:
         print(json.dumps(report.to_json(), indent=2))
     else:

@@ -26,11 +26,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamtally.ops.stack.config import bootstrap_servers
-from streamtally.topics import BILLING
+from streamtally.core.money import scaled_cost
+from streamtally.settings import Settings
+from streamtally.topics import Topics
 from streamtally.wire.avro import AvroDecodeError, decode_billing_event
 from streamtally.wire.kafka import read_topic
-from streamtally.wire.records import BillingEvent, scaled_cost
+from streamtally.wire.records import BillingEvent
 
 __all__ = ["Export", "add_parser", "event_json", "read_billing_events"]
 
@@ -64,8 +65,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "export",
         help="print every billing event, up to the topic's current end",
         description=(
-            f"Read topic {BILLING.name} from the beginning to its current end (end offsets "
-            "taken at start, per partition) and print the events ordered by "
+            "Read the billing topic ({namespace}.billing) from the beginning to its current "
+            "end (end offsets taken at start, per partition) and print the events ordered by "
             "(event_time, event_id)."
         ),
         epilog=_EPILOG,
@@ -85,11 +86,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     export.set_defaults(func=run_export)
 
 
-def run_export(args: argparse.Namespace) -> int:
+def run_export(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers: str = args.bootstrap_servers or bootstrap_servers()
-    result = asyncio.run(read_billing_events(servers, keep_replays=args.keep_replays))
+    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    topic = Topics.in_namespace(settings.namespace).billing.name
+    result = asyncio.run(read_billing_events(servers, topic, keep_replays=args.keep_replays))
     events = sorted(result.events, key=lambda e: (e.event_time, e.event_id))
     try:
         if args.json:
@@ -107,8 +109,7 @@ def run_export(args: argparse.Namespace) -> int:
         )
     for partition, offset, reason in result.bad:
         print(
-            f"streamtally billing: {BILLING.name}[{partition}]@{offset} is not a billing event: "
-            f"{reason}",
+            f"streamtally billing: {topic}[{partition}]@{offset} is not a billing event: {reason}",
             file=sys.stderr,
         )
     return 1 if result.bad else 0
@@ -166,9 +167,7 @@ def format_table(events: Sequence[BillingEvent]) -> str:
     return (line(headers) + "".join(line(r) for r in rows) + count) if rows else count
 
 
-async def read_billing_events(
-    servers: str, *, keep_replays: bool = False, topic: str = BILLING.name
-) -> Export:
+async def read_billing_events(servers: str, topic: str, *, keep_replays: bool = False) -> Export:
     """Every billing event of `topic` up to its end offsets at the time of the call."""
     export = Export()
     seen: set[str] = set()

@@ -26,8 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from streamtally.ops.stack.config import bootstrap_servers
-from streamtally.topics import DEADLETTER
+from streamtally.settings import Settings
+from streamtally.topics import Topics
 from streamtally.wire.avro import AvroDecodeError, decode_dead_letter
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import DeadLetter
@@ -62,6 +62,8 @@ exit status: 0 printed, 1 some records of the topic are not dead letters
 class Letters:
     """What `read_dead_letters` read."""
 
+    #: The dead-letter topic read.
+    topic: str
     #: One per source position, in dead-letter topic order.
     letters: list[DeadLetter] = field(default_factory=list)
     #: Copies of each kept letter (1 = dead-lettered once), by source position.
@@ -79,9 +81,9 @@ def _position(letter: DeadLetter) -> tuple[str, int, int]:
     return (letter.topic, letter.partition, letter.offset)
 
 
-async def read_dead_letters(servers: str, *, topic: str = DEADLETTER.name) -> Letters:
+async def read_dead_letters(servers: str, topic: str) -> Letters:
     """Every dead letter of `topic` up to its current end, one per source position."""
-    out = Letters()
+    out = Letters(topic)
     async with contextlib.aclosing(read_topic(servers, topic)) as records:
         async for record in records:
             if record.value is None:
@@ -104,9 +106,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "deadletter",
         help="count and list the records on the dead-letter topic",
         description=(
-            f"Read topic {DEADLETTER.name} from the beginning to its current end, drop "
-            "re-sent copies (same original topic, partition and offset) and print a count "
-            "by reason and the last dead letters."
+            "Read the dead-letter topic ({namespace}.deadletter) from the beginning to its "
+            "current end, drop re-sent copies (same original topic, partition and offset) "
+            "and print a count by reason and the last dead letters."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -141,11 +143,12 @@ def _non_negative(text: str) -> int:
     return value
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers: str = args.bootstrap_servers or bootstrap_servers()
-    result = asyncio.run(read_dead_letters(servers))
+    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    topic = Topics.in_namespace(settings.namespace).deadletter.name
+    result = asyncio.run(read_dead_letters(servers, topic))
     limit: int | None = args.limit
     try:
         if args.json and args.summary:
@@ -163,8 +166,7 @@ def run(args: argparse.Namespace) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     for partition, offset, reason in result.bad:
         print(
-            f"streamtally deadletter: {DEADLETTER.name}[{partition}]@{offset} is not a dead "
-            f"letter: {reason}",
+            f"streamtally deadletter: {topic}[{partition}]@{offset} is not a dead letter: {reason}",
             file=sys.stderr,
         )
     return 1 if result.bad else 0
@@ -210,7 +212,7 @@ def _by_reason(letters: Sequence[DeadLetter]) -> list[tuple[int, str, str]]:
 def summary_json(result: Letters) -> dict[str, Any]:
     """The counts as one JSON object."""
     return {
-        "topic": DEADLETTER.name,
+        "topic": result.topic,
         "total": len(result.letters),
         "duplicates_dropped": result.duplicates,
         "not_dead_letters": len(result.bad),
@@ -248,7 +250,7 @@ def format_report(result: Letters, last: int) -> str:
     if total:
         counts = [(str(n), t, _cut(r)) for n, t, r in _by_reason(result.letters)]
         out += _table(("COUNT", "ERROR_TYPE", "REASON"), counts, right={0})
-    out += f"{total} dead letter{'s' if total != 1 else ''} on {DEADLETTER.name}"
+    out += f"{total} dead letter{'s' if total != 1 else ''} on {result.topic}"
     if result.duplicates:
         out += f" ({result.duplicates} re-sent cop{'ies' if result.duplicates != 1 else 'y'})"
     out += "\n"

@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -20,10 +19,12 @@ from pathlib import Path
 import redis.asyncio as aioredis
 
 from streamtally.cli.produce import ManifestEntry, read_manifest
-from streamtally.errors import StackError
-from streamtally.ops.stack.config import StackConfig, bootstrap_servers, redis_url, repo_root
+from streamtally.errors import InputError, StackError
+from streamtally.ops.stack.config import StackConfig
 from streamtally.producers import RawProducer
+from streamtally.settings import Settings, project_root
 from streamtally.store.redis_keys import tokens_key
+from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["add_parser"]
@@ -39,12 +40,22 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--manifest",
         type=Path,
-        default=repo_root() / "samples" / "manifest.jsonl",
+        default=None,
         help="requests to produce (default: samples/manifest.jsonl)",
     )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait (180)")
     parser.add_argument("--no-stack", action="store_true", help="do not start the local stack")
     parser.set_defaults(func=run)
+
+
+def _samples_manifest() -> Path:
+    root = project_root()
+    if root is None:
+        raise InputError(
+            "the sample traffic lives in a clone of streamtally (samples/manifest.jsonl): "
+            "run the demo from a clone, or give --manifest FILE.jsonl"
+        )
+    return root / "samples" / "manifest.jsonl"
 
 
 def _step(text: str) -> None:
@@ -57,17 +68,17 @@ def _streamtally(*args: str) -> int:
     return main(list(args))
 
 
-def run(args: argparse.Namespace) -> int:
-    entries = read_manifest(args.manifest)
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    manifest = args.manifest or _samples_manifest()
+    entries = read_manifest(manifest)
     logging.getLogger("aiokafka").setLevel(logging.ERROR)  # see `streamtally produce`
-    external = "KAFKA_BOOTSTRAP_SERVERS" in os.environ or "REDIS_URL" in os.environ
-    if not args.no_stack and not external:
+    if not args.no_stack and not settings.uses_external_stack:
         _step("starting the local stack (Kafka + Redis)")
         if _streamtally("stack", "up") != 0:
             raise StackError("the local stack did not start: see `streamtally stack status`")
-    servers, url = bootstrap_servers(), redis_url()
-    asyncio.run(ensure_topics(servers))
-    log = StackConfig.from_env().state_dir / "logs" / "demo-worker.log"
+    servers, url = settings.bootstrap_servers, settings.redis_url
+    asyncio.run(ensure_topics(servers, Topics.in_namespace(settings.namespace).all))
+    log = StackConfig.from_settings(settings).state_dir / "logs" / "demo-worker.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     _step(f"starting a worker (log: {log})")
     with log.open("ab") as out:
@@ -78,7 +89,9 @@ def run(args: argparse.Namespace) -> int:
             start_new_session=True,
         )
     try:
-        waiting = asyncio.run(_produce_and_wait(servers, url, entries, args.timeout))
+        waiting = asyncio.run(
+            _produce_and_wait(servers, url, settings.namespace, entries, args.timeout)
+        )
     finally:
         _step("stopping the worker (SIGTERM)")
         worker.send_signal(signal.SIGTERM)
@@ -105,13 +118,14 @@ def run(args: argparse.Namespace) -> int:
 async def _produce_and_wait(
     servers: str,
     url: str,
+    namespace: str,
     entries: list[ManifestEntry],
     timeout: float,
 ) -> set[str]:
     client = aioredis.from_url(url)
     try:
         ids: set[str] = set()
-        async with RawProducer(servers) as producer:
+        async with RawProducer(servers, namespace=namespace) as producer:
             for entry in entries:
                 if entry.request_id and await client.exists(tokens_key(entry.request_id)):
                     ids.add(entry.request_id)

@@ -13,6 +13,7 @@ from streamtally.core.adapters.base import AdapterOptions
 from streamtally.core.models import Source
 from streamtally.core.normalize import fallback_request_id, fold_stream, read_events
 from streamtally.errors import InputError
+from streamtally.settings import Settings
 
 __all__ = ["add_parser"]
 
@@ -68,7 +69,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    del settings  # the fold reads no setting: it needs neither Kafka nor Redis
     data = _read(args.file)
     options = AdapterOptions(vllm_output_kind=args.vllm_output_kind)
     stream: IO[bytes] = io.BytesIO(data)

@@ -13,8 +13,9 @@ from pathlib import Path
 from streamtally.core.adapters.base import AdapterOptions
 from streamtally.core.models import Source
 from streamtally.errors import InputError
-from streamtally.ops.stack.config import bootstrap_servers
 from streamtally.producers import RawProducer
+from streamtally.settings import Settings
+from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["ManifestEntry", "add_parser", "read_manifest"]
@@ -96,10 +97,10 @@ def _entries(args: argparse.Namespace) -> list[ManifestEntry]:
     ]
 
 
-async def _produce(servers: str, entries: list[ManifestEntry]) -> int:
-    await ensure_topics(servers)
+async def _produce(servers: str, namespace: str, entries: list[ManifestEntry]) -> int:
+    await ensure_topics(servers, Topics.in_namespace(namespace).all)
     total = 0
-    async with RawProducer(servers) as producer:
+    async with RawProducer(servers, namespace=namespace) as producer:
         for number, entry in enumerate(entries, start=1):
             try:
                 data = entry.file.read_bytes()
@@ -123,9 +124,10 @@ async def _produce(servers: str, entries: list[ManifestEntry]) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, settings: Settings) -> int:
     entries = _entries(args)
     # aiokafka warns of every retried send (a new topic's first leader election);
     # retries are automatic and failures still raise, so only errors are shown.
     logging.getLogger("aiokafka").setLevel(logging.ERROR)
-    return asyncio.run(_produce(args.bootstrap_servers or bootstrap_servers(), entries))
+    servers = args.bootstrap_servers or settings.bootstrap_servers
+    return asyncio.run(_produce(servers, settings.namespace, entries))

@@ -19,8 +19,8 @@ from typing import Any, Final
 
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import rebuild
-from streamtally.ops.stack.config import bootstrap_servers, redis_url
-from streamtally.topics import BILLING, TOKENS
+from streamtally.settings import Settings
+from streamtally.topics import Topics
 
 __all__ = ["add_parser"]
 
@@ -56,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "rebuild",
         help="rebuild Redis (Tokens, usage rows) from the Tokens and billing topics",
         description=(
-            f"Read {TOKENS.name} (latest Tokens per request) and {BILLING.name} (tenant, "
+            "Read the tokens topic (latest Tokens per request) and the billing topic (tenant, "
             "event time, cost), join them by request id and write every request that Redis "
             "lacks through the worker's idempotent sink."
         ),
@@ -94,11 +94,11 @@ def _say(text: str) -> None:
     print(f"streamtally rebuild: {text}", file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers: str = args.bootstrap_servers or bootstrap_servers()
-    url: str = args.redis_url or redis_url()
+    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    url: str = args.redis_url or settings.redis_url
     present = run_redis(url, rebuild.count_tokens)
     if present and not args.yes:
         _say(
@@ -107,11 +107,16 @@ def run(args: argparse.Namespace) -> int:
             "and add only what is missing: pass --yes to go on"
         )
         return 1
-    inputs = asyncio.run(rebuild.read_inputs(servers))
+    topics = Topics.in_namespace(settings.namespace)
+    inputs = asyncio.run(
+        rebuild.read_inputs(
+            servers, tokens_topic=topics.tokens.name, billing_topic=topics.billing.name
+        )
+    )
     plan = rebuild.join(inputs.tokens, inputs.billing)
     _say(
-        f"read {len(inputs.tokens)} Tokens records from {TOKENS.name} and "
-        f"{len(inputs.billing)} billing events from {BILLING.name}: "
+        f"read {len(inputs.tokens)} Tokens records from {topics.tokens.name} and "
+        f"{len(inputs.billing)} billing events from {topics.billing.name}: "
         f"{len(plan.requests)} requests to write"
     )
 
@@ -162,7 +167,7 @@ def _summary_text(
     plan: rebuild.Plan, result: rebuild.Applied, skipped: list[rebuild.Skipped]
 ) -> str:
     out = (
-        f"rebuilt from {TOKENS.name} and {BILLING.name}: {result.applied} applied, "
+        f"rebuilt from the tokens and billing topics: {result.applied} applied, "
         f"{result.present} already present, {len(skipped)} skipped"
     )
     drops = []

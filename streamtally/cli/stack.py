@@ -6,21 +6,20 @@ Also runnable on its own: ``python -m streamtally.cli.stack up``.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
 
 from streamtally.ops.stack import StackConfig, StackError, kafka, redis
-from streamtally.ops.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
+from streamtally.settings import Settings
 
 EXIT_OK = 0
 EXIT_ERROR = 1
 EXIT_NOT_RUNNING = 3
 EXIT_INTERRUPTED = 130
 
-Handler = Callable[[argparse.Namespace], int]
+Handler = Callable[[argparse.Namespace, Settings], int]
 
 
 def _say(line: str) -> None:
@@ -30,9 +29,9 @@ def _say(line: str) -> None:
 def _guarded(command: str, handler: Handler) -> Handler:
     """Turn expected failures into a one-line error and an exit code, not a traceback."""
 
-    def run(args: argparse.Namespace) -> int:
+    def run(args: argparse.Namespace, settings: Settings) -> int:
         try:
-            return handler(args)
+            return handler(args, settings)
         except (StackError, subprocess.TimeoutExpired, OSError) as exc:
             print(f"stack {command}: error: {exc}", file=sys.stderr, flush=True)
             return EXIT_ERROR
@@ -43,15 +42,17 @@ def _guarded(command: str, handler: Handler) -> Handler:
     return run
 
 
-def _note_overrides() -> None:
-    for name in (ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL):
-        value = os.environ.get(name, "").strip()
+def _note_overrides(settings: Settings) -> None:
+    for name, value in (
+        ("KAFKA_BOOTSTRAP_SERVERS", settings.kafka_bootstrap_servers),
+        ("REDIS_URL", settings.redis_url_setting),
+    ):
         if value:
             _say(f"note: {name}={value} is set, so the app uses that, not this local stack")
 
 
-def cmd_up(args: argparse.Namespace) -> int:
-    cfg = StackConfig.from_env()
+def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
+    cfg = StackConfig.from_settings(settings)
     start = time.monotonic()
     _say(f"stack: state dir {cfg.state_dir}")
     kafka.up(cfg, _say, timeout=args.timeout)
@@ -61,12 +62,12 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"KAFKA_BOOTSTRAP_SERVERS={cfg.local_bootstrap_servers()} "
         f"REDIS_URL={cfg.local_redis_url()}"
     )
-    _note_overrides()
+    _note_overrides(settings)
     return EXIT_OK
 
 
-def cmd_down(args: argparse.Namespace) -> int:
-    cfg = StackConfig.from_env()
+def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
+    cfg = StackConfig.from_settings(settings)
     kafka.down(cfg, _say, timeout=args.timeout)
     redis.down(cfg, _say, timeout=args.timeout)
     if args.wipe:
@@ -75,9 +76,9 @@ def cmd_down(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def cmd_status(args: argparse.Namespace) -> int:
+def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     del args
-    cfg = StackConfig.from_env()
+    cfg = StackConfig.from_settings(settings)
     statuses = [kafka.status(cfg), redis.status(cfg)]
     for st in statuses:
         _say(st.describe())
@@ -129,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _add_commands(parser)
     args = parser.parse_args(argv)
     handler: Handler = args.func
-    return handler(args)
+    return handler(args, Settings.load())
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streamtally.errors import InputError, StackError
-from streamtally.ops.stack.config import redis_url
+from streamtally.settings import Settings
 from streamtally.store.redis_keys import get_tokens_text
 
 __all__ = ["add_parser", "add_redis_url", "run_redis"]
@@ -39,13 +39,13 @@ def add_redis_url(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_redis(url: str | None, work: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
-    """Run `work` with a client of `url` (default: the configured Redis), with clear errors.
+def run_redis(url: str, work: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
+    """Run `work` with a client of `url`, with clear errors.
 
     Raises `StackError` when Redis cannot be reached or fails, `InputError`
     for a URL that is not a Redis URL.
     """
-    target = url or redis_url()
+    target = url
 
     async def main() -> T:
         try:
@@ -86,11 +86,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     get.set_defaults(func=run_get)
 
 
-def run_get(args: argparse.Namespace) -> int:
+def run_get(args: argparse.Namespace, settings: Settings) -> int:
     request_id: str = args.request_id
     if not request_id:
         raise InputError("REQUEST_ID must not be empty")
-    text = run_redis(args.redis_url, lambda client: get_tokens_text(client, request_id))
+    text = run_redis(
+        args.redis_url or settings.redis_url, lambda client: get_tokens_text(client, request_id)
+    )
     if text is None:
         raise InputError(f"{request_id} not found (unknown, or still streaming)")
     sys.stdout.flush()

@@ -10,6 +10,7 @@ from datetime import date
 from typing import Any
 
 from streamtally.cli.tokens import add_redis_url, run_redis
+from streamtally.settings import Settings
 from streamtally.store.redis_keys import PICO, TOKEN_FIELDS, usage_rows
 
 __all__ = ["add_parser", "format_table"]
@@ -64,10 +65,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, settings: Settings) -> int:
     tenant: str | None = args.tenant
     day: str | None = args.day
-    rows = run_redis(args.redis_url, lambda client: usage_rows(client, tenant=tenant, day=day))
+    rows = run_redis(
+        args.redis_url or settings.redis_url,
+        lambda client: usage_rows(client, tenant=tenant, day=day),
+    )
     if args.json:
         json.dump(rows, sys.stdout, ensure_ascii=False, indent=2)
         sys.stdout.write("\n")

@@ -7,6 +7,8 @@ import asyncio
 import sys
 from typing import Any, NoReturn
 
+from streamtally.settings import Settings
+from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["add_parser"]
@@ -27,27 +29,26 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> NoReturn:
+def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     import faust
     import redis.asyncio as aioredis
 
     from streamtally.processors.app import create_app
-    from streamtally.processors.settings import WorkerSettings
     from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
 
-    settings = WorkerSettings.from_env()
-    asyncio.run(ensure_topics(settings.bootstrap_servers))
+    topics = Topics.in_namespace(settings.namespace)
+    asyncio.run(ensure_topics(settings.bootstrap_servers, topics.all))
 
     def make_sinks(app: Any) -> Sinks:
         redis_outputs = RedisOutputs(aioredis.from_url(settings.redis_url))
         del app  # the sinks have their own batching producer
-        kafka = KafkaSink(settings.bootstrap_servers)
+        kafka = KafkaSink(settings.bootstrap_servers, topics)
         return Sinks(kafka, redis_outputs, lookup=redis_outputs.lookup)
 
     pipeline = create_app(settings, make_sinks)
     print(
         f"streamtally worker: kafka {settings.bootstrap_servers}, redis {settings.redis_url}, "
-        f"prices {settings.prices}",
+        f"prices {settings.prices_path or '(packaged)'}",
         file=sys.stderr,
     )
     worker = faust.Worker(pipeline.app, loglevel=args.loglevel.upper(), quiet=True)

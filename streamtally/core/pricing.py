@@ -57,6 +57,7 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
+from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Final
 
@@ -71,8 +72,8 @@ from pydantic import (
 )
 
 from streamtally.core.models import Usage
+from streamtally.core.money import COST_SCALE
 from streamtally.errors import InputError
-from streamtally.wire.records import COST_SCALE
 
 __all__ = [
     "WILDCARD",
@@ -264,6 +265,17 @@ class PriceTable:
         self.unit = checked.unit
         self.notes = checked.notes
         self._rates = {name: entry.resolved() for name, entry in checked.models.items()}
+
+    @classmethod
+    def default(cls) -> PriceTable:
+        """The price table shipped with streamtally (`streamtally/core/prices.json`)."""
+        text = resources.files("streamtally.core").joinpath("prices.json").read_text("utf-8")
+        return cls.loads(text, origin="the packaged price table")
+
+    @classmethod
+    def load_or_default(cls, path: str | Path | None) -> PriceTable:
+        """The table at `path`, or the packaged one when `path` is None."""
+        return cls.default() if path is None else cls.load(path)
 
     @classmethod
     def load(cls, path: str | Path) -> PriceTable:

@@ -60,7 +60,7 @@ from streamtally.core.models import Tokens
 from streamtally.errors import InputError
 from streamtally.store.redis_keys import PREFIX
 from streamtally.store.redis_sink import RedisSink
-from streamtally.topics import BILLING, TOKENS, decode_key
+from streamtally.topics import decode_key
 from streamtally.wire.avro import AvroDecodeError, decode_billing_event, decode_tokens
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import BillingEvent
@@ -219,9 +219,7 @@ def _where(topic: str, partition: int, offset: int) -> str:
     return f"{topic}[{partition}]@{offset}"
 
 
-async def read_inputs(
-    servers: str, *, tokens_topic: str = TOKENS.name, billing_topic: str = BILLING.name
-) -> Inputs:
+async def read_inputs(servers: str, *, tokens_topic: str, billing_topic: str) -> Inputs:
     """Both topics from their beginning to their current end (`streamtally.wire.kafka.read_topic`).
 
     Raises `StackError` when Kafka cannot be reached or a topic is missing.

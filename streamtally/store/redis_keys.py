@@ -21,12 +21,11 @@ import json
 import re
 from collections.abc import Mapping
 from datetime import date, datetime
-from decimal import Decimal
 from typing import Any, Final
 
 import redis.asyncio as aioredis
 
-from streamtally.wire.records import COST_SCALE, scaled_cost
+from streamtally.core.money import PICO, cost_parts, cost_text
 
 __all__ = [
     "CLOSED_KEY",
@@ -62,8 +61,6 @@ STATS_KEY: Final = "st:stats"
 DEAD_SEEN_KEY: Final = "st:deadletter:seen"
 #: Model name of a usage row whose request reported none.
 UNKNOWN_MODEL: Final = "unknown"
-#: `cost_pico` is the cost remainder in units of 10**-12 currency units.
-PICO: Final = 10**COST_SCALE
 
 #: The integer token fields of a usage row, in order.
 TOKEN_FIELDS: Final = (
@@ -115,24 +112,6 @@ def day_of(moment: datetime) -> str:
     if offset is None:
         raise ValueError(f"need a timezone-aware datetime, got {moment!r}")
     return (moment - offset).date().isoformat()
-
-
-def cost_parts(cost: Decimal) -> tuple[int, int]:
-    """An exact cost (at most 12 decimal places) as ``(units, pico)``.
-
-    ``cost == units + pico / 10**12`` with ``0 <= pico < 10**12`` (floor
-    division, so a negative cost has negative units and a non-negative pico).
-    """
-    sign, digits, _ = scaled_cost(cost).as_tuple()
-    unscaled = int("".join(map(str, digits)) or "0")
-    return divmod(-unscaled if sign else unscaled, PICO)
-
-
-def cost_text(units: int, pico: int) -> str:
-    """``units + pico / 10**12`` as a plain decimal string with exactly 12 places."""
-    total = units * PICO + pico
-    whole, frac = divmod(abs(total), PICO)
-    return f"{'-' if total < 0 else ''}{whole}.{frac:0{COST_SCALE}d}"
 
 
 def _text(value: bytes | str) -> str:

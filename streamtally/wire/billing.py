@@ -25,8 +25,9 @@ from decimal import Decimal
 from typing import Final
 
 from streamtally.core.models import Tokens
+from streamtally.core.money import COST_SCALE
 from streamtally.core.pricing import PriceTable, Quote
-from streamtally.wire.records import COST_SCALE, BillingEvent
+from streamtally.wire.records import BillingEvent
 
 __all__ = ["EVENT_ID_PREFIX", "Billed", "bill", "event_id", "price_request"]
 

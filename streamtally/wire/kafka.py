@@ -1,5 +1,6 @@
 """Kafka plumbing shared by producers, the worker and the read commands.
 
+`idempotent_producer` is the one producer configuration every writer uses;
 `ensure_topics` creates the declared topics; `read_topic` reads one topic
 from its beginning to its current end, which is what the read commands
 (`billing export`, `deadletter`, `rebuild`) do.
@@ -13,13 +14,24 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Final
 
+from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 
 from streamtally.errors import StackError
-from streamtally.topics import ALL_TOPICS, Topic, kafka_config
+from streamtally.topics import Topic, kafka_config
 
-__all__ = ["STALL_TIMEOUT_S", "TopicRecord", "ensure_topics", "read_topic"]
+__all__ = [
+    "MAX_REQUEST_BYTES",
+    "STALL_TIMEOUT_S",
+    "TopicRecord",
+    "ensure_topics",
+    "idempotent_producer",
+    "read_topic",
+]
+
+#: Largest produce request a streamtally producer sends (the Tokens topic takes 8 MiB records).
+MAX_REQUEST_BYTES: Final = 8 << 20
 
 #: `read_topic` gives up when no partition has moved for this long while records remain.
 STALL_TIMEOUT_S: Final = 30.0
@@ -31,9 +43,23 @@ _MISSING_HINT: Final = (
 )
 
 
-async def ensure_topics(
-    bootstrap_servers: str, wanted: tuple[Topic, ...] = ALL_TOPICS
-) -> list[str]:
+def idempotent_producer(bootstrap_servers: str, *, linger_ms: int = 5) -> AIOKafkaProducer:
+    """The producer every streamtally writer uses: idempotent, acks from all in-sync replicas.
+
+    Its own retries never duplicate or reorder a record (``enable_idempotence``);
+    a send completes only once every in-sync replica has the record (``acks=all``).
+    """
+    return AIOKafkaProducer(
+        bootstrap_servers=bootstrap_servers,
+        acks="all",
+        enable_idempotence=True,
+        linger_ms=linger_ms,
+        max_batch_size=1 << 20,
+        max_request_size=MAX_REQUEST_BYTES,
+    )
+
+
+async def ensure_topics(bootstrap_servers: str, wanted: tuple[Topic, ...]) -> list[str]:
     """Create the declared topics that do not exist yet; return the names created."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=15000)
     try:

@@ -15,6 +15,7 @@ from types import MappingProxyType
 from typing import Any, Final
 
 from streamtally.core.models import FinishReason, Source, Usage, utc_now
+from streamtally.core.money import COST_PRECISION, COST_SCALE, scaled_cost
 
 __all__ = [
     "COST_PRECISION",
@@ -28,9 +29,6 @@ __all__ = [
     "scaled_cost",
 ]
 
-#: `BillingEvent.cost` is an Avro decimal(38, 12): at most 12 decimal places, 38 digits.
-COST_PRECISION: Final = 38
-COST_SCALE: Final = 12
 
 #: The Avro record each engine source's payload is (`RawEngineOutput.payload`).
 ENGINE_PAYLOAD_TYPES: Final = MappingProxyType(
@@ -212,34 +210,6 @@ class BillingEvent:
             cached_tokens=self.cached_tokens,
             cache_write_tokens=self.cache_write_tokens,
         )
-
-
-def scaled_cost(cost: object) -> Decimal:
-    """`cost` as a Decimal with exponent exactly -12 (the Avro scale), computed without rounding.
-
-    Raises TypeError for anything but a `Decimal` (floats above all) and
-    ValueError for a non-finite value, more than 12 significant decimal places
-    or more than 38 digits.
-    """
-    if not isinstance(cost, Decimal):
-        raise TypeError(
-            f"cost must be a decimal.Decimal (never a float), got {type(cost).__name__}"
-        )
-    sign, digits, exponent = cost.as_tuple()
-    if not isinstance(exponent, int):
-        raise ValueError(f"cost must be finite, got {cost}")
-    magnitude = int("".join(map(str, digits)) or "0")
-    shift = exponent + COST_SCALE
-    if shift >= 0:
-        unscaled = magnitude * 10**shift
-    else:
-        unscaled, rest = divmod(magnitude, 10**-shift)
-        if rest:
-            raise ValueError(f"cost {cost} has more than {COST_SCALE} decimal places")
-    text = str(unscaled)
-    if len(text) > COST_PRECISION:
-        raise ValueError(f"cost {cost} has more than {COST_PRECISION} digits at scale {COST_SCALE}")
-    return Decimal((sign, tuple(int(ch) for ch in text), -COST_SCALE))
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -8,6 +8,7 @@ bytes produced by `producers.raw_records` from our own sample transcripts.
 from __future__ import annotations
 
 import json
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,13 @@ from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.processors.app import Pipeline, create_app
 from streamtally.processors.requests import Outputs
-from streamtally.processors.settings import WorkerSettings
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import RawMessage
 from streamtally.producers import raw_records
-from streamtally.topics import RAW_ENGINE, RAW_SSE
+from streamtally.settings import Settings
+from streamtally.topics import Topics
+
+TOPICS = Topics.in_namespace()
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
@@ -57,10 +60,9 @@ def recording() -> RecordingSink:
 
 @pytest.fixture
 def pipeline(recording: RecordingSink) -> Pipeline:
-    settings = WorkerSettings(
-        bootstrap_servers="127.0.0.1:1",  # never contacted: test_context() needs no broker
-        redis_url="redis://127.0.0.1:1/0",
-        prices=SAMPLES / "prices.json",
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1",  # never contacted: test_context() needs no broker
+        redis_url_setting="redis://127.0.0.1:1/0",
         batch_size=1,
     )
 
@@ -84,7 +86,7 @@ def _batch(topic: str, key: bytes | None, values: list[bytes]) -> tuple[RawMessa
 
 
 def _topic(source: Source) -> str:
-    return RAW_SSE.name if source.is_sse else RAW_ENGINE.name
+    return TOPICS.raw_sse.name if source.is_sse else TOPICS.raw_engine.name
 
 
 async def _put_transcript(agent: Any, source: Source, name: str, request_id: str) -> None:
@@ -150,7 +152,7 @@ async def test_undecodable_message_is_dead_lettered_and_counted(
     pipeline: Pipeline, recording: RecordingSink
 ) -> None:
     async with pipeline.agents["process-raw"].test_context() as agent:
-        await agent.put(_batch(RAW_SSE.name, b"bad-1", [b"\x00not avro at all"]))
+        await agent.put(_batch(TOPICS.raw_sse.name, b"bad-1", [b"\x00not avro at all"]))
         await _put_transcript(agent, Source.OPENAI, "openai/text_usage.sse", "good-1")
     out = recording.outputs
     (letter,) = out.dead_letters
@@ -174,7 +176,7 @@ async def test_a_resent_record_is_applied_once(
     )
     async with pipeline.agents["process-raw"].test_context() as agent:
         # records 1 and 2 delivered twice
-        await agent.put(_batch(RAW_SSE.name, b"dup-1", records[:3] + records[1:]))
+        await agent.put(_batch(TOPICS.raw_sse.name, b"dup-1", records[:3] + records[1:]))
     (done,) = recording.outputs.completed
     assert done.tokens.to_json_dict() == _fold(Source.OPENAI, "openai/text_usage.sse", "dup-1")
     assert pipeline.processor.counters.duplicates == 2
@@ -196,8 +198,8 @@ async def test_event_after_the_end_marker_is_dead_lettered(
         request_id="late-1",
     )[1][0]
     async with pipeline.agents["process-raw"].test_context() as agent:
-        await agent.put(_batch(RAW_SSE.name, b"late-1", records))
-        await agent.put(_batch(RAW_SSE.name, b"late-1", [late]))
+        await agent.put(_batch(TOPICS.raw_sse.name, b"late-1", records))
+        await agent.put(_batch(TOPICS.raw_sse.name, b"late-1", [late]))
     out = recording.outputs
     assert len(out.completed) == 1
     (letter,) = out.dead_letters
@@ -205,5 +207,5 @@ async def test_event_after_the_end_marker_is_dead_lettered(
 
 
 def test_sample_prices_cover_every_sample_model() -> None:
-    prices = json.loads((SAMPLES / "prices.json").read_text())
+    prices = json.loads(resources.files("streamtally.core").joinpath("prices.json").read_text())
     assert prices["models"]

@@ -1,7 +1,7 @@
 """The chaos run, as a program: `python -m tests.integration.chaos --requests N`.
 
 It runs in its own process because its topics live in their own namespace
-(`STREAMTALLY_NAMESPACE`, read when `topics` is imported) and its state in
+(`STREAMTALLY_NAMESPACE`, read by `Settings.load()`) and its state in
 its own Redis database, so it can restart the broker and flush its database
 without touching anybody else's data.  It prints one JSON report; the test
 (`test_chaos.py`) asserts on it.
@@ -109,8 +109,8 @@ async def _produce(
     requests: list[dict[str, Any]], rng: random.Random, rate: float, progress: Any
 ) -> tuple[int, int]:
     """Send every request's records interleaved; returns (messages, duplicates sent)."""
-    from streamtally.ops.stack.config import bootstrap_servers
     from streamtally.producers import RawProducer, raw_records
+    from streamtally.settings import Settings
 
     queues: list[tuple[dict[str, Any], list[bytes]]] = []
     for req in requests:
@@ -127,7 +127,8 @@ async def _produce(
     pending = list(queues)
     start = time.monotonic()
     futures: list[asyncio.Future[Any]] = []
-    async with RawProducer(bootstrap_servers()) as producer:
+    settings = Settings.load()
+    async with RawProducer(settings.bootstrap_servers, namespace=settings.namespace) as producer:
         while pending or in_flight:
             while pending and len(in_flight) < 60:
                 req, records = pending.pop(0)
@@ -172,17 +173,20 @@ async def _wait_all(client: Any, ids: list[str], timeout: float) -> list[str]:
 async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes]]:
     from aiokafka import AIOKafkaConsumer, TopicPartition
 
-    from streamtally.ops.stack.config import bootstrap_servers
-    from streamtally.topics import by_name
+    from streamtally.settings import Settings
+    from streamtally.topics import Topics
 
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_servers(),
+        bootstrap_servers=Settings.load().bootstrap_servers,
         enable_auto_commit=False,
         isolation_level="read_committed",
     )
     await consumer.start()
     try:
-        parts = [TopicPartition(topic, p) for p in range(by_name(topic).partitions)]
+        parts = [
+            TopicPartition(topic, p)
+            for p in range(Topics.in_namespace(Settings.load().namespace).by_name(topic).partitions)
+        ]
         consumer.assign(parts)
         await consumer.seek_to_beginning(*parts)
         ends = await consumer.end_offsets(parts)
@@ -212,12 +216,14 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
 
     from streamtally.core.normalize import fold_stream, read_events
     from streamtally.core.pricing import PriceTable
+    from streamtally.settings import Settings
     from streamtally.store.redis_keys import stats
-    from streamtally.topics import BILLING, DEADLETTER, RAW_ENGINE, RAW_SSE
+    from streamtally.topics import Topics
     from streamtally.wire import avro
     from streamtally.wire.billing import bill
 
-    prices = PriceTable.load(SAMPLES / "prices.json")
+    topics = Topics.in_namespace(Settings.load().namespace)
+    prices = PriceTable.default()
     client = aioredis.from_url(redis_url)
     mismatched: list[str] = []
     per_request: dict[str, dict[str, Any]] = {}
@@ -282,14 +288,15 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
         counts = await stats(client)
     finally:
         await client.aclose()
-    billing = await _topic_records(BILLING.name)
+    billing = await _topic_records(topics.billing.name)
     by_request: dict[str, set[bytes]] = defaultdict(set)
     for _, _, _, value in billing:
         event = avro.decode_billing_event(value)
         by_request[event.request_id].add(value)
     ids = {r["request_id"] for r in requests}
-    raw_in = len(await _topic_records(RAW_SSE.name)) + len(await _topic_records(RAW_ENGINE.name))
-    dead = {(p, o) for p, o, _, _ in await _topic_records(DEADLETTER.name)}
+    raw_in = len(await _topic_records(topics.raw_sse.name))
+    raw_in += len(await _topic_records(topics.raw_engine.name))
+    dead = {(p, o) for p, o, _, _ in await _topic_records(topics.deadletter.name)}
     return {
         "tokens_mismatches": mismatched,
         "usage_mismatches": usage_mismatch,
@@ -340,8 +347,9 @@ def _billing_fields(event: dict[str, Any]) -> dict[str, Any]:
 async def _restart_broker(say: Any) -> float:
     from streamtally.ops.stack import kafka
     from streamtally.ops.stack.config import StackConfig
+    from streamtally.settings import Settings
 
-    cfg = StackConfig.from_env()
+    cfg = StackConfig.from_settings(Settings.load())
     start = time.monotonic()
     kafka.down(cfg, say)
     await asyncio.sleep(1.0)
@@ -370,8 +378,9 @@ async def _wait_busy(url: str, ids: list[str], timeout: float = 60.0) -> None:
 async def _restart_redis(say: Any) -> float:
     from streamtally.ops.stack import redis
     from streamtally.ops.stack.config import StackConfig
+    from streamtally.settings import Settings
 
-    cfg = StackConfig.from_env()
+    cfg = StackConfig.from_settings(Settings.load())
     start = time.monotonic()
     await asyncio.to_thread(redis.down, cfg, say)
     await asyncio.sleep(1.0)
@@ -382,16 +391,19 @@ async def _restart_redis(say: Any) -> float:
 async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
-    from streamtally.ops.stack.config import bootstrap_servers, redis_url
+    from streamtally.settings import Settings
+    from streamtally.topics import Topics
     from streamtally.wire.kafka import ensure_topics
 
     run_id = uuid.uuid4().hex[:8]
     namespace = os.environ["STREAMTALLY_NAMESPACE"]
-    url = redis_url()
+    url = Settings.load().redis_url
     client = aioredis.from_url(url)
     await client.flushdb()  # this run's own database
     await client.aclose()
-    await ensure_topics(bootstrap_servers())
+    await ensure_topics(
+        Settings.load().bootstrap_servers, Topics.in_namespace(Settings.load().namespace).all
+    )
     requests = _requests(run_id, count)
     rng = random.Random(seed)
     log = REPO / ".stack" / "logs" / f"chaos-{run_id}.log"

@@ -38,9 +38,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from streamtally.ops.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, StackConfig
-from streamtally.ops.stack.config import bootstrap_servers as _bootstrap_servers
-from streamtally.ops.stack.config import redis_url as _redis_url
+from streamtally.ops.stack.config import StackConfig
+from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from tests.integration.worker import (
     Endpoints,
     StackMode,
@@ -68,7 +67,8 @@ def stack_endpoints() -> Iterator[Endpoints]:
     """The Kafka and Redis of this session (see the module docstring)."""
     mode = choose_stack_mode(os.environ, docker_answers)
     if mode is StackMode.EXTERNAL:
-        yield Endpoints(mode, _bootstrap_servers(), _redis_url())
+        settings = Settings.load()
+        yield Endpoints(mode, settings.bootstrap_servers, settings.redis_url)
     elif mode is StackMode.CONTAINERS:
         with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as env:
             endpoints = start_containers(stack)
@@ -81,7 +81,7 @@ def stack_endpoints() -> Iterator[Endpoints]:
             _unavailable(
                 f"`streamtally stack up` failed ({up.returncode}):\n{up.stdout}{up.stderr}"
             )
-        cfg = StackConfig.from_env()
+        cfg = StackConfig.from_settings(Settings.load())
         yield Endpoints(mode, cfg.local_bootstrap_servers(), cfg.local_redis_url())
 
 

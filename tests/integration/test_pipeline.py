@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import time
 import uuid
@@ -41,7 +40,8 @@ from aiokafka.partitioner import DefaultPartitioner
 from streamtally.core.models import Source, Tokens
 from streamtally.core.pricing import PriceTable
 from streamtally.producers import RawProducer
-from streamtally.topics import DEADLETTER, RAW_SSE
+from streamtally.settings import Settings
+from streamtally.topics import Topics
 from streamtally.wire.avro import AvroDecodeError, decode_dead_letter
 from streamtally.wire.billing import bill
 from streamtally.wire.records import DeadLetter
@@ -66,6 +66,7 @@ from tests.integration.worker import (
 )
 
 EXPECTATIONS = Path(__file__).resolve().parents[1] / "expectations"
+TOPICS = Topics.in_namespace()
 #: Seconds the worker gets to put all of the run's requests into Redis.
 PIPELINE_TIMEOUT_S = 150.0
 USAGE_FIELDS = (
@@ -408,7 +409,7 @@ def _day(event: dict[str, Any]) -> str:
 
 
 def _prices() -> PriceTable:
-    return PriceTable.load(os.environ.get("STREAMTALLY_PRICES", str(SAMPLES / "prices.json")))
+    return PriceTable.load_or_default(Settings.load().prices_path)
 
 
 @pytest.mark.integration
@@ -516,13 +517,13 @@ async def _dead_letter_end(servers: str) -> dict[TopicPartition, int]:
     producer = AIOKafkaProducer(bootstrap_servers=servers)
     await producer.start()
     try:
-        partitions = sorted(await producer.partitions_for(DEADLETTER.name))
+        partitions = sorted(await producer.partitions_for(TOPICS.deadletter.name))
     finally:
         await producer.stop()
     consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None)
     await consumer.start()
     try:
-        tps = [TopicPartition(DEADLETTER.name, p) for p in partitions]
+        tps = [TopicPartition(TOPICS.deadletter.name, p) for p in partitions]
         ends: dict[TopicPartition, int] = await consumer.end_offsets(tps)
         return ends
     finally:
@@ -536,9 +537,11 @@ async def _send_garbage_then(
     producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
     await producer.start()
     try:
-        partitions = sorted(await producer.partitions_for(RAW_SSE.name))
+        partitions = sorted(await producer.partitions_for(TOPICS.raw_sse.name))
         partition = DefaultPartitioner()(follower.request_id.encode(), partitions, partitions)
-        sent = await producer.send_and_wait(RAW_SSE.name, garbage, key=key, partition=partition)
+        sent = await producer.send_and_wait(
+            TOPICS.raw_sse.name, garbage, key=key, partition=partition
+        )
     finally:
         await producer.stop()
     async with RawProducer(servers) as raw:
@@ -591,7 +594,11 @@ def test_garbage_is_dead_lettered_and_the_worker_goes_on(run: Run) -> None:
         _find_dead_letter(servers, start, lambda d: d.value == garbage, timeout=30)
     )
     assert letter is not None, f"no dead letter in 30 s\n{run.worker.describe()}"
-    assert (letter.topic, letter.partition, letter.offset) == (RAW_SSE.name, partition, offset)
+    assert (letter.topic, letter.partition, letter.offset) == (
+        TOPICS.raw_sse.name,
+        partition,
+        offset,
+    )
     assert (letter.key, letter.value) == (key, garbage)
     assert letter.reason.strip(), letter
     assert letter.error_type, letter

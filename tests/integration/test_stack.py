@@ -15,8 +15,8 @@ import redis as redis_client
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from streamtally.ops.stack import StackConfig, bootstrap_servers, kafka, redis, redis_url
-from streamtally.ops.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
+from streamtally.ops.stack import StackConfig, kafka, redis
+from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 
 pytestmark = pytest.mark.integration
 
@@ -27,7 +27,7 @@ def _uses_local_stack() -> bool:
 
 @pytest.fixture(scope="module")
 def stack() -> StackConfig:
-    cfg = StackConfig.from_env()
+    cfg = StackConfig.from_settings(Settings.load())
     if _uses_local_stack():
         kafka.up(cfg, print)
         redis.up(cfg, print)
@@ -39,12 +39,12 @@ def test_local_services_report_running(stack: StackConfig) -> None:
         pytest.skip("KAFKA_BOOTSTRAP_SERVERS/REDIS_URL point at an external stack")
     assert kafka.status(stack).running
     assert redis.status(stack).running
-    assert bootstrap_servers() == stack.local_bootstrap_servers()
-    assert redis_url() == stack.local_redis_url()
+    assert Settings.load().bootstrap_servers == stack.local_bootstrap_servers()
+    assert Settings.load().redis_url == stack.local_redis_url()
 
 
 async def test_kafka_metadata_lists_a_broker(stack: StackConfig) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers())
+    admin = AIOKafkaAdminClient(bootstrap_servers=Settings.load().bootstrap_servers)
     await admin.start()
     try:
         cluster = await admin.describe_cluster()
@@ -56,7 +56,7 @@ async def test_kafka_metadata_lists_a_broker(stack: StackConfig) -> None:
 
 async def test_kafka_topic_round_trip(stack: StackConfig) -> None:
     topic = f"stack-test-{uuid.uuid4().hex[:12]}"
-    servers = bootstrap_servers()
+    servers = Settings.load().bootstrap_servers
     admin = AIOKafkaAdminClient(bootstrap_servers=servers)
     await admin.start()
     try:
@@ -85,7 +85,7 @@ async def test_kafka_topic_round_trip(stack: StackConfig) -> None:
 
 
 def test_redis_ping_and_persistence(stack: StackConfig) -> None:
-    client = redis_client.Redis.from_url(redis_url())
+    client = redis_client.Redis.from_url(Settings.load().redis_url)
     try:
         assert client.ping() is True
         if _uses_local_stack():

@@ -21,7 +21,7 @@ from streamtally.cli import main
 from streamtally.core.models import Source
 from streamtally.producers import RawProducer
 from streamtally.producers.raw import raw_records
-from streamtally.topics import RAW_SSE
+from streamtally.topics import Topics
 from tests.integration.worker import (
     PROBE_FILE,
     PROBE_SOURCE,
@@ -111,7 +111,7 @@ def test_a_request_open_across_a_sigterm_is_finished_by_the_next_worker(
     assert len(records) >= 6, "need a transcript with several events"
     half = len(records) // 2
     servers, url = stack_endpoints.bootstrap_servers, stack_endpoints.redis_url
-    partitions = asyncio.run(_partitions(servers, RAW_SSE.name))
+    partitions = asyncio.run(_partitions(servers, Topics.in_namespace().raw_sse.name))
     behind = _same_partition_id(f"behind-{tag}", split_id, partitions)
     _, behind_records = raw_records(
         Source(PROBE_SOURCE), PROBE_FILE.read_bytes(), tenant=tenant, request_id=behind

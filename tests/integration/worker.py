@@ -29,10 +29,10 @@ from typing import Any, Final
 
 import redis
 
-from streamtally.ops.stack.config import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, repo_root
+from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
 from streamtally.store.redis_keys import ROWS_KEY, tokens_key, usage_key
 
-REPO: Final = repo_root()
+REPO: Final = Path(__file__).resolve().parents[2]
 SAMPLES: Final = REPO / "samples"
 KAFKA_IMAGE: Final = "apache/kafka:4.1.2"
 REDIS_IMAGE: Final = "redis:7.2"
@@ -57,7 +57,7 @@ class StackMode(enum.Enum):
 def choose_stack_mode(environ: Mapping[str, str], docker_answers: Callable[[], bool]) -> StackMode:
     """Which stack the integration tests use; `docker_answers` is only asked when needed.
 
-    "Set" means set and not blank, as `streamtally.ops.stack.config` reads them; one
+    "Set" means set and not blank, as `streamtally.settings` reads them; one
     of the two is enough (the other then defaults to the local stack's address,
     like every streamtally command does).
     """

@@ -40,12 +40,14 @@ from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.processors.requests import Completed, Outputs, Position, RequestProcessor
 from streamtally.producers import raw_records
-from streamtally.topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
+
+TOPICS = Topics.in_namespace()
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
-PRICES = PriceTable.load(SAMPLES / "prices.json")
+PRICES = PriceTable.default()
 FILES = sorted(
     str(p.relative_to(SAMPLES)) for p in SAMPLES.glob("*/*") if p.suffix in {".sse", ".jsonl"}
 )
@@ -385,7 +387,7 @@ def run_pipeline(run: PipelineRun) -> PipelineRun:
     clock = [1_000.0]
     processor = RequestProcessor(PRICES, timeout=TIMEOUT, clock=lambda: clock[0])
     handle = processor.handle_sse if source.is_sse else processor.handle_engine
-    topic = RAW_SSE.name if source.is_sse else RAW_ENGINE.name
+    topic = TOPICS.raw_sse.name if source.is_sse else TOPICS.raw_engine.name
     key = encode_key(run.request_id)
     for offset, value in enumerate(run.fed):
         run.out.extend(handle(key, value, Position(topic, 3, offset, 1_777_000_000.0 + offset)))

@@ -36,14 +36,16 @@ from streamtally.processors.requests import (
     RequestProcessor,
 )
 from streamtally.producers import raw_records
-from streamtally.topics import RAW_ENGINE, RAW_SSE, encode_key
+from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.records import RawEngineOutput, RawSseEvent
 
+TOPICS = Topics.in_namespace()
+
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
-PRICES = PriceTable.load(SAMPLES / "prices.json")
+PRICES = PriceTable.default()
 MANIFEST: dict[str, dict[str, Any]] = {
     row["file"]: row
     for row in map(json.loads, (SAMPLES / "manifest.jsonl").read_text().splitlines())
@@ -106,7 +108,7 @@ class Sample:
 
     @property
     def topic(self) -> str:
-        return RAW_SSE.name if self.source.is_sse else RAW_ENGINE.name
+        return TOPICS.raw_sse.name if self.source.is_sse else TOPICS.raw_engine.name
 
     def received_at(self, seq: int) -> datetime:
         return T0 + seq * STEP
@@ -187,7 +189,7 @@ class Run:
         partition: int = 0,
     ) -> Outputs:
         handle = self.processor.handle_sse if source.is_sse else self.processor.handle_engine
-        topic = RAW_SSE.name if source.is_sse else RAW_ENGINE.name
+        topic = TOPICS.raw_sse.name if source.is_sse else TOPICS.raw_engine.name
         out = handle(key, value, position(topic, offset, partition))
         self.out.extend(out)
         self.check()
@@ -960,13 +962,15 @@ def test_drop_partitions_forgets_the_open_requests_of_those_partitions() -> None
         run.send(a, seq, seq, partition=0)
         run.send(b, seq, seq, partition=1)
     assert run.processor.open_requests == 2
-    dropped = run.processor.drop_partitions({(RAW_SSE.name, 0)})
+    dropped = run.processor.drop_partitions({(TOPICS.raw_sse.name, 0)})
     run.check()
     assert dropped == [a.request_id]
     assert not run.processor.is_open(a.request_id)
     assert run.processor.is_open(b.request_id)
     assert run.processor.unknown([a.request_id, b.request_id]) == {a.request_id}
-    assert run.processor.drop_partitions({(RAW_SSE.name, 7), (RAW_ENGINE.name, 0)}) == []
+    assert (
+        run.processor.drop_partitions({(TOPICS.raw_sse.name, 7), (TOPICS.raw_engine.name, 0)}) == []
+    )
     # The partition's next owner (here: this one again) reads it all from the start.
     run.send_all(a)
     run.send_all(b, list(range(4, len(b.records))), first=4)
@@ -983,7 +987,7 @@ def test_drop_partitions_keeps_the_counters_balanced() -> None:
     run = Run()
     run.send_all(s, [0, 1, 3, 4])  # two records wait for seq 2
     assert waiting(run.processor) == 2
-    run.processor.drop_partitions({(RAW_SSE.name, 0)})
+    run.processor.drop_partitions({(TOPICS.raw_sse.name, 0)})
     run.check()
 
 

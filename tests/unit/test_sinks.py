@@ -9,7 +9,9 @@ from typing import Any
 from streamtally.core.models import Chunk, Source
 from streamtally.processors.requests import Outputs
 from streamtally.processors.sinks import KafkaSink, Sinks
-from streamtally.topics import CHUNKS
+from streamtally.topics import Topics
+
+TOPICS = Topics.in_namespace()
 
 
 class FakeBatch:
@@ -51,8 +53,8 @@ class SlowProducer:
 
 
 def _sink(producer: SlowProducer) -> KafkaSink:
-    sink = KafkaSink("127.0.0.1:1")
-    sink._producer = producer  # type: ignore[assignment]
+    sink = KafkaSink("127.0.0.1:1", TOPICS)
+    sink._producer = producer
     sink._started = True
     return sink
 
@@ -83,7 +85,7 @@ async def test_a_request_keeps_one_partition_and_full_batches_split() -> None:
     await Sinks(_sink(producer)).write(_outputs("r", 10))
     partitions = {(topic, partition) for topic, partition, _ in producer.sent}
     assert len(partitions) == 1
-    assert next(iter(partitions))[0] == CHUNKS.name
+    assert next(iter(partitions))[0] == TOPICS.chunks.name
     assert producer.batches == 3  # 4 + 4 + 2
     assert len(producer.sent) == 10
 

@@ -8,8 +8,11 @@ import pytest
 
 from streamtally import topics
 from streamtally.errors import InputError
-from streamtally.topics import ALL_TOPICS, DAY_MS, Topic
+from streamtally.topics import DAY_MS, Topic, Topics
 from streamtally.wire import avro
+
+T = Topics.in_namespace()
+ALL_TOPICS = T.all
 
 
 def test_names_are_unique_and_namespaced() -> None:
@@ -46,34 +49,57 @@ def test_configs_render(topic: Topic) -> None:
 
 
 def test_layout_and_retention() -> None:
-    assert topics.RAW_SSE.value_schema == "RawSseEvent"
-    assert topics.RAW_ENGINE.value_schema == "RawEngineOutput"
-    assert topics.CHUNKS.value_schema == "Chunk"
-    assert topics.TOKENS.value_schema == "Tokens"
-    assert topics.BILLING.value_schema == "BillingEvent"
-    assert topics.DEADLETTER.value_schema == "DeadLetter"
-    for topic in (topics.RAW_SSE, topics.RAW_ENGINE, topics.CHUNKS):
+    assert T.raw_sse.value_schema == "RawSseEvent"
+    assert T.raw_engine.value_schema == "RawEngineOutput"
+    assert T.chunks.value_schema == "Chunk"
+    assert T.tokens.value_schema == "Tokens"
+    assert T.billing.value_schema == "BillingEvent"
+    assert T.deadletter.value_schema == "DeadLetter"
+    for topic in (T.raw_sse, T.raw_engine, T.chunks):
         assert topic.partitions == 6
         assert topic.retention_ms == 7 * DAY_MS
         assert topic.config()["cleanup.policy"] == "delete"
-    assert topics.TOKENS.config()["cleanup.policy"] == "compact"
-    assert topics.BILLING.config() == {"cleanup.policy": "delete", "retention.ms": "-1"}
-    assert topics.RAW_SSE.config() == {"cleanup.policy": "delete", "retention.ms": "604800000"}
+    assert T.tokens.config()["cleanup.policy"] == "compact"
+    assert T.billing.config() == {"cleanup.policy": "delete", "retention.ms": "-1"}
+    assert T.raw_sse.config() == {"cleanup.policy": "delete", "retention.ms": "604800000"}
     # every topic a request's records flow through is co-partitioned by request id
-    keyed = {t.partitions for t in ALL_TOPICS if t is not topics.DEADLETTER}
+    keyed = {t.partitions for t in ALL_TOPICS if t is not T.deadletter}
     assert keyed == {6}
     assert all(t.replication_factor == 1 for t in ALL_TOPICS)
 
 
 def test_topics_are_frozen() -> None:
     with pytest.raises(dataclasses.FrozenInstanceError):
-        topics.CHUNKS.partitions = 3  # type: ignore[misc]
+        T.chunks.partitions = 3  # type: ignore[misc]
 
 
 def test_by_name() -> None:
-    assert topics.by_name("streamtally.tokens") is topics.TOKENS
+    assert T.by_name("streamtally.tokens") is T.tokens
     with pytest.raises(KeyError, match="no topic"):
-        topics.by_name("nope")
+        T.by_name("nope")
+
+
+def test_a_namespace_prefixes_every_name_and_the_group() -> None:
+    other = Topics.in_namespace("tenant-b")
+    assert [t.name for t in other.all] == [
+        "tenant-b.raw.sse",
+        "tenant-b.raw.engine",
+        "tenant-b.chunks",
+        "tenant-b.tokens",
+        "tenant-b.billing",
+        "tenant-b.deadletter",
+    ]
+    assert other.processors_group == "tenant-b.processors"
+    assert other.worker_app_id == "tenant-b.worker"
+    # only the names differ from the declarations
+    for declared, named in zip(T.all, other.all, strict=True):
+        assert dataclasses.replace(named, name=declared.name) == declared
+
+
+@pytest.mark.parametrize("namespace", ["", "a b", "a/b", "a:b"])
+def test_a_bad_namespace_is_refused(namespace: str) -> None:
+    with pytest.raises(ValueError, match="bad namespace"):
+        Topics.in_namespace(namespace)
 
 
 @pytest.mark.parametrize(
@@ -90,7 +116,7 @@ def test_by_name() -> None:
 )
 def test_bad_topics_are_refused(changes: dict[str, object], message: str) -> None:
     with pytest.raises(ValueError, match=message):
-        dataclasses.replace(topics.CHUNKS, **changes)  # type: ignore[arg-type]
+        dataclasses.replace(T.chunks, **changes)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("request_id", ["chatcmpl-abc", "msg_✓", "a" * 300])

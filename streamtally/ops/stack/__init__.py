@@ -2,8 +2,8 @@
 
 ``streamtally stack up|down|status`` drives it (see :mod:`streamtally.cli.stack`);
 :mod:`streamtally.ops.stack.kafka` and :mod:`streamtally.ops.stack.redis` hold the two
-services. Application code only needs :func:`bootstrap_servers` and
-:func:`redis_url`, which honour ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL``.
+services. Application code reads the endpoints from `streamtally.settings.Settings`
+(``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL``, else this stack's).
 
 This module also holds the small process toolkit both services share: pid files,
 detached start (own session, output to a log file), liveness, stop with
@@ -24,11 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamtally.errors import StackError
-from streamtally.ops.stack.config import (
-    StackConfig,
-    bootstrap_servers,
-    redis_url,
-)
+from streamtally.ops.stack.config import StackConfig
 
 __all__ = [
     "Say",
@@ -36,13 +32,11 @@ __all__ = [
     "ServiceStatus",
     "StackConfig",
     "StackError",
-    "bootstrap_servers",
     "indent",
     "port_in_use",
     "port_open",
     "process_status",
     "read_pid",
-    "redis_url",
     "remove_pid_file",
     "spawn_detached",
     "stop_process",

@@ -1,60 +1,19 @@
-"""Configuration of the local development stack (Kafka in KRaft mode + Redis).
+"""Where the local development stack (Kafka in KRaft mode + Redis) lives and listens.
 
-Everything comes from the environment, read once into a frozen dataclass:
-
-==============================  =====================================  =========
-variable                        meaning                                default
-==============================  =====================================  =========
-``STREAMTALLY_STATE_DIR``       jars, configs, data, logs, pid files   ``<repo>/.stack``
-``STREAMTALLY_KAFKA_PORT``      Kafka client listener (PLAINTEXT)      ``9092``
-``STREAMTALLY_CONTROLLER_PORT`` KRaft controller listener              ``9093``
-``STREAMTALLY_REDIS_PORT``      Redis                                  ``6379``
-``KAFKA_BOOTSTRAP_SERVERS``     use an existing cluster instead        (unset)
-``REDIS_URL``                   use an existing Redis instead          (unset)
-==============================  =====================================  =========
-
-The project is always installed editable from its clone, so the repo root is
-two levels above this package.
+Built from the `Settings` (``STREAMTALLY_STATE_DIR``, ``STREAMTALLY_KAFKA_PORT``,
+``STREAMTALLY_CONTROLLER_PORT``, ``STREAMTALLY_REDIS_PORT``; see
+`streamtally.settings`), never from the environment directly.
 """
 
 from __future__ import annotations
 
-import os
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 from streamtally.errors import StackError
+from streamtally.settings import LOCAL_HOST, Settings
 
-ENV_STATE_DIR = "STREAMTALLY_STATE_DIR"
-ENV_KAFKA_PORT = "STREAMTALLY_KAFKA_PORT"
-ENV_CONTROLLER_PORT = "STREAMTALLY_CONTROLLER_PORT"
-ENV_REDIS_PORT = "STREAMTALLY_REDIS_PORT"
-ENV_BOOTSTRAP_SERVERS = "KAFKA_BOOTSTRAP_SERVERS"
-ENV_REDIS_URL = "REDIS_URL"
-
-DEFAULT_KAFKA_PORT = 9092
-DEFAULT_CONTROLLER_PORT = 9093
-DEFAULT_REDIS_PORT = 6379
-LOCAL_HOST = "127.0.0.1"
-
-
-def repo_root() -> Path:
-    """The clone this package is installed (editable) from."""
-    return Path(__file__).resolve().parents[3]
-
-
-def _port(environ: Mapping[str, str], name: str, default: int) -> int:
-    raw = environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise StackError(f"{name}={raw!r} is not a port number (1-65535)") from None
-    if not 1 <= value <= 65535:
-        raise StackError(f"{name}={raw!r} is not a port number (1-65535)")
-    return value
+__all__ = ["StackConfig"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,9 +21,9 @@ class StackConfig:
     """Where the local stack lives and which loopback ports it uses."""
 
     state_dir: Path
-    kafka_port: int = DEFAULT_KAFKA_PORT
-    controller_port: int = DEFAULT_CONTROLLER_PORT
-    redis_port: int = DEFAULT_REDIS_PORT
+    kafka_port: int = 9092
+    controller_port: int = 9093
+    redis_port: int = 6379
     host: str = LOCAL_HOST
 
     def __post_init__(self) -> None:
@@ -72,20 +31,17 @@ class StackConfig:
         if len(set(ports)) != len(ports):
             raise StackError(
                 f"kafka ({self.kafka_port}), controller ({self.controller_port}) and "
-                f"redis ({self.redis_port}) ports must differ: set {ENV_KAFKA_PORT}, "
-                f"{ENV_CONTROLLER_PORT} or {ENV_REDIS_PORT}"
+                f"redis ({self.redis_port}) ports must differ: set STREAMTALLY_KAFKA_PORT, "
+                "STREAMTALLY_CONTROLLER_PORT or STREAMTALLY_REDIS_PORT"
             )
 
     @classmethod
-    def from_env(cls, environ: Mapping[str, str] | None = None) -> StackConfig:
-        env = os.environ if environ is None else environ
-        raw_state = env.get(ENV_STATE_DIR, "").strip()
-        state_dir = Path(raw_state).expanduser() if raw_state else repo_root() / ".stack"
+    def from_settings(cls, settings: Settings) -> StackConfig:
         return cls(
-            state_dir=state_dir.resolve(),
-            kafka_port=_port(env, ENV_KAFKA_PORT, DEFAULT_KAFKA_PORT),
-            controller_port=_port(env, ENV_CONTROLLER_PORT, DEFAULT_CONTROLLER_PORT),
-            redis_port=_port(env, ENV_REDIS_PORT, DEFAULT_REDIS_PORT),
+            state_dir=settings.state_dir.resolve(),
+            kafka_port=settings.kafka_port,
+            controller_port=settings.controller_port,
+            redis_port=settings.redis_port,
         )
 
     @property
@@ -101,17 +57,3 @@ class StackConfig:
 
     def local_redis_url(self) -> str:
         return f"redis://{self.host}:{self.redis_port}/0"
-
-
-def bootstrap_servers(environ: Mapping[str, str] | None = None) -> str:
-    """Kafka bootstrap servers: ``$KAFKA_BOOTSTRAP_SERVERS`` if set, else the local stack."""
-    env = os.environ if environ is None else environ
-    explicit = env.get(ENV_BOOTSTRAP_SERVERS, "").strip()
-    return explicit or StackConfig.from_env(env).local_bootstrap_servers()
-
-
-def redis_url(environ: Mapping[str, str] | None = None) -> str:
-    """Redis URL: ``$REDIS_URL`` if set, else the local stack."""
-    env = os.environ if environ is None else environ
-    explicit = env.get(ENV_REDIS_URL, "").strip()
-    return explicit or StackConfig.from_env(env).local_redis_url()

@@ -1,0 +1,216 @@
+"""Every setting of streamtally, in one typed object read from the environment once.
+
+`Settings.load()` is called by the entry point (`streamtally.cli.main`) and the
+object is passed down; no other module reads the environment, and nothing
+reads it at import time.  `Settings(...)` built in code reads nothing from the
+environment: it is exactly what it is given (tests build it so).
+
+==================================  ==============================================  =========
+variable                            meaning                                         default
+==================================  ==============================================  =========
+``KAFKA_BOOTSTRAP_SERVERS``         Kafka to use                                    local stack
+``REDIS_URL``                       Redis to use                                    local stack
+``STREAMTALLY_NAMESPACE``           prefix of topic names and the consumer group    ``streamtally``
+``STREAMTALLY_PRICES``              price table (JSON)                              packaged
+``STREAMTALLY_REQUEST_TIMEOUT``     seconds a request may stay quiet                ``300``
+``STREAMTALLY_BATCH_SIZE``          raw records per worker batch                    ``2000``
+``STREAMTALLY_STATE_DIR``           the local stack's jars, data, logs              see below
+``STREAMTALLY_KAFKA_PORT``          the local stack's Kafka listener                ``9092``
+``STREAMTALLY_CONTROLLER_PORT``     the local stack's KRaft controller listener     ``9093``
+``STREAMTALLY_REDIS_PORT``          the local stack's Redis                         ``6379``
+==================================  ==============================================  =========
+
+The state directory defaults to ``.stack`` in the clone when streamtally runs
+from one (an editable install), else ``$XDG_STATE_HOME/streamtally`` (or
+``~/.local/state/streamtally``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Final
+
+from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from streamtally.errors import InputError
+
+__all__ = ["ENV_BOOTSTRAP_SERVERS", "ENV_REDIS_URL", "LOCAL_HOST", "Settings", "project_root"]
+
+LOCAL_HOST: Final = "127.0.0.1"
+#: The variables that point every client at a stack of the user's own.
+ENV_BOOTSTRAP_SERVERS: Final = "KAFKA_BOOTSTRAP_SERVERS"
+ENV_REDIS_URL: Final = "REDIS_URL"
+
+
+def project_root() -> Path | None:
+    """The clone streamtally runs from (an editable install), or None for an installed wheel."""
+    root = Path(__file__).resolve().parent.parent
+    marker = root / "pyproject.toml"
+    if marker.is_file() and (root / "topics").is_dir() and (root / "processors").is_dir():
+        return root
+    return None
+
+
+def _env(name: str, field: str) -> AliasChoices:
+    """Read from the environment variable `name`; built in code by the field's own name."""
+    return AliasChoices(field, name)
+
+
+class Settings(BaseSettings):
+    """The settings of every streamtally command and of the worker (frozen)."""
+
+    model_config = SettingsConfigDict(frozen=True, extra="ignore", populate_by_name=True)
+
+    kafka_bootstrap_servers: str | None = Field(
+        None, validation_alias=_env("KAFKA_BOOTSTRAP_SERVERS", "kafka_bootstrap_servers")
+    )
+    redis_url_setting: str | None = Field(
+        None, validation_alias=_env("REDIS_URL", "redis_url_setting")
+    )
+    namespace: str = Field(
+        "streamtally",
+        pattern=r"^[A-Za-z0-9._-]+$",
+        validation_alias=_env("STREAMTALLY_NAMESPACE", "namespace"),
+    )
+    prices_path: Path | None = Field(
+        None, validation_alias=_env("STREAMTALLY_PRICES", "prices_path")
+    )
+    #: Seconds a request may stay quiet before it is closed as `error`.
+    request_timeout: float = Field(
+        300.0, gt=0, validation_alias=_env("STREAMTALLY_REQUEST_TIMEOUT", "request_timeout")
+    )
+    #: Raw records taken per batch (one Redis round trip and one produce flush each).
+    batch_size: int = Field(
+        2000, ge=1, le=100_000, validation_alias=_env("STREAMTALLY_BATCH_SIZE", "batch_size")
+    )
+    #: Seconds to wait for a batch to fill.
+    batch_within: float = Field(0.05, gt=0)
+    #: Seconds without heartbeats before the group gives a dead worker's partitions away.
+    session_timeout: float = Field(10.0, gt=0)
+    state_dir_setting: Path | None = Field(
+        None, validation_alias=_env("STREAMTALLY_STATE_DIR", "state_dir_setting")
+    )
+    xdg_state_home: Path | None = Field(
+        None, validation_alias=_env("XDG_STATE_HOME", "xdg_state_home")
+    )
+    kafka_port: int = Field(
+        9092, ge=1, le=65535, validation_alias=_env("STREAMTALLY_KAFKA_PORT", "kafka_port")
+    )
+    controller_port: int = Field(
+        9093,
+        ge=1,
+        le=65535,
+        validation_alias=_env("STREAMTALLY_CONTROLLER_PORT", "controller_port"),
+    )
+    redis_port: int = Field(
+        6379, ge=1, le=65535, validation_alias=_env("STREAMTALLY_REDIS_PORT", "redis_port")
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Only what is passed in: `Settings.load` is the one reader of the environment."""
+        del settings_cls, env_settings, dotenv_settings, file_secret_settings
+        return (init_settings,)
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> Settings:
+        ports = [self.kafka_port, self.controller_port, self.redis_port]
+        if len(set(ports)) != len(ports):
+            raise ValueError(
+                f"kafka ({self.kafka_port}), controller ({self.controller_port}) and redis "
+                f"({self.redis_port}) ports must differ: set STREAMTALLY_KAFKA_PORT, "
+                "STREAMTALLY_CONTROLLER_PORT or STREAMTALLY_REDIS_PORT"
+            )
+        return self
+
+    @classmethod
+    def load(cls, environ: Mapping[str, str] | None = None) -> Settings:
+        """The settings from `environ` (default: the process environment).
+
+        Raises `InputError` naming the variable and what is wrong with it.
+        """
+        env = os.environ if environ is None else environ
+        # Blank values mean "not set", as they always have for these variables.
+        given = {k: v for k, v in env.items() if v.strip()}
+        try:
+            return cls.model_validate(_from_environment(given))
+        except ValidationError as exc:
+            raise InputError(_explain(exc)) from None
+
+    # -- derived values ----------------------------------------------------------------
+
+    @property
+    def local_bootstrap_servers(self) -> str:
+        return f"{LOCAL_HOST}:{self.kafka_port}"
+
+    @property
+    def local_redis_url(self) -> str:
+        return f"redis://{LOCAL_HOST}:{self.redis_port}/0"
+
+    @property
+    def bootstrap_servers(self) -> str:
+        """``KAFKA_BOOTSTRAP_SERVERS`` if set, else the local stack's Kafka."""
+        return (self.kafka_bootstrap_servers or "").strip() or self.local_bootstrap_servers
+
+    @property
+    def redis_url(self) -> str:
+        """``REDIS_URL`` if set, else the local stack's Redis."""
+        return (self.redis_url_setting or "").strip() or self.local_redis_url
+
+    @property
+    def uses_external_stack(self) -> bool:
+        """Whether KAFKA_BOOTSTRAP_SERVERS or REDIS_URL names a stack of the user's own."""
+        return bool(self.kafka_bootstrap_servers or self.redis_url_setting)
+
+    @property
+    def state_dir(self) -> Path:
+        if self.state_dir_setting is not None:
+            return self.state_dir_setting.expanduser().resolve()
+        root = project_root()
+        if root is not None:
+            return root / ".stack"
+        base = self.xdg_state_home or Path.home() / ".local" / "state"
+        return base / "streamtally"
+
+
+#: Environment variable -> field, for `Settings.load`.
+_VARIABLES: Final = {
+    "KAFKA_BOOTSTRAP_SERVERS": "kafka_bootstrap_servers",
+    "REDIS_URL": "redis_url_setting",
+    "STREAMTALLY_NAMESPACE": "namespace",
+    "STREAMTALLY_PRICES": "prices_path",
+    "STREAMTALLY_REQUEST_TIMEOUT": "request_timeout",
+    "STREAMTALLY_BATCH_SIZE": "batch_size",
+    "STREAMTALLY_STATE_DIR": "state_dir_setting",
+    "STREAMTALLY_KAFKA_PORT": "kafka_port",
+    "STREAMTALLY_CONTROLLER_PORT": "controller_port",
+    "STREAMTALLY_REDIS_PORT": "redis_port",
+    "XDG_STATE_HOME": "xdg_state_home",
+}
+_FIELDS: Final = {field: name for name, field in _VARIABLES.items()}
+
+
+def _from_environment(env: Mapping[str, str]) -> dict[str, str]:
+    return {field: env[name].strip() for name, field in _VARIABLES.items() if name in env}
+
+
+def _explain(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        field = str(error["loc"][0]) if error["loc"] else ""
+        name = _FIELDS.get(field, field)
+        value = error.get("input")
+        shown = f"={value!r}" if name and isinstance(value, str) else ""
+        prefix = f"{name}{shown}: " if name else ""
+        parts.append(f"{prefix}{error['msg']}")
+    return "bad setting: " + "; ".join(parts)

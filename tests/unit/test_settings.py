@@ -1,0 +1,121 @@
+"""The one Settings object: every variable, its defaults, and clear errors."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from streamtally.errors import InputError
+from streamtally.settings import Settings, project_root
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_defaults_point_at_the_local_stack() -> None:
+    settings = Settings.load({})
+    assert settings.bootstrap_servers == "127.0.0.1:9092"
+    assert settings.redis_url == "redis://127.0.0.1:6379/0"
+    assert settings.namespace == "streamtally"
+    assert settings.prices_path is None  # the packaged price table
+    assert settings.request_timeout == 300.0
+    assert settings.batch_size == 2000
+    assert not settings.uses_external_stack
+
+
+def test_every_variable_is_read() -> None:
+    settings = Settings.load(
+        {
+            "KAFKA_BOOTSTRAP_SERVERS": "k1:9092,k2:9092",
+            "REDIS_URL": "redis://r:6380/3",
+            "STREAMTALLY_NAMESPACE": "team-a",
+            "STREAMTALLY_PRICES": "/etc/prices.json",
+            "STREAMTALLY_REQUEST_TIMEOUT": "12.5",
+            "STREAMTALLY_BATCH_SIZE": "10",
+            "STREAMTALLY_STATE_DIR": "/tmp/st-state",
+            "STREAMTALLY_KAFKA_PORT": "19092",
+            "STREAMTALLY_CONTROLLER_PORT": "19093",
+            "STREAMTALLY_REDIS_PORT": "16379",
+            "UNRELATED": "ignored",
+        }
+    )
+    assert settings.bootstrap_servers == "k1:9092,k2:9092"
+    assert settings.redis_url == "redis://r:6380/3"
+    assert settings.uses_external_stack
+    assert settings.namespace == "team-a"
+    assert settings.prices_path == Path("/etc/prices.json")
+    assert settings.request_timeout == 12.5
+    assert settings.batch_size == 10
+    assert settings.state_dir == Path("/tmp/st-state")
+    assert (settings.kafka_port, settings.controller_port, settings.redis_port) == (
+        19092,
+        19093,
+        16379,
+    )
+    assert settings.local_bootstrap_servers == "127.0.0.1:19092"
+    assert settings.local_redis_url == "redis://127.0.0.1:16379/0"
+
+
+def test_blank_values_mean_unset() -> None:
+    settings = Settings.load({"KAFKA_BOOTSTRAP_SERVERS": "  ", "STREAMTALLY_NAMESPACE": ""})
+    assert settings.bootstrap_servers == "127.0.0.1:9092"
+    assert settings.namespace == "streamtally"
+
+
+@pytest.mark.parametrize(
+    ("variable", "value"),
+    [
+        ("STREAMTALLY_REQUEST_TIMEOUT", "soon"),
+        ("STREAMTALLY_REQUEST_TIMEOUT", "0"),
+        ("STREAMTALLY_BATCH_SIZE", "-1"),
+        ("STREAMTALLY_KAFKA_PORT", "70000"),
+        ("STREAMTALLY_NAMESPACE", "a b"),
+    ],
+)
+def test_a_bad_value_names_its_variable(variable: str, value: str) -> None:
+    with pytest.raises(InputError, match=rf"^bad setting: {variable}={re.escape(repr(value))}"):
+        Settings.load({variable: value})
+
+
+def test_ports_must_differ() -> None:
+    with pytest.raises(InputError, match="ports must differ"):
+        Settings.load({"STREAMTALLY_REDIS_PORT": "9092"})
+
+
+def test_the_state_dir_is_the_clones_or_the_users() -> None:
+    root = project_root()
+    assert root == ROOT  # the tests run from an editable install of this clone
+    assert Settings.load({}).state_dir == ROOT / ".stack"
+    assert Settings.load({"XDG_STATE_HOME": "/x"}).state_dir == ROOT / ".stack"
+
+
+def test_settings_built_in_code_ignore_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "from-env:1")
+    monkeypatch.setenv("STREAMTALLY_BATCH_SIZE", "7")
+    settings = Settings(namespace="x")
+    assert settings.bootstrap_servers == "127.0.0.1:9092"
+    assert settings.batch_size == 2000
+    assert Settings.load().bootstrap_servers == "from-env:1"  # the entry point's reading
+
+
+def test_settings_are_frozen() -> None:
+    settings = Settings.load({})
+    with pytest.raises(ValueError, match="frozen"):
+        settings.batch_size = 5  # type: ignore[misc]
+
+
+def test_only_the_settings_module_reads_the_environment() -> None:
+    """No module reads the environment, at import or later, but `streamtally.settings`.
+
+    (The local stack hands its own environment to the `apt-get` it runs.)
+    """
+    reads = re.compile(r"os\.environ|os\.getenv|getenv\(")
+    allowed = {"streamtally/settings.py", "streamtally/ops/stack/redis.py"}
+    offenders = [
+        str(path.relative_to(ROOT))
+        for package in ("streamtally", "topics", "processors", "producers")
+        for path in sorted((ROOT / package).rglob("*.py"))
+        if str(path.relative_to(ROOT)) not in allowed and reads.search(path.read_text("utf-8"))
+    ]
+    assert offenders == []
