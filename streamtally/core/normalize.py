@@ -9,20 +9,19 @@ drafts wait until the provider's own id shows up.
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import IO, Any
 
 from streamtally.core.adapters.anthropic import AnthropicAdapter
-from streamtally.core.adapters.base import Adapter, AdapterOptions, Draft
+from streamtally.core.adapters.base import Adapter, AdapterOptions, Draft, load_json
 from streamtally.core.adapters.engines import AtomrAdapter, DynamoAdapter, VllmAdapter
 from streamtally.core.adapters.gemini import GeminiAdapter
 from streamtally.core.adapters.openai import OpenAIChatAdapter
 from streamtally.core.adapters.openai_responses import OpenAIResponsesAdapter
 from streamtally.core.fold import Fold
 from streamtally.core.models import Chunk, Source, Tokens, trusted_chunk, utc_now
-from streamtally.core.sse import SseDecoder, SseEvent
+from streamtally.core.sse import NonSseLine, SseDecoder, SseEvent
 from streamtally.errors import InvalidEvent, NotAStream
 
 __all__ = [
@@ -133,20 +132,43 @@ class Normalizer:
         return chunk
 
 
-def read_events(source: Source, stream: IO[bytes]) -> Iterator[SseEvent | Any]:
-    """The raw events of one transcript: SSE events, or one JSON object per line."""
+def read_events(
+    source: Source,
+    stream: IO[bytes],
+    *,
+    on_non_sse: Callable[[NonSseLine], None] | None = None,
+) -> Iterator[SseEvent | Any]:
+    """The raw events of one transcript: SSE events, or one JSON object per line.
+
+    For an SSE source the events are exactly those the WHATWG algorithm
+    dispatches (`streamtally.core.sse`).  Text that is not SSE is no event:
+    at the end of the stream `on_non_sse` hears of each such line, in order.
+    The one exception is a source's own documented rule for the non-SSE text
+    after its last SSE line (`Adapter.take_trailing_body`; only Gemini has
+    one, for its raw JSON error body): the event it makes comes last, and the
+    lines it took are not reported as non-SSE.
+    """
     if source.is_sse:
         decoder = SseDecoder()
         while data := stream.read(_READ_SIZE):
             yield from decoder.feed(data)
-        yield from decoder.close()
+        yield from decoder.close()  # no event: an unfinished last event is discarded
+        trailing = decoder.trailing_non_sse()
+        taken = ADAPTERS[source].take_trailing_body(trailing)
+        if taken is not None:
+            yield taken
+        if on_non_sse is not None:
+            # `trailing` is the end of `non_sse`: what `taken` was made of.
+            unused = decoder.non_sse[: len(decoder.non_sse) - len(trailing)]
+            for non_sse in unused if taken is not None else decoder.non_sse:
+                on_non_sse(non_sse)
         return
     for number, line in enumerate(stream, start=1):
         text = line.strip()
         if not text:
             continue
         try:
-            yield json.loads(text)
+            yield load_json(text)
         except ValueError as exc:
             raise InvalidEvent(f"line {number} is not JSON: {exc}") from exc
 

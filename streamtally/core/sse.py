@@ -1,35 +1,64 @@
-"""Incremental Server-Sent Events decoder (WHATWG HTML, "parsing an event stream").
+"""Incremental Server-Sent Events decoder: WHATWG HTML, "interpreting an event stream".
 
-Bytes go in as they arrive; events come out.  Lines end at CRLF, CR or LF —
-nothing else — and the bytes are split into lines *before* UTF-8 decoding, so
-a multi-byte character or a CR/LF pair straddling two reads is handled.
+Bytes go in as they arrive; events come out.  The decoder follows the
+standard's algorithm exactly, with no leniency of its own:
 
-Two deliberate, documented leniencies:
+* The bytes are UTF-8, decoded incrementally (a character split across reads
+  waits for its end); invalid bytes become U+FFFD as the UTF-8 decode
+  algorithm says.  One U+FEFF (BOM) is stripped at the very start of the
+  stream, and only there: anywhere else it is ordinary text.
+* Lines end at CRLF, LF or CR, and at nothing else (never U+2028, U+0085, ...).
+  A CR ending one read and an LF starting the next are one line end.
+* A blank line dispatches the event being built.  A line starting with `:` is
+  a comment.  Otherwise the field name is the text before the first `:` (the
+  whole line when there is none) and the value the text after it, less one
+  leading space.  `data` appends its value to the data buffer (several join
+  with LF), `event` sets the event type (empty: "message"), `id` sets the last
+  event id unless the value holds a NUL, `retry` sets the reconnection time
+  when the value is ASCII digits only.  Every other field is ignored.
+* An event whose data buffer is empty is not dispatched (its event type is
+  reset all the same).  The last event id is not reset by a dispatch: it
+  carries over to every later event until an `id` field changes it, an `id`
+  of an event that was never dispatched included.  `SseEvent.id` is None
+  while the stream has had no `id` field at all.
+* At the end of the stream, an event not followed by its blank line is
+  discarded, never dispatched: `close()` returns no event.  What it would
+  have been stays readable as `discarded`, for diagnostics only.
 
-* At end of input, a last event without its blank line is still dispatched
-  when its data is complete JSON (several real servers omit the final blank
-  line).
-* Lines that are neither comments nor known fields (`data`, `event`, `id`,
-  `retry`) are collected and surfaced as one `SseEvent` of type `STRAY`.  The
-  spec ignores them, but Gemini appends its mid-stream error as raw JSON after
-  the events, and that error must not be lost.
+The side channel.  A line that is not blank, not a comment and whose field
+name is none of `data`, `event`, `id`, `retry` is, per the standard, ignored.
+For us such a line is *text that is not SSE* (a proxy's error page, a raw JSON
+body, a stray log line): it never becomes an event and is recorded instead, in
+stream order, in `non_sse` (`NonSseLine`: its line number, its text and the
+reason).  A last line with no line end is recorded too when it is not SSE.
+A known field with a value the standard ignores (an `id` holding a NUL, a
+`retry` that is not digits) is SSE, not reported.  `trailing_non_sse()` is the
+non-SSE text after the last line that was SSE: the place where Gemini appends
+its raw JSON error body.  The decoder never interprets that text; a source
+that needs it takes it explicitly (see `Adapter.take_trailing_body` and
+`streamtally.core.normalize.read_events`).
+
+The decoder runs in time linear in its input: each read is scanned once, and
+a line spread over many reads is joined once, when it ends.  `scanned` and
+`joined` count that work (characters), so tests can check it without a clock.
 """
 
 from __future__ import annotations
 
 import codecs
-import json
 import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["STRAY", "SseDecoder", "SseEvent", "iter_events"]
+__all__ = ["NOT_A_FIELD", "NonSseLine", "SseDecoder", "SseEvent", "iter_events"]
 
-#: Event type given to text found outside any SSE field.
-STRAY = "__stray__"
+#: The reason of every `NonSseLine`: the line is no SSE field, comment or blank line.
+NOT_A_FIELD = "not an SSE field"
 
 _LINE_END = re.compile(r"\r\n|\r|\n")
 _BOM = "\ufeff"
+#: Python refuses to convert longer digit strings to int (`sys.get_int_max_str_digits`).
+_MAX_RETRY_DIGITS = 4000
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,127 +70,168 @@ class SseEvent:
     id: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class NonSseLine:
+    """A line of the stream that is not SSE: reported on the side channel, never an event."""
+
+    #: 1-based number of the line in the stream.
+    number: int
+    #: The whole line, without its line end.
+    text: str
+    #: Why it is not SSE (starts with `NOT_A_FIELD`).
+    reason: str
+
+
 class SseDecoder:
     """Feed bytes with `feed`, then call `close` once at end of input."""
 
     __slots__ = (
         "_at_start",
+        "_closed",
         "_data",
         "_decoder",
         "_event",
         "_last_id",
+        "_parts",
         "_skip_lf",
-        "_stray",
-        "_tail",
+        "discarded",
+        "joined",
+        "last_sse_line",
+        "lines",
+        "non_sse",
+        "retry",
+        "scanned",
     )
 
     def __init__(self) -> None:
-        # Incremental: a multi-byte character split across reads waits for its end.
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
-        self._tail = ""
+        #: The current line so far, one piece per read: joined once, when the line ends.
+        self._parts: list[str] = []
         self._skip_lf = False
         self._at_start = True
+        self._closed = False
         self._data: list[str] = []
         self._event = ""
         self._last_id: str | None = None
-        self._stray: list[str] = []
+        #: The side channel: every line that is not SSE, in stream order.
+        self.non_sse: list[NonSseLine] = []
+        #: After `close`: the unfinished event the stream ended in (never dispatched).
+        self.discarded: SseEvent | None = None
+        #: The last reconnection time (ms) a `retry` field set.
+        self.retry: int | None = None
+        #: Lines seen so far.
+        self.lines = 0
+        #: Number of the last line that was SSE (a comment or a known field); 0: none.
+        self.last_sse_line = 0
+        #: Characters handed to the line splitter (each decoded character once).
+        self.scanned = 0
+        #: Characters copied to join lines that spanned several reads.
+        self.joined = 0
 
     def feed(self, data: bytes) -> list[SseEvent]:
+        """The events dispatched by this read."""
+        if self._closed:
+            raise ValueError("SseDecoder.feed() after close()")
         text = self._decoder.decode(data)
         if not text:
             return []
-        if self._skip_lf:
-            self._skip_lf = False
-            if text[0] == "\n":
-                text = text[1:]
-        if self._at_start and text:
+        if self._at_start:
             self._at_start = False
             if text[0] == _BOM:
                 text = text[1:]
-        if self._tail:
-            text = self._tail + text
+        if self._skip_lf:
+            self._skip_lf = False
+            if text[:1] == "\n":
+                text = text[1:]
         if not text:
             return []
-        # Only CR and LF end lines (never U+2028, U+0085, …): no str.splitlines().
+        self.scanned += len(text)
         lines = text.split("\n") if "\r" not in text else _LINE_END.split(text)
-        self._tail = lines.pop()
-        # A CR ending the input so far may be the first half of a CRLF.
-        self._skip_lf = not self._tail and text[-1] == "\r"
+        tail = lines.pop()  # the start of a line whose end has not come yet
+        # A CR ending this read may be the first half of a CRLF: skip an LF opening the next.
+        self._skip_lf = not tail and text[-1] == "\r"
         out: list[SseEvent] = []
-        data_lines = self._data
-        for line in lines:
-            if not line:
-                if data_lines or self._stray:
-                    self._dispatch(out)
-                    data_lines = self._data
-                else:
-                    self._event = ""
-            elif line[0] == ":":
-                continue
-            elif line[:5] == "data:":
-                data_lines.append(line[6:] if line[5:6] == " " else line[5:])
-            else:
-                self._field(line)
+        if lines:
+            if self._parts:
+                self._parts.append(lines[0])
+                lines[0] = "".join(self._parts)
+                self.joined += len(lines[0])
+                self._parts = []
+            for line in lines:
+                self._line(line, out)
+        if tail:
+            self._parts.append(tail)
         return out
 
     def close(self) -> list[SseEvent]:
-        """End of input: flush the unterminated last line and a complete last event."""
-        out: list[SseEvent] = []
-        tail = self._tail + self._decoder.decode(b"", final=True)
-        self._tail = ""
-        if tail and tail[0] != ":":
-            if tail[:5] == "data:":
-                self._data.append(tail[6:] if tail[5:6] == " " else tail[5:])
-            else:
-                self._field(tail)
+        """End of input.  Returns no event: an event without its blank line is discarded."""
+        if self._closed:
+            return []
+        self._closed = True
+        rest = self._decoder.decode(b"", final=True)  # a truncated character: U+FFFD
+        if rest:
+            if self._at_start:
+                self._at_start = False
+                rest = rest.removeprefix(_BOM)
+            self._parts.append(rest)
+        last = "".join(self._parts)
+        self._parts = []
+        if last:
+            self.joined += len(last)
+            self._line(last, [], ended=False)
         if self._data:
             data = "\n".join(self._data)
-            if _is_complete_json(data):
-                out.append(SseEvent(data, self._event or "message", self._last_id))
-            else:
-                self._stray.extend(self._data)
+            self.discarded = SseEvent(data, self._event or "message", self._last_id)
         self._data = []
         self._event = ""
-        self._flush_stray(out)
-        return out
+        return []
 
-    def _field(self, line: str) -> None:
-        field, sep, value = line.partition(":")
-        if sep and value[:1] == " ":
+    def trailing_non_sse(self) -> list[NonSseLine]:
+        """The non-SSE lines after the last line that was SSE (blank lines aside)."""
+        return [line for line in self.non_sse if line.number > self.last_sse_line]
+
+    def _line(self, line: str, out: list[SseEvent], *, ended: bool = True) -> None:
+        self.lines += 1
+        if not line:
+            if self._data:
+                data = "\n".join(self._data)
+                out.append(SseEvent(data, self._event or "message", self._last_id))
+                self._data = []
+            self._event = ""
+            return
+        if line[:5] == "data:":  # most lines: the general case below, made quicker
+            self._data.append(line[6:] if line[5:6] == " " else line[5:])
+            self.last_sse_line = self.lines
+            return
+        if line[0] == ":":
+            self.last_sse_line = self.lines
+            return
+        name, colon, value = line.partition(":")
+        if colon and value[:1] == " ":
             value = value[1:]
-        if field == "data":
+        if name == "data":
             self._data.append(value)
-        elif field == "event":
+        elif name == "event":
             self._event = value
-        elif field == "id":
+        elif name == "id":
             if "\0" not in value:
                 self._last_id = value
-        elif field != "retry":
-            self._stray.append(line)
-
-    def _dispatch(self, out: list[SseEvent]) -> None:
-        if self._data:
-            out.append(SseEvent("\n".join(self._data), self._event or "message", self._last_id))
-            self._data = []
-        self._event = ""
-        self._flush_stray(out)
-
-    def _flush_stray(self, out: list[SseEvent]) -> None:
-        if self._stray:
-            out.append(SseEvent("\n".join(self._stray), STRAY, self._last_id))
-            self._stray = []
-
-
-def _is_complete_json(text: str) -> bool:
-    try:
-        json.loads(text)
-    except ValueError:
-        return False
-    return True
+        elif name == "retry":
+            digits = value.isascii() and value.isdigit()
+            if ended and digits and len(value.lstrip("0")) <= _MAX_RETRY_DIGITS:
+                self.retry = int(value.lstrip("0") or "0")
+        else:
+            shown = name if len(name) <= 40 else name[:40] + "..."
+            reason = f"{NOT_A_FIELD}: field name {shown!r}"
+            if not ended:
+                reason += " (last line, no line end)"
+            self.non_sse.append(NonSseLine(self.lines, line, reason))
+            return
+        self.last_sse_line = self.lines
 
 
 def iter_events(reads: Iterable[bytes]) -> Iterator[SseEvent]:
-    """Decode a whole stream given as an iterable of byte reads."""
+    """Decode a whole stream given as an iterable of byte reads (the side channel is dropped)."""
     decoder = SseDecoder()
     for data in reads:
         yield from decoder.feed(data)

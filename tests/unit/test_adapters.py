@@ -1,11 +1,13 @@
 """Every source's raw events, through `fold_stream`, against the normalisation contract.
 
 Inputs are tiny hand-written transcripts: `SseEvent`s for the SSE sources (or raw
-bytes decoded by `iter_events` where framing matters), dicts for the engines.
+bytes read by `read_events`, as `streamtally fold` and the producer read them,
+where framing matters), dicts for the engines.
 """
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Iterable
 from typing import Any
@@ -13,11 +15,16 @@ from typing import Any
 import pytest
 
 from streamtally.core.adapters.base import AdapterOptions
+from streamtally.core.adapters.gemini import RAW_ERROR_BODY
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.models import FinishReason, Source, Tokens, ToolCall, Usage
-from streamtally.core.normalize import fold_stream
-from streamtally.core.sse import SseEvent, iter_events
-from streamtally.errors import InputError, NotAStream
+from streamtally.core.normalize import Normalizer, fold_stream, read_events
+from streamtally.core.pricing import PriceTable
+from streamtally.core.sse import NonSseLine, SseEvent
+from streamtally.errors import InputError, InvalidEvent, NotAStream
+from streamtally.processors.requests import Position, RequestProcessor
+from streamtally.producers import raw_records
+from streamtally.topics import Topics, encode_key
 
 F = FinishReason
 Obj = dict[str, Any]
@@ -34,7 +41,15 @@ def typed(*items: Obj) -> list[SseEvent]:
 
 
 def fold_sse(source: Source, body: bytes) -> Tokens:
-    return fold_stream(source, iter_events([body]))
+    return fold_stream(source, read_events(source, io.BytesIO(body)))
+
+
+def sse_events(source: Source, body: bytes) -> tuple[list[SseEvent], list[NonSseLine]]:
+    """What `read_events` yields for `body`, and the non-SSE lines it reports."""
+    non_sse: list[NonSseLine] = []
+    got = list(read_events(source, io.BytesIO(body), on_non_sse=non_sse.append))
+    assert all(isinstance(event, SseEvent) for event in got)
+    return got, non_sse
 
 
 def fold_lines(source: Source, lines: Iterable[Obj], **kwargs: Any) -> Tokens:
@@ -1814,6 +1829,243 @@ def test_atomr_tool_call_delta_as_object_and_as_json_string() -> None:
 def test_atomr_rejects_lines_of_another_source(foreign: Obj) -> None:
     with pytest.raises(InputError):  # every line invalid: not a stream of the source
         fold_lines(Source.ATOMR, [foreign])
+
+
+# =====================================================================================
+# every SSE source: an event must carry JSON; keep-alives stay silent
+# =====================================================================================
+
+SSE_SOURCES = [source for source in Source if source.is_sse]
+TRUNCATED = '{"id":"x","choices":['
+
+
+@pytest.mark.parametrize("source", SSE_SOURCES)
+@pytest.mark.parametrize("kind", ["message", "message_start", "response.completed"])
+def test_truncated_json_event_is_invalid_not_a_keep_alive(source: Source, kind: str) -> None:
+    with pytest.raises(InvalidEvent, match="not valid JSON") as caught:
+        Normalizer(source, "r").feed(SseEvent(TRUNCATED, kind))
+    assert isinstance(caught.value, InputError)  # what the processors dead-letter
+    assert repr(TRUNCATED) in str(caught.value)
+
+
+@pytest.mark.parametrize("source", SSE_SOURCES)
+@pytest.mark.parametrize(
+    "data",
+    [
+        "hello",
+        "<html><body>502 Bad Gateway</body></html>",
+        '{"a": 1} trailing',
+        "{'single': 'quotes'}",
+        "[1, 2]",
+        "42",
+        '"a string"',
+        "null",
+        "true",
+        "[DONE",
+    ],
+)
+def test_data_that_is_not_one_json_object_is_invalid(source: Source, data: str) -> None:
+    with pytest.raises(InvalidEvent, match=r"not valid JSON|not an object"):
+        Normalizer(source, "r").feed(SseEvent(data))
+
+
+@pytest.mark.parametrize("source", SSE_SOURCES)
+def test_deeply_nested_json_is_invalid_not_a_crash(source: Source) -> None:
+    with pytest.raises(InvalidEvent):
+        Normalizer(source, "r").feed(SseEvent('{"a":' * 100_000))
+
+
+@pytest.mark.parametrize("source", SSE_SOURCES)
+@pytest.mark.parametrize("data", ["", " ", "\n", " \n\t", ": keep-alive", "  :ping"])
+def test_keep_alive_data_is_silent(source: Source, data: str) -> None:
+    assert Normalizer(source, "r").feed(SseEvent(data)) == []
+
+
+def test_done_is_openai_only() -> None:
+    assert Normalizer(Source.OPENAI, "r").feed(SseEvent("[DONE]")) == []
+    for source in SSE_SOURCES:
+        if source is not Source.OPENAI:
+            with pytest.raises(InvalidEvent, match="not valid JSON"):
+                Normalizer(source, "r").feed(SseEvent("[DONE]"))
+
+
+def test_truncated_event_is_skipped_and_reported_by_the_fold() -> None:
+    skipped: list[tuple[int, str]] = []
+    body = (
+        b'data: {"id":"c1","model":"m","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+        b'data: {"id":"x","choices":[\n\n'
+        b": keep-alive\n\n"
+        b'data: {"id":"c1","choices":[{"index":0,"delta":{"content":"b"},'
+        b'"finish_reason":"stop"}]}\n\n'
+        b"data: [DONE]\n\n"
+    )
+    tokens = fold_stream(
+        Source.OPENAI,
+        read_events(Source.OPENAI, io.BytesIO(body)),
+        on_invalid=lambda number, exc: skipped.append((number, str(exc))),
+    )
+    assert (tokens.text, tokens.finish_reason) == ("ab", F.STOP)
+    assert [number for number, _ in skipped] == [2]
+    assert "not valid JSON" in skipped[0][1]
+
+
+def test_truncated_event_is_dead_lettered_by_the_processor() -> None:
+    body = (
+        b'data: {"candidates":[{"content":{"parts":[{"text":"a"}]}}],"responseId":"g1"}\r\n\r\n'
+        b'data: {"candidates":[{"content":{"parts":[{"te\r\n\r\n'
+        b'data: {"candidates":[{"content":{"parts":[{"text":"b"}]},"finishReason":"STOP"}],'
+        b'"responseId":"g1"}\r\n\r\n'
+    )
+    topics = Topics.in_namespace()
+    request_id, records = raw_records(Source.GEMINI, body, tenant="t")
+    processor = RequestProcessor(PriceTable.default(), timeout=30.0, clock=lambda: 0.0)
+    dead = []
+    done = []
+    for offset, value in enumerate(records):
+        position = Position(topics.raw_sse.name, 0, offset, 1_777_000_000.0)
+        out = processor.handle_sse(encode_key(request_id), value, position)
+        dead.extend(out.dead_letters)
+        done.extend(out.completed)
+    assert [letter.offset for letter in dead] == [1]
+    assert "not valid JSON" in dead[0].reason
+    assert [c.tokens.text for c in done] == ["ab"]
+    assert done[0].tokens.finish_reason is F.STOP
+
+
+# =====================================================================================
+# the end of the stream and the side channel (text that is not SSE)
+# =====================================================================================
+
+RAW_ERROR = (
+    b"{\n"
+    b'  "error": {\n'
+    b'    "code": 503,\n'
+    b'    "message": "The model is overloaded.",\n'
+    b'    "status": "UNAVAILABLE"\n'
+    b"  }\n"
+    b"}\n"
+)
+GEMINI_STOP = (
+    b'data: {"candidates": [{"content": {"parts": [{"text": "Hi"}]},"finishReason": "STOP"}],'
+    b'"responseId": "g1"}\r\n\r\n'
+)
+
+
+def test_gemini_raw_error_body_becomes_one_event_from_the_side_channel() -> None:
+    got, non_sse = sse_events(Source.GEMINI, GEMINI_STOP + RAW_ERROR)
+    assert [event.event for event in got] == ["message", RAW_ERROR_BODY]
+    assert json.loads(got[1].data)["error"]["code"] == 503
+    assert non_sse == []  # taken: not reported as left over
+    tokens = fold_sse(Source.GEMINI, GEMINI_STOP + RAW_ERROR)
+    assert (tokens.text, tokens.finish_reason, tokens.error) == (
+        "Hi",
+        F.ERROR,
+        "The model is overloaded.",
+    )
+
+
+def test_gemini_raw_error_body_on_one_line_and_without_final_newline() -> None:
+    body = GEMINI_STOP + b'{"error": {"code": 429, "message": "quota", "status": "X"}}'
+    got, _ = sse_events(Source.GEMINI, body)
+    assert got[-1] == SseEvent(
+        '{"error": {"code": 429, "message": "quota", "status": "X"}}', RAW_ERROR_BODY
+    )
+    assert fold_sse(Source.GEMINI, body).error == "quota"
+
+
+@pytest.mark.parametrize(
+    "tail",
+    [
+        b'{\n  "candidates": [{"content": {"parts": [{"text": "sneaky"}]}}]\n}\n',
+        b'{\n  "error": {"code": 503,\n',  # cut off: not one JSON object
+        b'[\n  {"error": {"code": 1}}\n]\n',
+        b"<html>502 Bad Gateway</html>\n",
+    ],
+    ids=["not-an-error", "truncated", "array", "html"],
+)
+def test_gemini_other_trailing_text_stays_on_the_side_channel(tail: bytes) -> None:
+    got, non_sse = sse_events(Source.GEMINI, GEMINI_STOP + tail)
+    assert [event.event for event in got] == ["message"]
+    assert [line.text for line in non_sse] == tail.decode().splitlines()
+    tokens = fold_sse(Source.GEMINI, GEMINI_STOP + tail)
+    assert (tokens.text, tokens.finish_reason, tokens.error) == ("Hi", F.STOP, None)
+
+
+def test_gemini_raw_error_body_before_more_events_is_not_trailing() -> None:
+    body = RAW_ERROR + b"\r\n" + GEMINI_STOP
+    got, non_sse = sse_events(Source.GEMINI, body)
+    assert [event.event for event in got] == ["message"]
+    assert len(non_sse) == len(RAW_ERROR.splitlines())
+    assert fold_sse(Source.GEMINI, body).finish_reason is F.STOP
+
+
+@pytest.mark.parametrize(
+    ("source", "body"),
+    [
+        (
+            Source.OPENAI,
+            b'data: {"id":"c1","model":"m","choices":[{"index":0,"delta":{"content":"Hi"},'
+            b'"finish_reason":"stop"}]}\n\n',
+        ),
+        (
+            Source.ANTHROPIC,
+            b"event: message_start\n"
+            b'data: {"type":"message_start","message":{"id":"msg_1","model":"c",'
+            b'"usage":{"input_tokens":1,"output_tokens":1}}}\n\n'
+            b"event: content_block_delta\n"
+            b'data: {"type":"content_block_delta","index":0,'
+            b'"delta":{"type":"text_delta","text":"Hi"}}\n\n'
+            b"event: message_delta\n"
+            b'data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+            b'"usage":{"output_tokens":2}}\n\n',
+        ),
+        (
+            Source.OPENAI_RESPONSES,
+            b"event: response.output_text.delta\n"
+            b'data: {"type":"response.output_text.delta","output_index":0,"delta":"Hi"}\n\n'
+            b"event: response.completed\n"
+            b'data: {"type":"response.completed","response":{"id":"resp_1","model":"m",'
+            b'"status":"completed"}}\n\n',
+        ),
+    ],
+    ids=["openai", "anthropic", "openai-responses"],
+)
+def test_a_raw_json_error_body_is_taken_for_gemini_only(source: Source, body: bytes) -> None:
+    got, non_sse = sse_events(source, body + RAW_ERROR)
+    assert all(event.event != RAW_ERROR_BODY for event in got)
+    assert [line.text for line in non_sse] == RAW_ERROR.decode().splitlines()
+    assert all(line.reason.startswith("not an SSE field") for line in non_sse)
+    tokens = fold_sse(source, body + RAW_ERROR)
+    assert (tokens.text, tokens.finish_reason, tokens.error) == ("Hi", F.STOP, None)
+
+
+def test_non_sse_lines_are_reported_in_order_with_their_numbers() -> None:
+    body = b"oops\n" + GEMINI_STOP + b"<br>\n"
+    _, non_sse = sse_events(Source.GEMINI, body)
+    assert [(line.number, line.text) for line in non_sse] == [(1, "oops"), (4, "<br>")]
+
+
+def test_gemini_last_event_without_its_blank_line_is_discarded() -> None:
+    body = (
+        b'data: {"candidates": [{"content": {"parts": [{"text": "a"}]}}],"responseId": "g"}\r\n'
+        b"\r\n" + GEMINI_STOP.rstrip(b"\r\n")
+    )
+    tokens = fold_sse(Source.GEMINI, body)
+    assert (tokens.text, tokens.finish_reason, tokens.error) == ("a", F.ERROR, NO_FINISH)
+
+
+def test_anthropic_message_delta_without_its_blank_line_is_discarded() -> None:
+    body = (
+        b"event: message_start\n"
+        b'data: {"type":"message_start","message":{"id":"msg_1","model":"c",'
+        b'"usage":{"input_tokens":1,"output_tokens":1}}}\n\n'
+        b"event: message_delta\n"
+        b'data: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+        b'"usage":{"output_tokens":2}}\n'
+    )
+    tokens = fold_sse(Source.ANTHROPIC, body)
+    assert (tokens.finish_reason, tokens.error) == (F.ERROR, NO_FINISH)
+    assert tokens.usage == Usage(input_tokens=1, output_tokens=1)
 
 
 # =====================================================================================

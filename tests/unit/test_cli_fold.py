@@ -191,6 +191,37 @@ def test_engine_lines_with_blank_lines(tmp_path: Path, capsys: pytest.CaptureFix
     assert got["usage"]["output_tokens"] == 2
 
 
+def test_truncated_json_event_is_skipped_with_a_warning(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = OPENAI_SSE.split(b"\n\n")
+    truncated = b'data: {"id":"chatcmpl-7","choices":['
+    data = b"\n\n".join([*events[:2], truncated, *events[2:]])
+    code, out, err = run_fold(capsys, "--source", "openai", write(tmp_path, "chat.sse", data))
+    assert code == 0
+    assert only_json(out)["text"] == "Hi"
+    assert err.count("\n") == 1
+    assert err.startswith("streamtally fold: skipped event 3: event data is not valid JSON")
+
+
+def test_unfinished_last_event_and_non_sse_lines_change_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = write(tmp_path, "plain.sse", ANTHROPIC_SSE)
+    noisy = write(
+        tmp_path,
+        "noisy.sse",
+        b"HTTP/1.1 200 OK\n" + ANTHROPIC_SSE + b'{"error": {"type": "overloaded_error"}}\n'
+        b"event: message_delta\n"
+        b'data: {"type":"message_delta","delta":{"stop_reason":"max_tokens"}}',
+    )
+    code, out, err = run_fold(capsys, "--source", "anthropic", plain)
+    assert (code, err) == (0, "")
+    code, noisy_out, err = run_fold(capsys, "--source", "anthropic", noisy)
+    assert (code, err) == (0, "")
+    assert only_json(noisy_out) == only_json(out)
+
+
 BAD_INPUTS = [
     pytest.param("openai", ANTHROPIC_SSE, id="anthropic-file-as-openai"),
     pytest.param("anthropic", OPENAI_SSE, id="openai-file-as-anthropic"),

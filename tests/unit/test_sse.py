@@ -1,4 +1,8 @@
-"""The incremental SSE decoder against the WHATWG event-stream rules (contract "SSE decoding")."""
+"""The incremental SSE decoder against the WHATWG event-stream rules (contract "SSE decoding").
+
+The conformance vectors are in `test_sse_conformance.py`; this file has the
+decoder's own API: reads, the end of input, the side channel, linear time.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +12,7 @@ from itertools import pairwise
 
 import pytest
 
-from streamtally.core.sse import STRAY, SseDecoder, SseEvent, iter_events
+from streamtally.core.sse import NOT_A_FIELD, SseDecoder, SseEvent, iter_events
 
 
 def decode(reads: Iterable[bytes]) -> list[SseEvent]:
@@ -28,7 +32,7 @@ def decode_split(data: bytes, cuts: Sequence[int]) -> list[SseEvent]:
 
 
 def datas(events: Iterable[SseEvent]) -> list[str]:
-    return [e.data for e in events if e.event != STRAY]
+    return [e.data for e in events]
 
 
 # --- line endings -------------------------------------------------------------------------
@@ -219,11 +223,13 @@ def test_id_containing_nul_is_ignored() -> None:
     assert [(e.data, e.id) for e in decode([body])] == [("a", "1"), ("b", "1")]
 
 
-def test_retry_field_is_neither_data_nor_stray() -> None:
-    assert decode([b"retry: 1000\ndata: a\n\nretry: soon\ndata: b\n\n"]) == [
+def test_retry_field_is_not_data_and_only_digits_set_it() -> None:
+    decoder = SseDecoder()
+    assert decoder.feed(b"retry: 1000\ndata: a\n\nretry: soon\ndata: b\n\n") == [
         SseEvent("a"),
         SseEvent("b"),
     ]
+    assert decoder.retry == 1000
 
 
 def test_event_without_data_is_not_dispatched() -> None:
@@ -268,27 +274,46 @@ def test_only_one_leading_bom_is_stripped_and_only_at_the_start() -> None:
 
 
 @pytest.mark.parametrize("tail", [b"", b"\n", b"\r\n", b"\r"])
-def test_last_event_without_blank_line_is_taken_when_complete_json(tail: bytes) -> None:
+def test_last_event_without_blank_line_is_discarded_even_when_complete_json(tail: bytes) -> None:
+    decoder = SseDecoder()
     body = b'data: {"a": 1}\n\ndata: {"b": [1, 2]}' + tail
-    assert decode([body]) == [SseEvent('{"a": 1}'), SseEvent('{"b": [1, 2]}')]
+    assert decoder.feed(body) == [SseEvent('{"a": 1}')]
+    assert decoder.close() == []
+    assert decoder.discarded == SseEvent('{"b": [1, 2]}')
 
 
-def test_last_multi_line_json_event_without_blank_line_is_taken() -> None:
-    assert decode([b"event: e\ndata: {\ndata: }\n"]) == [SseEvent("{\n}", "e")]
+def test_last_multi_line_event_without_blank_line_is_discarded() -> None:
+    decoder = SseDecoder()
+    assert decoder.feed(b"event: e\nid: 4\ndata: {\ndata: }\n") == []
+    assert decoder.close() == []
+    assert decoder.discarded == SseEvent("{\n}", "e", "4")
 
 
 @pytest.mark.parametrize("tail", [b"data: unfinished", b'data: {"a": ', b"data: [DONE"])
-def test_last_event_without_blank_line_is_not_dispatched_unless_complete_json(
-    tail: bytes,
-) -> None:
+def test_last_event_without_blank_line_is_never_dispatched(tail: bytes) -> None:
     events = decode([b"data: a\n\n" + tail + b"\n"])
     assert datas(events) == ["a"]
+
+
+def test_nothing_is_discarded_after_a_complete_stream() -> None:
+    decoder = SseDecoder()
+    decoder.feed(b"data: a\n\nevent: x\nid: 1\n")
+    decoder.close()
+    assert decoder.discarded is None
 
 
 def test_close_without_pending_input_returns_nothing() -> None:
     decoder = SseDecoder()
     assert decoder.feed(b"data: a\n\n") == [SseEvent("a")]
     assert decoder.close() == []
+    assert decoder.close() == []
+
+
+def test_feed_after_close_is_an_error() -> None:
+    decoder = SseDecoder()
+    decoder.close()
+    with pytest.raises(ValueError, match="after close"):
+        decoder.feed(b"data: a\n\n")
 
 
 def test_empty_feed_returns_nothing() -> None:
@@ -297,7 +322,7 @@ def test_empty_feed_returns_nothing() -> None:
     assert decoder.feed(b"data: a\n\n") == [SseEvent("a")]
 
 
-# --- stray (non-field) text ----------------------------------------------------------------
+# --- the side channel: text that is not SSE -------------------------------------------------
 
 GEMINI_ERROR_TAIL = (
     b"{\n"
@@ -308,43 +333,123 @@ GEMINI_ERROR_TAIL = (
     b"  }\n"
     b"}\n"
 )
+TAIL_LINES = GEMINI_ERROR_TAIL.decode().splitlines()
+
+
+def side_channel(decoder: SseDecoder) -> list[tuple[int, str]]:
+    return [(line.number, line.text) for line in decoder.non_sse]
 
 
 @pytest.mark.parametrize("eol", [b"\n", b"\r\n"], ids=["LF", "CRLF"])
-def test_raw_json_error_tail_surfaces_as_one_stray_event(eol: bytes) -> None:
+def test_raw_json_tail_is_no_event_and_goes_to_the_side_channel(eol: bytes) -> None:
+    decoder = SseDecoder()
     body = b'data: {"candidates": []}\r\n\r\n' + GEMINI_ERROR_TAIL.replace(b"\n", eol)
-    events = decode([body])
-    assert [e.event for e in events] == ["message", STRAY]
-    assert events[0].data == '{"candidates": []}'
-    assert json.loads(events[1].data) == {
-        "error": {
-            "code": 503,
-            "message": "The model is overloaded. Please try again later.",
-            "status": "UNAVAILABLE",
-        }
-    }
+    assert decoder.feed(body) == [SseEvent('{"candidates": []}')]
+    assert decoder.close() == []
+    assert side_channel(decoder) == list(enumerate(TAIL_LINES, start=3))
+    assert decoder.trailing_non_sse() == decoder.non_sse
+    assert all(line.reason.startswith(NOT_A_FIELD) for line in decoder.non_sse)
+    assert decoder.discarded is None
 
 
-def test_raw_json_error_tail_without_final_newline() -> None:
-    body = b'data: {"candidates": []}\n\n' + GEMINI_ERROR_TAIL.rstrip(b"\n")
-    events = decode([body])
-    strays = [e for e in events if e.event == STRAY]
-    assert len(strays) == 1
-    assert json.loads(strays[0].data)["error"]["code"] == 503
+def test_raw_json_tail_without_final_newline_keeps_its_last_line() -> None:
+    decoder = SseDecoder()
+    decoder.feed(b'data: {"candidates": []}\n\n' + GEMINI_ERROR_TAIL.rstrip(b"\n"))
+    decoder.close()
+    texts = [line.text for line in decoder.trailing_non_sse()]
+    assert json.loads("\n".join(texts))["error"]["code"] == 503
+    assert decoder.non_sse[-1].reason.endswith("(last line, no line end)")
 
 
-def test_raw_json_error_tail_split_at_every_boundary_gives_the_same_events() -> None:
+def test_raw_json_tail_split_at_every_boundary_gives_the_same_side_channel() -> None:
     body = b'data: {"candidates": []}\r\n\r\n' + GEMINI_ERROR_TAIL
-    whole = decode([body])
     for cut in range(len(body) + 1):
-        assert decode_split(body, [cut]) == whole, cut
+        decoder = SseDecoder()
+        events = decoder.feed(body[:cut]) + decoder.feed(body[cut:]) + decoder.close()
+        assert events == [SseEvent('{"candidates": []}')], cut
+        assert side_channel(decoder) == list(enumerate(TAIL_LINES, start=3)), cut
 
 
-def test_stray_text_does_not_become_data() -> None:
-    events = decode([b'{"error": {"code": 1}}\n\ndata: a\n\n'])
-    assert [e.event for e in events] == [STRAY, "message"]
-    assert events[1].data == "a"
-    assert json.loads(events[0].data) == {"error": {"code": 1}}
+def test_non_sse_text_does_not_become_data_nor_end_an_event() -> None:
+    decoder = SseDecoder()
+    events = decoder.feed(b'{"error": {"code": 1}}\ndata: a\n<html>\ndata: b\n\n')
+    assert events == [SseEvent("a\nb")]
+    assert side_channel(decoder) == [(1, '{"error": {"code": 1}}'), (3, "<html>")]
+
+
+def test_trailing_non_sse_is_what_follows_the_last_sse_line() -> None:
+    decoder = SseDecoder()
+    decoder.feed(b"junk 1\ndata: a\n\njunk 2\n: comment\n\njunk 3\n\njunk 4\n")
+    decoder.close()
+    assert side_channel(decoder) == [(1, "junk 1"), (4, "junk 2"), (7, "junk 3"), (9, "junk 4")]
+    assert decoder.last_sse_line == 5
+    assert [line.text for line in decoder.trailing_non_sse()] == ["junk 3", "junk 4"]
+
+
+def test_ignored_values_of_known_fields_are_sse_not_side_channel() -> None:
+    decoder = SseDecoder()
+    decoder.feed(b"id: a\x00b\nretry: soon\nretry\nevent\n\n")
+    decoder.close()
+    assert decoder.non_sse == []
+    assert decoder.last_sse_line == 4
+
+
+def test_iter_events_drops_the_side_channel_and_the_unfinished_event() -> None:
+    body = b"data: a\n\n" + GEMINI_ERROR_TAIL + b'data: {"b": 1}'
+    assert list(iter_events([body])) == [SseEvent("a")]
+
+
+# --- linear time (work counted in characters, never timed) -----------------------------------
+
+PIECE = 1 << 16
+
+
+def feed_in_pieces(body: bytes, piece: int = PIECE) -> SseDecoder:
+    decoder = SseDecoder()
+    for start in range(0, len(body), piece):
+        decoder.feed(body[start : start + piece])
+    decoder.close()
+    return decoder
+
+
+def work(decoder: SseDecoder) -> int:
+    return decoder.scanned + decoder.joined
+
+
+@pytest.mark.parametrize(
+    "prefix", [b"data: ", b"not-a-field: ", b""], ids=["data", "non-sse", "bare"]
+)
+def test_one_long_line_in_many_reads_is_scanned_once_and_joined_once(prefix: bytes) -> None:
+    size = 4 << 20  # 4 MiB in 64 KiB reads: 64 reads
+    line = prefix + b"x" * size
+    decoder = feed_in_pieces(line + b"\n\n")
+    # Every character is looked at once by the line splitter, and the line's
+    # pieces are joined once, when it ends: no rescan of what came before.
+    assert decoder.scanned == len(line) + 2
+    assert decoder.joined == len(line)
+
+
+def test_work_doubles_when_the_line_doubles() -> None:
+    def line_work(size: int) -> int:
+        return work(feed_in_pieces(b"data: " + b"x" * size + b"\n\n"))
+
+    small, large = line_work(2 << 20), line_work(4 << 20)
+    # Linear: twice the input, twice the work (up to the few fixed characters).
+    assert abs(large - 2 * small) <= 16
+
+
+def test_a_long_line_fed_a_byte_at_a_time_is_still_linear() -> None:
+    size = 20_000
+    decoder = feed_in_pieces(b"data: " + b"y" * size + b"\n\n", piece=1)
+    assert work(decoder) <= 2 * (size + 8)
+
+
+def test_many_short_lines_join_only_those_cut_by_a_read() -> None:
+    body = b"".join(b"data: %d\n\n" % i for i in range(20_000))
+    decoder = feed_in_pieces(body)
+    assert decoder.scanned == len(body)
+    # Only the lines cut by a read boundary are joined.
+    assert decoder.joined <= (len(body) // PIECE + 1) * 16
 
 
 # --- iter_events ------------------------------------------------------------------------------
@@ -369,5 +474,5 @@ def test_iter_events_is_lazy_per_read() -> None:
     assert list(it) == [SseEvent("b")]
 
 
-def test_iter_events_flushes_a_complete_json_tail() -> None:
-    assert list(iter_events([b'data: {"a":1}'])) == [SseEvent('{"a":1}')]
+def test_iter_events_does_not_flush_a_complete_json_tail() -> None:
+    assert list(iter_events([b'data: {"a":1}'])) == []

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from streamtally.core.adapters.base import Adapter, Draft, as_str, parse_json_object
+from streamtally.core.adapters.base import Adapter, Draft, as_str, event_object
 from streamtally.core.adapters.finish import map_anthropic
 from streamtally.core.adapters.usage import RawUsage
 from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
-from streamtally.core.sse import STRAY, SseEvent
+from streamtally.core.sse import SseEvent
 from streamtally.errors import InvalidEvent
 
 __all__ = ["AnthropicAdapter"]
@@ -57,11 +57,9 @@ class AnthropicAdapter(Adapter):
     def feed(self, event: SseEvent) -> list[Draft]:
         if self._spliced:
             return []
-        obj = parse_json_object(event.data)
+        obj = event_object(event.data, "Messages API event")
         if obj is None:
-            return []
-        if event.event == STRAY:
-            return self._error(obj.get("error")) if "error" in obj else []
+            return []  # a keep-alive
         kind = obj.get("type")
         if not isinstance(kind, str):
             raise InvalidEvent(

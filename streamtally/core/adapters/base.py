@@ -10,14 +10,16 @@ them (a block's type, a running token count, a cumulative text to diff).
 from __future__ import annotations
 
 import json
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import orjson
 
 from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage
+from streamtally.core.sse import NonSseLine, SseEvent
 from streamtally.errors import InvalidEvent
 
 __all__ = [
@@ -27,7 +29,8 @@ __all__ = [
     "ToolKeys",
     "as_int",
     "as_str",
-    "parse_json_object",
+    "event_object",
+    "load_json",
 ]
 
 
@@ -83,6 +86,19 @@ class Adapter(ABC):
         """The stream is over: drafts for anything still pending."""
         return []
 
+    @classmethod
+    def take_trailing_body(cls, lines: Sequence[NonSseLine]) -> SseEvent | None:
+        """One more event made of the text that is not SSE at the end of a stream, or None.
+
+        `lines` are the decoder's non-SSE lines after the stream's last SSE
+        line (`SseDecoder.trailing_non_sse`).  Text that is not SSE never
+        becomes an event: it stays on the decoder's side channel.  A source
+        whose provider is documented to put something there overrides this,
+        and takes all of `lines` or none (only `gemini` does).
+        """
+        del lines
+        return None
+
     def _see_id(self, value: object) -> None:
         if self.provider_request_id is None and isinstance(value, str) and value:
             self.provider_request_id = value
@@ -124,18 +140,54 @@ class ToolKeys:
         return index
 
 
-def parse_json_object(text: str) -> dict[str, Any] | None:
-    """The JSON object in `text`, or None when `text` is not JSON (keep-alives, `[DONE]`)."""
-    if not text or (text[0] != "{" and text.lstrip()[:1] != "{"):
-        return None  # `[DONE]`, keep-alives and other non-object payloads
+#: Data that carries no JSON on purpose: blank, or a comment wrapped in `data:`.
+_KEEP_ALIVE = re.compile(r"[ \t\r\n]*(?::|\Z)")
+
+
+def load_json(text: str | bytes) -> Any:
+    """`text` parsed as JSON; `ValueError` when it is not JSON (or nests too deeply)."""
     try:
-        value = orjson.loads(text)
+        return orjson.loads(text)
     except orjson.JSONDecodeError:
-        try:  # what orjson refuses but JSON allows (integers beyond 64 bits)
-            value = json.loads(text)
-        except ValueError:
-            return None
-    return value if isinstance(value, dict) else None
+        pass
+    try:  # what orjson refuses but JSON allows (integers beyond 64 bits)
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None
+
+
+def event_object(data: str, what: str) -> dict[str, Any] | None:
+    """The JSON object that the data of an SSE event carries; None for a keep-alive.
+
+    Every event of an SSE source carries one JSON object, `what` (named in
+    the error).  Keep-alives carry none and are not errors: data that is
+    empty or only whitespace (`data:` alone), or whose first character past
+    the whitespace is `:` (a gateway's comment wrapped in `data:`, as in
+    `data: : keep-alive`): neither can be the start of a JSON object, so a
+    truncated one never passes as a keep-alive.  A format's own sentinel
+    (OpenAI's `[DONE]`) is checked by its adapter before this.  Any other
+    data that is not one JSON object (truncated or invalid JSON, or JSON of
+    another type) raises `InvalidEvent`, which the processors dead-letter
+    and `streamtally fold` reports as a skipped event.
+    """
+    if _KEEP_ALIVE.match(data):
+        return None
+    try:
+        value = load_json(data)
+    except ValueError as exc:
+        raise InvalidEvent(
+            f"event data is not valid JSON ({exc}), so not a {what}: {_excerpt(data)}"
+        ) from None
+    if not isinstance(value, dict):
+        raise InvalidEvent(
+            f"event data is JSON but not an object ({type(value).__name__}), "
+            f"so not a {what}: {_excerpt(data)}"
+        )
+    return value
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    return repr(text) if len(text) <= limit else repr(text[:limit]) + f"... ({len(text)} chars)"
 
 
 def as_str(value: object) -> str:

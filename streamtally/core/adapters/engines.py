@@ -11,7 +11,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from streamtally.core.adapters.base import Adapter, Draft, ToolKeys, as_int, as_str
+from streamtally.core.adapters.base import Adapter, Draft, ToolKeys, as_int, as_str, load_json
 from streamtally.core.adapters.finish import map_engine
 from streamtally.core.adapters.usage import RawUsage
 from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
@@ -194,7 +194,7 @@ class AtomrAdapter(Adapter):
         delta = obj.get("tool_call_delta")
         if isinstance(delta, str) and delta:
             try:
-                delta = json.loads(delta)
+                delta = load_json(delta)
             except ValueError as exc:
                 raise InvalidEvent(f"tool_call_delta is not JSON: {exc}") from exc
         if isinstance(delta, Mapping):

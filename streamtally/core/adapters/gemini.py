@@ -5,24 +5,39 @@ JSON) or, on Vertex with streamed arguments, as a named start part, then
 `partialArgs` parts addressed by JSON path, then an empty `functionCall`.
 Calls are numbered in order of appearance.  `usageMetadata` is a running
 total, merged field by field (Vertex sends count-less objects until the end).
+
+The raw JSON error body (a rule of this source only).  On HTTP 200 the Gemini
+API may end a stream with its error as a raw JSON object, usually
+pretty-printed over several lines, appended after the SSE events:
+`{"error": {"code": 503, "message": ..., "status": "UNAVAILABLE"}}`
+(vercel/ai#5217; `wire-formats.md`, Gemini).  That text is not SSE: the
+decoder never makes it an event and reports its lines on its side channel.
+`GeminiAdapter.take_trailing_body` reads it from there: the non-SSE lines
+after the stream's last SSE line, joined with LF, become one more event of
+type `RAW_ERROR_BODY` after the SSE events when, and only when, they are
+one JSON object with an `error` member.  Any other non-SSE text, of this
+source or any other, stays on the side channel.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import Any
 
-from streamtally.core.adapters.base import Adapter, Draft, as_str, parse_json_object
+from streamtally.core.adapters.base import Adapter, Draft, as_str, event_object, load_json
 from streamtally.core.adapters.finish import map_gemini
 from streamtally.core.adapters.usage import RawUsage
 from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
-from streamtally.core.sse import SseEvent
+from streamtally.core.sse import NonSseLine, SseEvent
 from streamtally.errors import InvalidEvent
 
-__all__ = ["GeminiAdapter"]
+__all__ = ["RAW_ERROR_BODY", "GeminiAdapter"]
+
+#: Event type of Gemini's raw JSON error body, taken from the decoder's side channel.
+RAW_ERROR_BODY = "__gemini_raw_error_body__"
 
 _SHAPE_KEYS = ("candidates", "usageMetadata", "promptFeedback", "error", "modelVersion")
 _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
@@ -125,9 +140,9 @@ class GeminiAdapter(Adapter):
         self._open: dict[int, tuple[int, _StreamedArgs]] = {}  # candidate -> streamed call
 
     def feed(self, event: SseEvent) -> list[Draft]:
-        obj = parse_json_object(event.data)
+        obj = event_object(event.data, "Gemini GenerateContentResponse")
         if obj is None:
-            return []
+            return []  # a keep-alive
         if obj.keys().isdisjoint(_SHAPE_KEYS):
             raise InvalidEvent(
                 "not a Gemini GenerateContentResponse "
@@ -164,6 +179,20 @@ class GeminiAdapter(Adapter):
             else:
                 drafts.append(Draft(usage=total))
         return drafts
+
+    @classmethod
+    def take_trailing_body(cls, lines: Sequence[NonSseLine]) -> SseEvent | None:
+        """Gemini's raw JSON error body after the SSE events, as one event (module docstring)."""
+        if not lines:
+            return None
+        body = "\n".join(line.text for line in lines)
+        try:
+            value = load_json(body)
+        except ValueError:
+            return None
+        if not isinstance(value, dict) or "error" not in value:
+            return None
+        return SseEvent(body, RAW_ERROR_BODY)
 
     def end(self) -> list[Draft]:
         drafts = [self._close(candidate) for candidate in sorted(self._open)]

@@ -12,11 +12,11 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from streamtally.core.adapters.base import Adapter, Draft, ToolKeys, as_str, parse_json_object
+from streamtally.core.adapters.base import Adapter, Draft, ToolKeys, as_str, event_object
 from streamtally.core.adapters.finish import map_openai
 from streamtally.core.adapters.usage import RawUsage
 from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
-from streamtally.core.sse import STRAY, SseEvent
+from streamtally.core.sse import SseEvent
 from streamtally.errors import InvalidEvent
 
 __all__ = ["OpenAIChatAdapter"]
@@ -122,15 +122,12 @@ class OpenAIChatAdapter(Adapter):
         if self._done:
             return []  # nothing after `[DONE]` belongs to the stream
         data = event.data
-        if event.event == STRAY:
-            obj = parse_json_object(data)
-            return self._error(obj["error"]) if obj and obj.get("error") else []
-        if data.startswith("[DONE]"):
+        if data.startswith("[DONE]"):  # the sentinel (openai-python tests the same prefix)
             self._done = True
             return []
-        obj = parse_json_object(data)
+        obj = event_object(data, "chat completion chunk")
         if obj is None:
-            return []  # keep-alive or other non-JSON payload
+            return []  # a keep-alive
         if obj.keys().isdisjoint(_SHAPE_KEYS) or (
             isinstance(obj.get("type"), str) and "choices" not in obj and "output" not in obj
         ):  # no chat chunk shape, or a typed event (Anthropic, Responses)

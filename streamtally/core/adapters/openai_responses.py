@@ -10,11 +10,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from streamtally.core.adapters.base import Adapter, Draft, as_str, parse_json_object
+from streamtally.core.adapters.base import Adapter, Draft, as_str, event_object
 from streamtally.core.adapters.finish import map_responses
 from streamtally.core.adapters.usage import RawUsage
 from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
-from streamtally.core.sse import STRAY, SseEvent
+from streamtally.core.sse import SseEvent
 from streamtally.errors import InvalidEvent
 
 __all__ = ["OpenAIResponsesAdapter"]
@@ -73,13 +73,10 @@ class OpenAIResponsesAdapter(Adapter):
         self._with_arguments: set[int] = set()
 
     def feed(self, event: SseEvent) -> list[Draft]:
-        obj = parse_json_object(event.data)
+        obj = event_object(event.data, "Responses API event")
         if obj is None:
-            return []
+            return []  # a keep-alive
         kind = obj.get("type")
-        if event.event == STRAY:
-            kind = "error" if "error" in obj else None
-            obj = obj["error"] if isinstance(obj.get("error"), dict) else obj
         if not isinstance(kind, str):
             raise InvalidEvent(
                 f'not a Responses API event (no "type"; keys {", ".join(sorted(obj)[:8])})'
