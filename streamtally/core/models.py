@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Any, Final
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, NonNegativeInt
 
@@ -74,15 +74,21 @@ class Usage(_Frozen):
     cache_write_tokens: NonNegativeInt = 0
 
     def __add__(self, other: Usage) -> Usage:
-        return Usage(
-            input_tokens=self.input_tokens + other.input_tokens,
-            output_tokens=self.output_tokens + other.output_tokens,
-            reasoning_tokens=self.reasoning_tokens + other.reasoning_tokens,
-            cached_tokens=self.cached_tokens + other.cached_tokens,
-            cache_write_tokens=self.cache_write_tokens + other.cache_write_tokens,
+        return Usage(**{f: getattr(self, f) + getattr(other, f) for f in USAGE_FIELDS})
+
+    def counts(self) -> tuple[int, int, int, int, int]:
+        """The five counts in `USAGE_FIELDS` order."""
+        return (
+            self.input_tokens,
+            self.output_tokens,
+            self.reasoning_tokens,
+            self.cached_tokens,
+            self.cache_write_tokens,
         )
 
 
+#: The five usage fields, in their one order (Avro, Redis rows, JSON, tables).
+USAGE_FIELDS: Final = tuple(Usage.model_fields)
 ZERO_USAGE = Usage()
 
 
