@@ -51,18 +51,20 @@ class Pipeline:
 
 
 class _Boot(BootStrategy):
-    """faust's own consumer stays off: `RawSource` reads the raw topics."""
+    """faust's own consumer and producer stay off (docs/architecture.md, "faust's role").
+
+    `RawSource` reads the raw topics in bulk and commits what `CommitGate`
+    releases; the sinks write through their own idempotent producer.  Without
+    a consumer faust starts no topic conductor and no tables either, so there
+    is no table recovery to wait for.
+    """
 
     enable_kafka_consumer = False
+    enable_kafka_producer = False
 
 
 class _WorkerApp(faust.App):
     BootStrategy = _Boot
-
-    async def _wait_for_table_recovery_completed(self) -> bool:
-        # No tables, and no faust consumer to recover them with: nothing to wait for
-        # (faust would otherwise wait for a partition assignment that never comes).
-        return False
 
 
 def _broker_url(bootstrap_servers: str) -> str:
@@ -77,11 +79,13 @@ def create_app(
 ) -> Pipeline:
     """The worker's faust app.
 
-    `make_sinks` builds the sinks once the app's producer exists; `consume`
+    `make_sinks` builds the sinks on first use (in the running loop); `consume`
     starts the raw-topic consumer with the worker (agent tests feed the agent
     themselves).
     """
     topics = Topics.in_namespace(settings.namespace)
+    datadir = settings.state_dir / "faust" / topics.worker_app_id
+    datadir.parent.mkdir(parents=True, exist_ok=True)
     app = _WorkerApp(
         topics.worker_app_id,
         broker=_broker_url(settings.bootstrap_servers),
@@ -89,11 +93,9 @@ def create_app(
         topic_allow_declare=False,  # topics are declared by streamtally (topics/), not faust
         topic_disable_leader=True,
         web_enabled=False,
-        producer_acks=-1,
-        producer_linger_ms=5,
-        producer_max_batch_size=1 << 20,
-        producer_max_request_size=8 << 20,
         stream_wait_empty=False,
+        # faust keeps nothing there (no tables), but makes the folder: not in the cwd.
+        datadir=str(datadir),
     )
     processor = RequestProcessor(
         PriceTable.load_or_default(settings.prices_path), timeout=settings.request_timeout

@@ -4,24 +4,22 @@
 public API in four places; each test here fails if a faust upgrade changes
 what that code relies on (see docs/architecture.md, "faust's role"):
 
-- `_WorkerApp` overrides `App._wait_for_table_recovery_completed`, the hook
-  `App.on_started` awaits before it starts timers and reports start-up done;
 - `_Boot` sets `BootStrategy.enable_kafka_consumer = False`, so faust's own
   consumer, topic conductor and tables are never started (the worker's
-  `RawSource` reads the raw topics instead);
+  `RawSource` reads the raw topics instead), and with no tables start-up does
+  not wait for a table recovery; and `enable_kafka_producer = False`, so
+  faust's unused producer never connects (the sinks have their own);
 - `consume_raw_topics` calls `app.flow_control.resume()`, because faust keeps
   every channel queue suspended until its own consumer gets partitions;
 - `streamtally worker` sets `worker.spinner = None`, because faust's spinner
   switches the root logger to DEBUG.
 
-No broker is contacted: the app is started without a producer (faust's
-`BootStrategy.enable_kafka_producer`), everything else as the worker runs it.
+No broker is contacted: the app is started exactly as the worker starts it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -80,20 +78,13 @@ def pipeline(settings: Settings, recording: RecordingSink) -> Pipeline:
     return create_app(settings, lambda app: Sinks(recording), consume=False)
 
 
-class _NoProducerBoot(_Boot):
-    """The worker's boot strategy minus faust's producer, so no broker is needed."""
-
-    enable_kafka_producer = False
-
-
 @pytest.fixture
 async def started(
     pipeline: Pipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[Pipeline]:
-    """The worker's app, started by faust as the worker starts it (but without a producer)."""
-    monkeypatch.chdir(tmp_path)  # faust creates its data directory (<app id>-data) here
+    """The worker's app, started by faust as the worker starts it."""
+    monkeypatch.chdir(tmp_path)  # nothing of faust's may land in the working directory
     app = pipeline.app
-    app.boot_strategy = _NoProducerBoot(app)
     ready = asyncio.Event()
 
     async def startup_finished() -> None:  # what faust.Worker hooks in to print "ready"
@@ -114,24 +105,16 @@ def _junk_batch(settings: Settings) -> tuple[RawMessage, ...]:
     return (RawMessage(topic, 0, 0, 1_790_000_000.0, b"req-junk", b"\x00not avro"),)
 
 
-# -- _WorkerApp._wait_for_table_recovery_completed -------------------------------------
+# -- no tables: start-up does not wait for a recovery ----------------------------------
 
 
-def test_recovery_hook_exists_with_the_signature_we_override() -> None:
-    hook = faust.App.__dict__.get("_wait_for_table_recovery_completed")
-    assert hook is not None, "faust.App no longer defines _wait_for_table_recovery_completed"
-    assert inspect.iscoroutinefunction(hook)
-    assert list(inspect.signature(hook).parameters) == ["self"]
-    ours = _WorkerApp.__dict__["_wait_for_table_recovery_completed"]
-    assert inspect.iscoroutinefunction(ours)
-    assert list(inspect.signature(ours).parameters) == ["self"]
-
-
-async def test_start_up_awaits_the_recovery_hook_and_obeys_its_answer(
+async def test_start_up_goes_on_to_the_timers_without_a_table_recovery(
     pipeline: Pipeline,
 ) -> None:
-    """`App.on_started` awaits the hook; True ("stopped") ends start-up, False goes on."""
+    """faust's `App.on_started` waits for table recovery only when there are tables."""
     app = pipeline.app
+    assert isinstance(app, _WorkerApp)
+    assert "_wait_for_table_recovery_completed" not in _WorkerApp.__dict__  # faust's own
     calls: list[str] = []
 
     async def start_tasks() -> None:  # would start the timers (app.timer, app.task)
@@ -140,18 +123,8 @@ async def test_start_up_awaits_the_recovery_hook_and_obeys_its_answer(
     async def startup_finished() -> None:
         calls.append("finished")
 
-    async def stopped_during_recovery() -> bool:
-        calls.append("hook")
-        return True
-
     app.on_started_init_extra_tasks = start_tasks
     app.on_startup_finished = startup_finished
-    app._wait_for_table_recovery_completed = stopped_during_recovery
-    await asyncio.wait_for(app.on_started(), DEADLINE)
-    assert calls == ["hook"]
-
-    del app._wait_for_table_recovery_completed  # back to _WorkerApp's override
-    calls.clear()
     await asyncio.wait_for(app.on_started(), DEADLINE)
     assert calls == ["tasks", "finished"]
 
@@ -167,8 +140,7 @@ def test_boot_strategy_leaves_faust_consumer_conductor_and_tables_out(
     assert issubclass(_Boot, BootStrategy)
     services = list(app.on_init_dependencies())  # what App.start() starts with the app
     assert app.agents in services  # the process-raw agent runs
-    assert app.producer in services  # (started by faust; the sinks use their own)
-    for off in (app.consumer, app.topics, app.tables):
+    for off in (app.consumer, app.producer, app.topics, app.tables):
         assert off not in services, f"{type(off).__name__} would be started"
 
 
