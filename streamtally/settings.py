@@ -37,7 +37,14 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 
 from streamtally.errors import InputError
 
-__all__ = ["ENV_BOOTSTRAP_SERVERS", "ENV_REDIS_URL", "LOCAL_HOST", "Settings", "project_root"]
+__all__ = [
+    "ENV_BOOTSTRAP_SERVERS",
+    "ENV_REDIS_URL",
+    "LOCAL_HOST",
+    "VARIABLES",
+    "Settings",
+    "project_root",
+]
 
 LOCAL_HOST: Final = "127.0.0.1"
 #: The variables that point every client at a stack of the user's own.
@@ -198,6 +205,8 @@ _VARIABLES: Final = {
     "XDG_STATE_HOME": "xdg_state_home",
 }
 _FIELDS: Final = {field: name for name, field in _VARIABLES.items()}
+#: Every environment variable `Settings.load` reads.
+VARIABLES: Final = tuple(_VARIABLES)
 
 
 def _from_environment(env: Mapping[str, str]) -> dict[str, str]:

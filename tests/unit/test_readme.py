@@ -59,3 +59,10 @@ def test_every_command_is_documented_and_has_help(
         main([command, "--help"])
     assert exit_.value.code == 0
     assert command in capsys.readouterr().out
+
+
+def test_every_setting_is_documented() -> None:
+    from streamtally.settings import VARIABLES
+
+    missing = [name for name in VARIABLES if name not in README]
+    assert missing == []
