@@ -20,13 +20,23 @@ again at the same offset for the same reason, so its outputs are the same.
 
 Every raw record ends in exactly one of: applied, duplicate (a re-sent
 sequence number, dropped), dead-lettered (with the reason), or replayed
-(counted by the run that closed its request).  Per closed request the
+(counted by the run that closed its request).
+
+Poison.  Every output is encoded here, as it is made, not later in a sink:
+a record whose event cannot be decoded, validated, normalised or encoded
+(a lone surrogate, a count beyond a 64-bit long, ...) is dead-lettered with
+the reason before anything of it is folded, and touches nothing else of its
+batch.  A request's close cannot fail on its price: a cost the billing record
+cannot carry is billed as unpriced (cost 0, counted in
+`Counters.unpriced`) for an operator to re-rate.  The sinks then only move
+bytes, so the only failures left to them are transient (retried).  Per closed request the
 counts of applied records and duplicates travel with its outputs; dead
 letters are counted by position, so a replay never counts twice.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -51,6 +61,8 @@ from streamtally.wire.records import (
     RawSseEvent,
 )
 
+log = logging.getLogger(__name__)
+
 __all__ = [
     "CloseReason",
     "Closed",
@@ -65,6 +77,17 @@ __all__ = [
 CLOSED_MEMORY = 200_000
 #: Raw records larger than this are dead-lettered.
 MAX_RECORD_BYTES = 4 << 20
+#: What one record can fail with that no retry cures: it is dead-lettered with the reason.
+#: (InputError covers decoding and validation, Avro encoding included; ValueError covers
+#: pydantic's ValidationError; the rest are what hostile JSON can make Python raise.)
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (
+    InputError,
+    ValueError,
+    TypeError,
+    ArithmeticError,
+    RecursionError,
+    UnicodeError,
+)
 
 RawRecord = RawSseEvent | RawEngineOutput
 
@@ -113,16 +136,22 @@ class Completed:
     records: int
     #: Re-sent records dropped as duplicates.
     duplicates: int
+    #: `tokens` and `billing` as their topics' Avro values (encoded once, here).
+    tokens_value: bytes = b""
+    billing_value: bytes = b""
 
 
 @dataclass(slots=True)
 class Outputs:
     chunks: list[Chunk] = field(default_factory=list)
+    #: Each chunk's Avro value, in `chunks` order (encoded once, when it was made).
+    chunk_values: list[bytes] = field(default_factory=list)
     completed: list[Completed] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
 
     def extend(self, other: Outputs) -> None:
         self.chunks.extend(other.chunks)
+        self.chunk_values.extend(other.chunk_values)
         self.completed.extend(other.completed)
         self.dead_letters.extend(other.dead_letters)
 
@@ -147,6 +176,8 @@ class Counters:
     revoked: int = 0
     requests_completed: int = 0
     requests_timed_out: int = 0
+    #: Requests billed at 0 because no price applied (or the cost overflowed the record).
+    unpriced: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,6 +221,16 @@ class RequestProcessor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.prices = prices
+        #: The same table without a single price: what an unpriceable request is billed by.
+        self._no_prices = PriceTable.from_dict(
+            {
+                "version": prices.version,
+                "currency": prices.currency,
+                "unit": prices.unit,
+                "models": {},
+            },
+            origin="no prices",
+        )
         self.timeout = timeout
         self.counters = Counters()
         self._clock = clock
@@ -284,7 +325,7 @@ class RequestProcessor:
             return out
         try:
             record = decode(value)
-        except InputError as exc:
+        except PERMANENT_ERRORS as exc:
             self._dead(out, exc, key, value, position)
             return out
         self._arrive(out, _Raw(record, position, key, value))
@@ -369,7 +410,8 @@ class RequestProcessor:
         )
         try:
             chunks = state.normalizer.feed(event, record.received_at)
-        except InputError as exc:
+            values = [avro.encode_chunk(chunk) for chunk in chunks]
+        except PERMANENT_ERRORS as exc:
             self._dead(
                 out, exc, raw.key, raw.value, position, source=state.source, request_id=request_id
             )
@@ -379,6 +421,7 @@ class RequestProcessor:
         for chunk in chunks:
             state.fold.add(chunk)
         out.chunks.extend(chunks)
+        out.chunk_values.extend(values)
 
     def _finish(self, out: Outputs, request_id: str, state: _Open, reason: CloseReason) -> None:
         """Close a request: at its END, by timeout, or over a gap (see `CloseReason`)."""
@@ -413,14 +456,50 @@ class RequestProcessor:
     ) -> None:
         when = state.last_time
         chunks = state.normalizer.end(when, fallback_request_id=request_id)
+        values = [avro.encode_chunk(chunk) for chunk in chunks]
         for chunk in chunks:
             state.fold.add(chunk)
         tokens = state.fold.result(ended=True, reason=reason)
-        billing = bill(tokens, state.tenant, when, self.prices)
+        tokens_value = avro.encode_tokens(tokens)
+        billing, billing_value = self._bill(tokens, state.tenant, when)
         self._remember(request_id, Closed(closed.offset, closed.reason, applied=True))
         self.counters.requests_completed += 1
         out.chunks.extend(chunks)
-        out.completed.append(Completed(tokens, billing, closed, state.records, state.duplicates))
+        out.chunk_values.extend(values)
+        out.completed.append(
+            Completed(
+                tokens,
+                billing,
+                closed,
+                state.records,
+                state.duplicates,
+                tokens_value=tokens_value,
+                billing_value=billing_value,
+            )
+        )
+
+    def _bill(self, tokens: Tokens, tenant: str, when: datetime) -> tuple[BillingEvent, bytes]:
+        """The request's billing event and its Avro value; never fails on the price.
+
+        A cost the billing record cannot carry (beyond decimal(38,12)) is billed
+        as unpriced: cost 0, counted, and logged for an operator to re-rate.
+        """
+        try:
+            billing = bill(tokens, tenant, when, self.prices)
+            if not self.prices.is_priced(tokens.model):
+                self.counters.unpriced += 1
+            return billing, avro.encode_billing_event(billing)
+        except PERMANENT_ERRORS as exc:
+            log.warning(
+                "request %s (tenant %s, model %s) billed at 0 as unpriced: %s",
+                ascii(tokens.request_id),
+                ascii(tenant),
+                ascii(tokens.model),
+                exc,
+            )
+            self.counters.unpriced += 1
+            billing = bill(tokens, tenant, when, self._no_prices)
+            return billing, avro.encode_billing_event(billing)
 
     def _remember(self, request_id: str, closed: Closed) -> None:
         self._closed[request_id] = closed

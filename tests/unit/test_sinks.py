@@ -10,6 +10,7 @@ from streamtally.core.models import Chunk, Source
 from streamtally.processors.requests import Outputs
 from streamtally.processors.sinks import KafkaSink, Sinks
 from streamtally.topics import Topics
+from streamtally.wire import avro
 
 TOPICS = Topics.in_namespace()
 
@@ -65,7 +66,7 @@ def _outputs(request_id: str, n: int) -> Outputs:
         Chunk(request_id=request_id, seq=i, source=Source.OPENAI, text_delta="x", event_time=when)
         for i in range(n)
     ]
-    return Outputs(chunks=chunks)
+    return Outputs(chunks=chunks, chunk_values=[avro.encode_chunk(c) for c in chunks])
 
 
 async def test_concurrent_writes_send_every_output_exactly_once() -> None:

@@ -144,16 +144,43 @@ class ToolKeys:
 _KEEP_ALIVE = re.compile(r"[ \t\r\n]*(?::|\Z)")
 
 
+#: The largest token count a record can carry (an Avro long, a Redis counter).
+MAX_COUNT = 2**63 - 1
+
+
 def load_json(text: str | bytes) -> Any:
-    """`text` parsed as JSON; `ValueError` when it is not JSON (or nests too deeply)."""
+    """`text` parsed as JSON; `ValueError` when it is not JSON (or nests too deeply).
+
+    Strings must be Unicode text: a lone surrogate escape (``"\\ud800"``), which
+    no UTF-8 record, topic or terminal can carry, makes the JSON invalid.
+    """
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError:
         pass
-    try:  # what orjson refuses but JSON allows (integers beyond 64 bits)
-        return json.loads(text)
+    try:  # what orjson refuses but JSON allows (integers beyond 64 bits, lone surrogates)
+        value = json.loads(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply") from None
+    _check_text(value)
+    return value
+
+
+def _check_text(value: Any) -> None:
+    """ValueError when a string in `value` holds a lone surrogate (iterative: no recursion)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                raise ValueError("a string holds a lone surrogate (not Unicode text)") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
 
 
 def event_object(data: str, what: str) -> dict[str, Any] | None:
@@ -201,4 +228,6 @@ def as_int(value: object, what: str) -> int | None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise InvalidEvent(f"{what} is not a non-negative integer: {value!r}")
+    if value > MAX_COUNT:
+        raise InvalidEvent(f"{what} is beyond a 64-bit count: {value}")
     return value

@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from streamtally.core.adapters.base import as_int
+from streamtally.core.adapters.base import MAX_COUNT, as_int
 from streamtally.core.models import Usage
+from streamtally.errors import InvalidEvent
 
 __all__ = ["RawUsage"]
 
@@ -29,21 +30,28 @@ class RawUsage:
         self._last: Usage | None = None
 
     def report(self, fields: Mapping[str, object]) -> Usage:
-        """Record one usage report (None means "not reported") and return the running total."""
+        """Record one usage report (None means "not reported") and return the running total.
+
+        A report that is not counts, or whose total would pass a 64-bit count,
+        raises `InvalidEvent` and changes nothing (the running total stays).
+        """
         stored = self._fields
-        changed = self._last is None
+        updates: dict[str, int] = {}
         for name, value in fields.items():
             if value is None:
                 continue
-            if type(value) is int and value >= 0:
+            if type(value) is int and 0 <= value <= MAX_COUNT:
                 count = value
             else:
                 count = as_int(value, f"usage field {name}") or 0  # raises: not a count
             if stored.get(name) != count:
-                stored[name] = count
-                changed = True
-        if changed or self._last is None:
-            self._last = self._convert(stored)
+                updates[name] = count
+        if updates or self._last is None:
+            usage = self._convert({**stored, **updates})
+            if max(usage.counts()) > MAX_COUNT:
+                raise InvalidEvent(f"usage {usage.counts()} is beyond a 64-bit count")
+            stored.update(updates)
+            self._last = usage
         return self._last
 
     def raw(self) -> dict[str, int]:
