@@ -29,8 +29,7 @@ from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
 from streamtally.processors.requests import Closed, Outputs
-from streamtally.store.redis_keys import closed_markers
-from streamtally.store.redis_sink import RedisSink
+from streamtally.store import RedisSink, RedisStore
 from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
 from streamtally.wire.kafka import idempotent_producer
@@ -69,15 +68,15 @@ class KafkaSink:
         del outputs  # nothing to record before sending
 
     def add(self, outputs: Outputs) -> None:
+        # Values were encoded by the processor as each output was made (a record that
+        # cannot be encoded is dead-lettered there), so nothing here can fail on content.
         pending, topics = self._pending, self._topics
-        for chunk in outputs.chunks:
-            pending.append(
-                (topics.chunks.name, encode_key(chunk.request_id), avro.encode_chunk(chunk))
-            )
+        for chunk, value in zip(outputs.chunks, outputs.chunk_values, strict=True):
+            pending.append((topics.chunks.name, encode_key(chunk.request_id), value))
         for done in outputs.completed:
             key = encode_key(done.tokens.request_id)
-            pending.append((topics.tokens.name, key, avro.encode_tokens(done.tokens)))
-            pending.append((topics.billing.name, key, avro.encode_billing_event(done.billing)))
+            pending.append((topics.tokens.name, key, done.tokens_value))
+            pending.append((topics.billing.name, key, done.billing_value))
         for letter in outputs.dead_letters:
             pending.append((topics.deadletter.name, letter.key, avro.encode_dead_letter(letter)))
 
@@ -114,15 +113,18 @@ class KafkaSink:
 
 
 class RedisOutputs:
-    """Finished requests into Redis (Tokens, usage rows, counts), idempotently."""
+    """Finished requests into Redis (Tokens, usage rows, counts), idempotently.
 
-    def __init__(self, client: aioredis.Redis) -> None:
-        self.client = client
-        self._sink = RedisSink(client)
+    Given a client, it wraps it in a `RedisStore` (and closes it on `stop`).
+    """
+
+    def __init__(self, client: aioredis.Redis | RedisStore) -> None:
+        self.store = client if isinstance(client, RedisStore) else RedisStore(client)
+        self._sink = RedisSink(self.store)
         self._dead: list[str] = []
 
     async def begin(self, outputs: Outputs) -> None:
-        await self._sink.mark_closing(
+        await self.store.mark_closing(
             {done.tokens.request_id: done.closed.marker() for done in outputs.completed}
         )
 
@@ -136,19 +138,20 @@ class RedisOutputs:
                 duplicates=done.duplicates,
             )
         self._dead.extend(
-            f"{letter.topic}:{letter.partition}:{letter.offset}" for letter in outputs.dead_letters
+            self.store.position_of(letter.topic, letter.partition, letter.offset)
+            for letter in outputs.dead_letters
         )
 
     async def flush(self) -> None:
         await self._sink.flush()  # keeps its batch queued when it fails
-        await self._sink.count_dead_letters(self._dead)
+        await self.store.count_dead_letters(self._dead)
         self._dead = []
 
     async def stop(self) -> None:
-        await self.client.aclose()
+        await self.store.aclose()
 
     async def lookup(self, request_ids: list[str]) -> dict[str, Closed]:
-        found = await closed_markers(self.client, request_ids)
+        found = await self.store.closed_markers(request_ids)
         return {r: Closed.from_marker(m, applied=a) for r, (m, a) in found.items()}
 
 

@@ -20,6 +20,13 @@ from typing import Any, Final
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import rebuild
 from streamtally.settings import Settings
+from streamtally.store import (
+    CLOSED_KEY,
+    DEAD_SEEN_KEY,
+    RAW_RECORD_STATS,
+    STATS_KEY,
+    tokens_pattern,
+)
 from streamtally.topics import Topics
 
 __all__ = ["add_parser"]
@@ -28,11 +35,11 @@ __all__ = ["add_parser"]
 SHOWN_SKIPPED: Final = 20
 
 _EPILOG = f"""\
-rebuilt: st:tokens:*, the usage rows and st:stats requests, exactly as the
-         worker writes them; closing markers (st:closed) are set to
+rebuilt: {tokens_pattern()}, the usage rows and {STATS_KEY} requests, exactly as the
+         worker writes them; closing markers ({CLOSED_KEY}) are set to
          "{rebuild.CLOSED_MARKER}".
-not restored: the raw-record counts (st:stats records, duplicates,
-         dead_lettered, st:deadletter:seen): the topics do not hold them.
+not restored: the raw-record counts ({STATS_KEY} records, duplicates,
+         dead_lettered, {DEAD_SEEN_KEY}): the topics do not hold them.
 requests whose Tokens are already in Redis are left untouched, so running
 it again, or next to a running worker, is safe.
 exit status: 0 rebuilt (skipped requests are listed), 1 refused (Redis holds
@@ -99,7 +106,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     servers: str = args.bootstrap_servers or settings.bootstrap_servers
     url: str = args.redis_url or settings.redis_url
-    present = run_redis(url, rebuild.count_tokens)
+    present = run_redis(url, lambda store: store.tokens_count())
     if present and not args.yes:
         _say(
             f"Redis at {url} already holds the Tokens of {present} "
@@ -129,8 +136,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     every: int = args.progress_every
     result = run_redis(
         url,
-        lambda client: rebuild.apply(
-            client, plan.requests, batch_size=batch_size, progress=progress, progress_every=every
+        lambda store: rebuild.apply(
+            store, plan.requests, batch_size=batch_size, progress=progress, progress_every=every
         ),
     )
     skipped = inputs.bad + plan.skipped + result.refused
@@ -159,7 +166,7 @@ def _summary_json(
             for s in skipped
         ],
         "closed_marker": rebuild.CLOSED_MARKER,
-        "not_restored": ["st:stats records", "st:stats duplicates", "st:stats dead_lettered"],
+        "not_restored": [f"{STATS_KEY} {name}" for name in RAW_RECORD_STATS],
     }
 
 
@@ -187,7 +194,7 @@ def _summary_text(
         if len(skipped) > SHOWN_SKIPPED:
             out += f"  ... and {len(skipped) - SHOWN_SKIPPED} more (--json lists all)\n"
     out += (
-        "not restored: raw-record counts (st:stats records, duplicates, dead_lettered); "
+        f"not restored: raw-record counts ({STATS_KEY} {', '.join(RAW_RECORD_STATS)}); "
         f'closing markers set to "{rebuild.CLOSED_MARKER}"\n'
     )
     return out

@@ -12,14 +12,13 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streamtally.errors import InputError, StackError
 from streamtally.settings import Settings
-from streamtally.store.redis_keys import get_tokens_text
+from streamtally.store import RedisStore
 
 __all__ = ["add_parser", "add_redis_url", "run_redis"]
 
@@ -39,8 +38,8 @@ def add_redis_url(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_redis(url: str, work: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
-    """Run `work` with a client of `url`, with clear errors.
+def run_redis(url: str, work: Callable[[RedisStore], Awaitable[T]]) -> T:
+    """Run `work` with the store of the Redis at `url`, with clear errors.
 
     Raises `StackError` when Redis cannot be reached or fails, `InputError`
     for a URL that is not a Redis URL.
@@ -49,11 +48,11 @@ def run_redis(url: str, work: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
 
     async def main() -> T:
         try:
-            client = aioredis.from_url(target, socket_connect_timeout=5, socket_timeout=30)
+            store = RedisStore.from_url(target, connect_timeout=5, timeout=30)
         except ValueError as exc:
             raise InputError(f"bad Redis URL {target!r}: {exc}") from exc
         try:
-            return await work(client)
+            return await work(store)
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise StackError(
                 f"cannot reach Redis at {target} ({exc}): start the local stack with "
@@ -62,7 +61,7 @@ def run_redis(url: str, work: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
         except RedisError as exc:
             raise StackError(f"Redis at {target} failed: {exc}") from exc
         finally:
-            await client.aclose()
+            await store.aclose()
 
     return asyncio.run(main())
 
@@ -91,7 +90,7 @@ def run_get(args: argparse.Namespace, settings: Settings) -> int:
     if not request_id:
         raise InputError("REQUEST_ID must not be empty")
     text = run_redis(
-        args.redis_url or settings.redis_url, lambda client: get_tokens_text(client, request_id)
+        args.redis_url or settings.redis_url, lambda store: store.tokens_text(request_id)
     )
     if text is None:
         raise InputError(f"{request_id} not found (unknown, or still streaming)")

@@ -10,8 +10,9 @@ from datetime import date
 from typing import Any
 
 from streamtally.cli.tokens import add_redis_url, run_redis
+from streamtally.core.models import USAGE_FIELDS
+from streamtally.core.money import PICO
 from streamtally.settings import Settings
-from streamtally.store.redis_keys import PICO, TOKEN_FIELDS, usage_rows
 
 __all__ = ["add_parser", "format_table"]
 
@@ -70,7 +71,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     day: str | None = args.day
     rows = run_redis(
         args.redis_url or settings.redis_url,
-        lambda client: usage_rows(client, tenant=tenant, day=day),
+        lambda store: store.usage_rows(tenant=tenant, day=day),
     )
     if args.json:
         json.dump(rows, sys.stdout, ensure_ascii=False, indent=2)
@@ -106,7 +107,7 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """Rows as an aligned text table with a totals row (text left, numbers right)."""
     totals: dict[str, Any] = {"day": "TOTAL", "tenant": "", "model": ""}
     totals["requests"] = sum(int(r["requests"]) for r in rows)
-    for name in TOKEN_FIELDS:
+    for name in USAGE_FIELDS:
         totals[name] = sum(int(r[name]) for r in rows)
     totals["cost"] = _total_cost([str(r["cost"]) for r in rows])
     body = [[str(r[key]) for _, key in _COLUMNS] for r in rows]

@@ -6,8 +6,8 @@ ever: the compacted Tokens topic keeps the latest `Tokens` of every request,
 the billing topic every `BillingEvent` (tenant, event time, cost).  So when
 Redis is lost, `streamtally rebuild` reads both topics to their current end,
 joins them by request id (`join`, a pure function) and writes each request
-through the worker's own sink (`apply`: `streamtally.store.redis_sink.RedisSink`,
-one atomic, idempotent script call per batch).
+through the worker's own sink (`apply`: `streamtally.store.RedisSink`, one
+atomic, idempotent script call per batch).
 
 Join rules (`join`):
 
@@ -54,12 +54,9 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Final
 
-import redis.asyncio as aioredis
-
 from streamtally.core.models import Tokens
 from streamtally.errors import InputError
-from streamtally.store.redis_keys import PREFIX
-from streamtally.store.redis_sink import RedisSink
+from streamtally.store import RedisSink, RedisStore
 from streamtally.topics import decode_key
 from streamtally.wire.avro import AvroDecodeError, decode_billing_event, decode_tokens
 from streamtally.wire.kafka import read_topic
@@ -76,7 +73,6 @@ __all__ = [
     "Skipped",
     "TokensRecord",
     "apply",
-    "count_tokens",
     "join",
     "read_inputs",
 ]
@@ -287,16 +283,8 @@ class Applied:
         return self.applied + self.present + len(self.refused)
 
 
-async def count_tokens(client: aioredis.Redis) -> int:
-    """How many requests' Tokens Redis holds (``st:tokens:*``, by SCAN)."""
-    count = 0
-    async for _ in client.scan_iter(match=f"{PREFIX}tokens:*", count=1000):
-        count += 1
-    return count
-
-
 async def apply(
-    client: aioredis.Redis,
+    store: RedisStore,
     requests: Sequence[Request],
     *,
     batch_size: int = BATCH_SIZE,
@@ -312,7 +300,7 @@ async def apply(
     """
     if batch_size < 1 or progress_every < 1:
         raise ValueError("batch_size and progress_every must be >= 1")
-    sink = RedisSink(client)
+    sink = RedisSink(store)
     result = Applied()
     total = len(requests)
     reported = 0

@@ -1,1 +1,64 @@
-"""The Redis store: its key layout, its scripts and its reads, in one place."""
+"""The Redis store: its key layout, its scripts and its reads, in one place.
+
+- `streamtally.store.layout`: every key, set member and stored text (the layout table);
+- `streamtally.store.scripts`: the Lua scripts and their KEYS/ARGV (`FinishedRequest`);
+- `streamtally.store.rows`: usage rows decoded as the read commands print them;
+- `streamtally.store.redis_store`: `RedisStore`, every write and read as a typed method;
+- `streamtally.store.sink`: `RedisSink`, the batching, atomic, idempotent write of
+  finished requests.
+
+Nothing outside this package spells a Redis key.
+"""
+
+from streamtally.store.layout import (
+    CLOSED_KEY,
+    COST_FIELDS,
+    DEAD_SEEN_KEY,
+    RAW_RECORD_STATS,
+    ROW_FIELDS,
+    ROWS_KEY,
+    STATS_FIELDS,
+    STATS_KEY,
+    TOKENS_PREFIX,
+    UNKNOWN_MODEL,
+    day_of,
+    position_of,
+    row_member,
+    tokens_json,
+    tokens_key,
+    tokens_pattern,
+    usage_key,
+)
+from streamtally.store.redis_store import RedisStore
+from streamtally.store.scripts import (
+    DEAD_LETTER_SCRIPT,
+    FLUSH_SCRIPT,
+    FinishedRequest,
+)
+from streamtally.store.sink import RedisSink, finished_request
+
+__all__ = [
+    "CLOSED_KEY",
+    "COST_FIELDS",
+    "DEAD_LETTER_SCRIPT",
+    "DEAD_SEEN_KEY",
+    "FLUSH_SCRIPT",
+    "RAW_RECORD_STATS",
+    "ROWS_KEY",
+    "ROW_FIELDS",
+    "STATS_FIELDS",
+    "STATS_KEY",
+    "TOKENS_PREFIX",
+    "UNKNOWN_MODEL",
+    "FinishedRequest",
+    "RedisSink",
+    "RedisStore",
+    "day_of",
+    "finished_request",
+    "position_of",
+    "row_member",
+    "tokens_json",
+    "tokens_key",
+    "tokens_pattern",
+    "usage_key",
+]

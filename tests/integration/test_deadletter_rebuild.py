@@ -31,7 +31,7 @@ import redis
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from streamtally.store.redis_keys import CLOSED_KEY, DEAD_SEEN_KEY, STATS_KEY
+from streamtally.store import CLOSED_KEY, DEAD_SEEN_KEY, STATS_KEY, RedisStore
 from streamtally.wire.avro import decode_dead_letter
 from streamtally.wire.kafka import read_topic
 from tests.integration.worker import (
@@ -134,16 +134,19 @@ async def _delete_topics(servers: str, names: list[str]) -> None:
 
 
 def _wait_for_dead_letters(url: str, count: int, timeout: float) -> int:
-    client = redis.Redis.from_url(url, socket_connect_timeout=5)
-    try:
-        deadline = time.monotonic() + timeout
-        seen = int(client.scard(DEAD_SEEN_KEY))
-        while seen < count and time.monotonic() < deadline:
-            time.sleep(0.25)
-            seen = int(client.scard(DEAD_SEEN_KEY))
-        return seen
-    finally:
-        client.close()
+    async def wait() -> int:
+        store = RedisStore.from_url(url, connect_timeout=5)
+        try:
+            deadline = time.monotonic() + timeout
+            seen = await store.dead_letter_count()
+            while seen < count and time.monotonic() < deadline:
+                await asyncio.sleep(0.25)
+                seen = await store.dead_letter_count()
+            return seen
+        finally:
+            await store.aclose()
+
+    return asyncio.run(wait())
 
 
 @pytest.fixture(scope="module")

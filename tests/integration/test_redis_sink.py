@@ -1,4 +1,4 @@
-"""The Redis sink against a real Redis: layout, idempotency, exact cost carry, reading back.
+"""The Redis store against a real Redis: the sink's layout, idempotency, exact cost carry, reads.
 
 Every test writes only keys of its own (a unique request id prefix and
 tenants) and deletes them afterwards, so it can run against the shared stack.
@@ -21,13 +21,15 @@ from redis.exceptions import ResponseError
 from streamtally.cli import main
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
-from streamtally.store.redis_keys import ROWS_KEY, tokens_key, usage_key
-from streamtally.store.redis_sink import (
+from streamtally.store import (
+    ROWS_KEY,
     RedisSink,
-    get_tokens,
-    get_tokens_text,
+    RedisStore,
+    row_member,
     tokens_json,
-    usage_rows,
+    tokens_key,
+    tokens_pattern,
+    usage_key,
 )
 from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
@@ -62,13 +64,9 @@ class Scope:
         return tenant
 
     async def cleanup(self, client: aioredis.Redis) -> None:
-        async for key in client.scan_iter(match=f"st:tokens:it-{self.tag}-*"):
+        async for key in client.scan_iter(match=tokens_pattern(f"it-{self.tag}-")):
             await client.delete(key)
-        for member in await client.smembers(ROWS_KEY):
-            day, tenant, model = json.loads(member)
-            if tenant in self.tenants:
-                await client.delete(usage_key(day, tenant, model))
-                await client.srem(ROWS_KEY, member)
+        await RedisStore(client).delete_usage(self.tenants)
 
 
 @pytest.fixture
@@ -76,6 +74,12 @@ async def scope(redis_client: aioredis.Redis) -> AsyncIterator[Scope]:
     s = Scope()
     yield s
     await s.cleanup(redis_client)
+
+
+@pytest.fixture
+def store(redis_client: aioredis.Redis) -> RedisStore:
+    """A store on the test's client (which the `redis_client` fixture closes)."""
+    return RedisStore(redis_client)
 
 
 def make_tokens(
@@ -114,11 +118,11 @@ def _str(value: bytes | str) -> str:
 
 
 async def test_apply_writes_tokens_row_and_index(
-    redis_client: aioredis.Redis, scope: Scope
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
     tokens = make_tokens(scope.rid(1))
-    sink = RedisSink(redis_client)
+    sink = RedisSink(store)
     sink.add(tokens, billed(tokens, tenant))
     assert await sink.flush() == [True]
     assert len(sink) == 0
@@ -126,11 +130,11 @@ async def test_apply_writes_tokens_row_and_index(
     stored = await redis_client.get(tokens_key(tokens.request_id))
     expected = json.dumps(tokens.to_json_dict(), ensure_ascii=False, separators=(",", ":"))
     assert stored == expected.encode("utf-8")
-    assert await get_tokens_text(redis_client, tokens.request_id) == expected
-    assert await get_tokens(redis_client, tokens.request_id) == tokens.to_json_dict()
+    assert await store.tokens_text(tokens.request_id) == expected
+    assert await store.tokens(tokens.request_id) == tokens.to_json_dict()
 
     # (600 * 2.50 + 400 * 1.25 + 200 * 10) / 1e6 = 0.004
-    assert await hash_of(redis_client, f"st:usage:{DAY}:{tenant}:gpt-4o-2024-08-06") == {
+    assert await hash_of(redis_client, usage_key(DAY, tenant, "gpt-4o-2024-08-06")) == {
         "requests": "1",
         "input_tokens": "1000",
         "output_tokens": "200",
@@ -140,49 +144,50 @@ async def test_apply_writes_tokens_row_and_index(
         "cost_units": "0",
         "cost_pico": "4000000000",
     }
-    member = json.dumps([DAY, tenant, "gpt-4o-2024-08-06"], separators=(",", ":"))
-    assert await redis_client.sismember(ROWS_KEY, member)
+    assert await redis_client.sismember(ROWS_KEY, row_member(DAY, tenant, "gpt-4o-2024-08-06"))
 
 
-async def test_reapplying_is_a_no_op(redis_client: aioredis.Redis, scope: Scope) -> None:
+async def test_reapplying_is_a_no_op(
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
+) -> None:
     tenant = scope.tenant()
     tokens = make_tokens(scope.rid(1))
     row = usage_key(DAY, tenant, "gpt-4o-2024-08-06")
-    sink = RedisSink(redis_client)
+    sink = RedisSink(store)
     sink.add(tokens, billed(tokens, tenant))
     assert await sink.flush() == [True]
     before = await hash_of(redis_client, row)
 
-    replay = RedisSink(redis_client)  # a new process after a crash
+    replay = RedisSink(RedisStore(redis_client))  # a new process after a crash
     changed = make_tokens(scope.rid(1), usage=Usage(input_tokens=5))  # even if it differs
     replay.add(changed, billed(changed, tenant))
     replay.add(tokens, billed(tokens, tenant))
     assert await replay.flush() == [False, False]
     assert await hash_of(redis_client, row) == before
-    assert await get_tokens(redis_client, tokens.request_id) == tokens.to_json_dict()
+    assert await store.tokens(tokens.request_id) == tokens.to_json_dict()
 
 
 async def test_duplicate_within_one_batch_counts_once(
-    redis_client: aioredis.Redis, scope: Scope
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
-    sink = RedisSink(redis_client)
+    sink = RedisSink(store)
     for n in (1, 2, 1):
         tokens = make_tokens(scope.rid(n))
         sink.add(tokens, billed(tokens, tenant))
     assert await sink.flush() == [True, True, False]
-    rows = await usage_rows(redis_client, tenant=tenant)
+    rows = await store.usage_rows(tenant=tenant)
     assert [r["requests"] for r in rows] == [2]
 
 
 async def test_a_bad_key_fails_the_whole_batch_before_any_write(
-    redis_client: aioredis.Redis, scope: Scope
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     good, bad = scope.tenant("good"), scope.tenant("bad")
     await redis_client.set(usage_key(DAY, bad, "gpt-4o-2024-08-06"), "not a hash")
-    await redis_client.sadd(ROWS_KEY, json.dumps([DAY, bad, "gpt-4o-2024-08-06"]))  # for cleanup
+    await redis_client.sadd(ROWS_KEY, row_member(DAY, bad, "gpt-4o-2024-08-06"))  # for cleanup
     first, second = make_tokens(scope.rid(1)), make_tokens(scope.rid(2))
-    sink = RedisSink(redis_client)
+    sink = RedisSink(store)
     sink.add(first, billed(first, good))
     sink.add(second, billed(second, bad))
     with pytest.raises(ResponseError, match="not a hash"):
@@ -196,11 +201,11 @@ async def test_a_bad_key_fails_the_whole_batch_before_any_write(
 
 
 async def test_cost_carries_exactly_across_the_pico_boundary(
-    redis_client: aioredis.Redis, scope: Scope
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
     row = usage_key(DAY, tenant, "gpt-4o-2024-08-06")
-    sink = RedisSink(redis_client)
+    sink = RedisSink(store)
     costs = ["0.999999999999", "0.000000000001", "0.600000000001", "123456789012.400000000000"]
     for n, cost in enumerate(costs):
         tokens = make_tokens(scope.rid(n))
@@ -212,16 +217,16 @@ async def test_cost_carries_exactly_across_the_pico_boundary(
     fields = await hash_of(redis_client, row)
     # 1 + 0.600000000001 + 123456789012.4 = 123456789014.000000000001
     assert (fields["cost_units"], fields["cost_pico"]) == ("123456789014", "1")
-    [usage] = await usage_rows(redis_client, tenant=tenant)
+    [usage] = await store.usage_rows(tenant=tenant)
     assert usage["cost"] == "123456789014.000000000001"
     assert Decimal(usage["cost"]) == sum((Decimal(c) for c in costs), Decimal(0))
 
 
 async def test_many_large_picos_never_leave_the_range(
-    redis_client: aioredis.Redis, scope: Scope
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
-    sink = RedisSink(redis_client)
+    sink = RedisSink(store)
     for n in range(25):
         tokens = make_tokens(scope.rid(n))
         sink.add(tokens, billed(tokens, tenant, "7.999999999999"))
@@ -234,7 +239,7 @@ async def test_many_large_picos_never_leave_the_range(
 
 
 async def test_usage_rows_sum_requests_and_filter(
-    redis_client: aioredis.Redis, scope: Scope
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     acme, other = scope.tenant("acme:eu"), scope.tenant("other")
     a = make_tokens(scope.rid("a"), usage=Usage(input_tokens=1000, output_tokens=100))
@@ -244,14 +249,14 @@ async def test_usage_rows_sum_requests_and_filter(
     )
     c = make_tokens(scope.rid("c"), model=None, usage=Usage(input_tokens=7))
     d = make_tokens(scope.rid("d"))
-    sink = RedisSink(redis_client)
+    sink = RedisSink(store)
     sink.add(a, billed(a, acme))
     sink.add(b, billed(b, acme))
     sink.add(c, billed(c, acme))
     sink.add(d, billed(d, other))
     assert await sink.flush() == [True] * 4
 
-    rows = await usage_rows(redis_client, tenant=acme)
+    rows = await store.usage_rows(tenant=acme)
     assert rows == [
         {
             "tenant": acme,
@@ -282,11 +287,97 @@ async def test_usage_rows_sum_requests_and_filter(
     # the ":" in the tenant is escaped in the key, so it cannot collide with another row
     assert await redis_client.exists(usage_key(DAY, acme, "gpt-4o-2024-08-06"))
     assert usage_key(DAY, acme, "m") != usage_key(DAY, acme.split(":")[0], "eu-x:m")
-    assert [r["tenant"] for r in await usage_rows(redis_client, tenant=other)] == [other]
-    assert await usage_rows(redis_client, tenant=acme, day="2026-11-22") == []
-    assert len(await usage_rows(redis_client, tenant=acme, day=DAY)) == 2
-    everything = await usage_rows(redis_client)
+    assert [r["tenant"] for r in await store.usage_rows(tenant=other)] == [other]
+    assert await store.usage_rows(tenant=acme, day="2026-11-22") == []
+    assert len(await store.usage_rows(tenant=acme, day=DAY)) == 2
+    everything = await store.usage_rows()
     assert {r["tenant"] for r in everything} >= {acme, other}
+
+
+# --------------------------------------------------------------------------- store reads, counts
+
+#: The Redis database of `own_store` (flushed before and after each test that uses it).
+STORE_DB = 11
+
+
+def _db_url(url: str, db: int) -> str:
+    base = url.split("?", 1)[0]
+    head, _, tail = base.rpartition("/")
+    return f"{head}/{db}" if tail.isdigit() and head.count("/") >= 2 else f"{base.rstrip('/')}/{db}"
+
+
+@pytest.fixture
+async def own_store(redis_client: aioredis.Redis, redis_url: str) -> AsyncIterator[RedisStore]:
+    """A store on database `STORE_DB`, empty: the global counts are this test's alone."""
+    del redis_client  # it skips the test when Redis does not answer
+    client = aioredis.from_url(_db_url(redis_url, STORE_DB), socket_connect_timeout=3)
+    await client.flushdb()
+    store = RedisStore(client)
+    try:
+        yield store
+    finally:
+        await client.flushdb()
+        await store.aclose()
+
+
+async def test_store_writes_and_reads_markers_tokens_and_counts(own_store: RedisStore) -> None:
+    store = own_store
+    assert await store.stats() == {"records": 0, "duplicates": 0, "dead_lettered": 0, "requests": 0}
+    assert (await store.tokens_count(), await store.closed_count()) == (0, 0)
+    assert (await store.dead_letter_count(), await store.usage_rows()) == (0, [])
+    assert await store.missing_tokens(["a", "b"]) == ["a", "b"]
+    assert await store.closed_markers(["a"]) == {}
+
+    await store.mark_closing({"a": "5 end", "b": "7 timeout"})
+    assert await store.closed_count() == 2
+    assert await store.closed_markers(["a", "b", "c"]) == {
+        "a": ("5 end", False),
+        "b": ("7 timeout", False),
+    }
+
+    a = make_tokens("a")
+    sink = RedisSink(store)
+    sink.add(a, billed(a, "acme"), closed="5 end", records=3, duplicates=1)
+    assert await sink.flush() == [True]
+    assert (await store.closed_markers(["a", "b"]))["a"] == ("5 end", True)
+    assert (await store.has_tokens("a"), await store.has_tokens("b")) == (True, False)
+    assert await store.missing_tokens(["b", "a", "c"]) == ["b", "c"]
+    assert await store.tokens_texts(["a", "b"]) == [tokens_json(a), None]
+    assert await store.tokens_count() == 1
+    assert await store.stats() == {"records": 3, "duplicates": 1, "dead_lettered": 0, "requests": 1}
+
+    first, second = store.position_of("ns.raw.sse", 0, 5), store.position_of("ns.raw.sse", 1, 9)
+    assert first == "ns.raw.sse:0:5"
+    assert await store.count_dead_letters([first, second, first]) == 2
+    assert await store.count_dead_letters([second]) == 0  # counted once, however often
+    assert await store.count_dead_letters([]) == 0
+    assert await store.dead_letter_count() == 2
+    assert (await store.stats())["dead_lettered"] == 2
+
+    assert [row["tenant"] for row in await store.usage_rows()] == ["acme"]
+    assert await store.delete_usage(["other"]) == 0
+    assert await store.delete_usage(["acme"]) == 1
+    assert await store.usage_rows() == []
+    assert await store.has_tokens("a")  # the idempotency marker stays
+
+
+async def test_store_reads_through_a_decoding_client(redis_url: str, own_store: RedisStore) -> None:
+    a = make_tokens("a")
+    sink = RedisSink(own_store)
+    sink.add(a, billed(a, "acme"), closed="5 end", records=2)
+    assert await sink.flush() == [True]
+    await own_store.count_dead_letters([own_store.position_of("t", 0, 1)])
+
+    decoding = RedisStore(aioredis.from_url(_db_url(redis_url, STORE_DB), decode_responses=True))
+    try:
+        assert await decoding.tokens_text("a") == tokens_json(a)
+        assert await decoding.tokens_texts(["a"]) == [tokens_json(a)]
+        assert await decoding.closed_markers(["a"]) == {"a": ("5 end", True)}
+        assert await decoding.usage_rows() == await own_store.usage_rows()
+        assert await decoding.stats() == await own_store.stats()
+        assert await decoding.delete_usage(["acme"]) == 1
+    finally:
+        await decoding.aclose()
 
 
 # --------------------------------------------------------------------------- CLI
@@ -324,7 +415,7 @@ def write(redis_url: str, *pairs: tuple[Tokens, BillingEvent]) -> list[bool]:
     async def run() -> list[bool]:
         client = aioredis.from_url(redis_url)
         try:
-            sink = RedisSink(client)
+            sink = RedisSink(RedisStore(client))
             for tokens, event in pairs:
                 sink.add(tokens, event)
             return await sink.flush()

@@ -6,11 +6,15 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
-from streamtally.core.models import Chunk, Source
-from streamtally.processors.requests import Outputs
-from streamtally.processors.sinks import KafkaSink, Sinks
+from streamtally.core.models import Chunk, FinishReason, Source, Tokens, Usage
+from streamtally.core.pricing import PriceTable
+from streamtally.processors.requests import Closed, CloseReason, Completed, Outputs
+from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
+from streamtally.store import FinishedRequest, RedisStore
 from streamtally.topics import Topics
 from streamtally.wire import avro
+from streamtally.wire.billing import bill
+from streamtally.wire.records import DeadLetter
 
 TOPICS = Topics.in_namespace()
 
@@ -96,3 +100,82 @@ async def test_a_failed_flush_keeps_its_batch_for_the_retry() -> None:
     await Sinks(_sink(producer)).write(_outputs("r", 6))
     # the first batch (4) went out before the failure; the retry resends all 6
     assert len(producer.sent) == 4 + 6
+
+
+# --------------------------------------------------------------------------- Redis
+
+
+class FakeStore(RedisStore):
+    """A `RedisStore` that records what it is asked instead of talking to Redis."""
+
+    def __init__(self) -> None:  # no client
+        self.closing: list[dict[str, str]] = []
+        self.applied: list[list[FinishedRequest]] = []
+        self.positions: list[list[str]] = []
+        self.closed = False
+
+    async def mark_closing(self, markers: Any) -> None:
+        self.closing.append(dict(markers))
+
+    async def apply_requests(self, batch: Any) -> list[bool]:
+        self.applied.append(list(batch))
+        return [True] * len(batch)
+
+    async def count_dead_letters(self, positions: Any) -> int:
+        self.positions.append(list(positions))
+        return len(positions)
+
+    async def closed_markers(self, request_ids: Any) -> dict[str, tuple[str, bool]]:
+        return {r: ("7 timeout", r == "applied") for r in request_ids if r != "unknown"}
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+def _completed(request_id: str) -> Completed:
+    tokens = Tokens(
+        request_id=request_id,
+        source=Source.OPENAI,
+        model=None,
+        text="x",
+        reasoning="",
+        tool_calls=(),
+        usage=Usage(input_tokens=3, output_tokens=1),
+        finish_reason=FinishReason.STOP,
+        finish_reason_raw="stop",
+        error=None,
+        chunks=1,
+    )
+    prices = PriceTable.from_dict({"version": "t", "currency": "USD", "unit": 1, "models": {}})
+    billing = bill(tokens, "acme", datetime(2026, 1, 1, tzinfo=UTC), prices)
+    return Completed(tokens, billing, Closed(12, CloseReason.END), records=3, duplicates=1)
+
+
+async def test_redis_outputs_mark_then_flush_requests_and_dead_letter_positions() -> None:
+    store = FakeStore()
+    redis = RedisOutputs(store)
+    assert redis.store is store
+    when = datetime(2026, 1, 1, tzinfo=UTC)
+    letter = DeadLetter.from_exception(
+        ValueError("bad"), topic="ns.raw.sse", partition=2, offset=41, key=None, value=b"", at=when
+    )
+    outputs = Outputs(completed=[_completed("r1")], dead_letters=[letter])
+    await Sinks(redis).write(outputs)
+    assert store.closing == [{"r1": "12 end"}]
+    [[request]] = store.applied
+    assert (request.request_id, request.closed, request.records, request.duplicates) == (
+        "r1",
+        "12 end",
+        3,
+        1,
+    )
+    assert store.positions == [["ns.raw.sse:2:41"]]
+    await redis.flush()  # nothing new: the dead letters were counted once
+    assert store.positions[-1] == []
+    found = await redis.lookup(["applied", "pending", "unknown"])
+    assert found == {
+        "applied": Closed(7, CloseReason.TIMEOUT, applied=True),
+        "pending": Closed(7, CloseReason.TIMEOUT, applied=False),
+    }
+    await redis.stop()
+    assert store.closed

@@ -1,0 +1,146 @@
+"""`RedisSink`: a batching sink of finished requests, their Tokens and their usage rows.
+
+Use it like a quix-streams `BatchingSink`: `add` each finished request (its
+`Tokens` and its priced `BillingEvent`) as it comes, then `flush` the batch
+before committing the consumer offsets.  A flush is one atomic script call
+(`RedisStore.apply_requests`, `streamtally.store.scripts.FLUSH_SCRIPT`),
+idempotent per request, so a replay after a crash never counts twice.  What
+lands where is `streamtally.store.layout`.
+
+Limits: each counter is a signed 64-bit integer (HINCRBY); `add` refuses
+values that cannot fit one increment.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+from streamtally.core.models import Tokens
+from streamtally.core.money import cost_parts
+from streamtally.store.layout import (
+    UNKNOWN_MODEL,
+    day_of,
+    row_member,
+    tokens_json,
+    tokens_key,
+    usage_key,
+)
+from streamtally.store.redis_store import RedisStore
+from streamtally.store.scripts import FinishedRequest
+from streamtally.wire.records import BillingEvent
+
+__all__ = ["RedisSink", "finished_request"]
+
+_INT64_MAX: Final = 2**63 - 1
+
+
+def _counter(name: str, value: int) -> int:
+    if not 0 <= value <= _INT64_MAX:
+        raise ValueError(f"{name}={value} does not fit a Redis counter (0 .. 2**63-1)")
+    return value
+
+
+def finished_request(
+    tokens: Tokens,
+    billing: BillingEvent,
+    *,
+    closed: str = "0 end",
+    records: int = 0,
+    duplicates: int = 0,
+) -> FinishedRequest:
+    """What the flush script takes for one finished request.
+
+    Raises ValueError when `billing` is not the billing event of `tokens`
+    (another request id, model or usage) or a value cannot be counted.
+    """
+    if billing.request_id != tokens.request_id:
+        raise ValueError(
+            f"billing event of {billing.request_id!r} added with tokens of {tokens.request_id!r}"
+        )
+    if billing.model != tokens.model:
+        raise ValueError(
+            f"{tokens.request_id}: billing model {billing.model!r} != tokens model {tokens.model!r}"
+        )
+    if billing.usage != tokens.usage:
+        raise ValueError(
+            f"{tokens.request_id}: billing usage {billing.usage!r} != tokens usage {tokens.usage!r}"
+        )
+    day = day_of(billing.event_time)
+    model = tokens.model or UNKNOWN_MODEL
+    units, pico = cost_parts(billing.cost)
+    if abs(units) > _INT64_MAX:
+        raise ValueError(f"{tokens.request_id}: cost {billing.cost} is too large to count")
+    usage = tokens.usage
+    return FinishedRequest(
+        request_id=tokens.request_id,
+        tokens_key=tokens_key(tokens.request_id),
+        usage_key=usage_key(day, billing.tenant, model),
+        tokens_json=tokens_json(tokens),
+        row_member=row_member(day, billing.tenant, model),
+        usage=(
+            _counter("input_tokens", usage.input_tokens),
+            _counter("output_tokens", usage.output_tokens),
+            _counter("reasoning_tokens", usage.reasoning_tokens),
+            _counter("cached_tokens", usage.cached_tokens),
+            _counter("cache_write_tokens", usage.cache_write_tokens),
+        ),
+        cost_units=units,
+        cost_pico=pico,
+        closed=closed,
+        records=_counter("records", records),
+        duplicates=_counter("duplicates", duplicates),
+    )
+
+
+class RedisSink:
+    """Batches finished requests and writes them to Redis in one atomic, idempotent call.
+
+    Not safe for concurrent use by several tasks (one sink per consumer task).
+    """
+
+    def __init__(self, store: RedisStore) -> None:
+        self._store = store
+        self._pending: list[FinishedRequest] = []
+
+    def __len__(self) -> int:
+        """How many requests wait for the next flush."""
+        return len(self._pending)
+
+    def add(
+        self,
+        tokens: Tokens,
+        billing: BillingEvent,
+        *,
+        closed: str = "0 end",
+        records: int = 0,
+        duplicates: int = 0,
+    ) -> None:
+        """Queue one finished request for the next `flush`.
+
+        `closed` is the request's closing marker ("offset reason", kept in
+        ``st:closed``); `records` and `duplicates` are its raw-record counts,
+        added to ``st:stats`` when the request is applied.
+
+        Raises ValueError when `billing` is not the billing event of `tokens`
+        (another request id, model or usage) or a value cannot be counted.
+        """
+        self._pending.append(
+            finished_request(tokens, billing, closed=closed, records=records, duplicates=duplicates)
+        )
+
+    async def flush(self) -> list[bool]:
+        """Write every queued request in one atomic script call.
+
+        Returns one flag per request, in `add` order: True when this flush
+        applied it, False when it had been applied before (its Tokens key
+        existed).  On an error the batch stays queued, so calling `flush`
+        again retries it: the script's checks fail before anything is written,
+        and a retry of a batch that was (partly) applied, say when the reply
+        was lost, reports False for the requests already applied.
+        """
+        if not self._pending:
+            return []
+        batch = list(self._pending)
+        flags = await self._store.apply_requests(batch)
+        del self._pending[: len(batch)]
+        return flags
