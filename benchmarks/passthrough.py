@@ -14,17 +14,15 @@ broker when it does no work on the messages: the worker can at best approach it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 
-from streamtally.topics import DAY_MS
+from streamtally.topics import DAY_MS, Topic
+from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["PASSTHROUGH_TOPIC", "PassthroughResult", "ensure_passthrough_topic", "run"]
 
@@ -46,30 +44,19 @@ class PassthroughResult:
         return self.messages / self.seconds if self.seconds > 0 else 0.0
 
 
+#: The scratch topic, declared like the pipeline's own topics.
+_SCRATCH: Final = Topic(
+    name=PASSTHROUGH_TOPIC,
+    partitions=_PARTITIONS,
+    retention_ms=_RETENTION_MS,
+    value_schema="RawSseEvent or RawEngineOutput (raw records, copied unchanged)",
+    description="scratch topic of the pass-through ceiling of the pipeline benchmark",
+)
+
+
 async def ensure_passthrough_topic(bootstrap_servers: str) -> bool:
     """Create the scratch topic if it is missing (never deletes anything); True if created."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=15000)
-    await admin.start()
-    try:
-        if PASSTHROUGH_TOPIC in set(await admin.list_topics()):
-            return False
-        with contextlib.suppress(TopicAlreadyExistsError):
-            await admin.create_topics(
-                [
-                    NewTopic(
-                        name=PASSTHROUGH_TOPIC,
-                        num_partitions=_PARTITIONS,
-                        replication_factor=1,
-                        topic_configs={
-                            "cleanup.policy": "delete",
-                            "retention.ms": str(_RETENTION_MS),
-                        },
-                    )
-                ]
-            )
-        return True
-    finally:
-        await admin.close()
+    return bool(await ensure_topics(bootstrap_servers, (_SCRATCH,)))
 
 
 async def run(

@@ -4,7 +4,7 @@ The end offset of each partition is taken once, at start; the export reads
 each partition from its beginning to that offset (committed records only:
 isolation level read_committed), so it always terminates and never waits for
 new events.  No consumer group is used and no offsets are committed
-(`streamtally.wire.kafka.read_topic`).
+(`streamtally.wire.kafka.read_topic`, through `read_decoded`).
 
 Events are decoded with `streamtally.wire.avro.decode_billing_event`, replays
 (a second record with an `event_id` already seen) are dropped unless
@@ -29,8 +29,8 @@ from typing import Any
 from streamtally.core.money import scaled_cost
 from streamtally.settings import Settings
 from streamtally.topics import Topics
-from streamtally.wire.avro import AvroDecodeError, decode_billing_event
-from streamtally.wire.kafka import read_topic
+from streamtally.wire.avro import decode_billing_event
+from streamtally.wire.kafka import read_decoded
 from streamtally.wire.records import BillingEvent
 
 __all__ = ["Export", "add_parser", "event_json", "read_billing_events"]
@@ -124,11 +124,7 @@ def event_json(event: BillingEvent) -> dict[str, Any]:
         "model": event.model,
         "source": event.source.value,
         "finish_reason": event.finish_reason.value,
-        "input_tokens": event.input_tokens,
-        "output_tokens": event.output_tokens,
-        "reasoning_tokens": event.reasoning_tokens,
-        "cached_tokens": event.cached_tokens,
-        "cache_write_tokens": event.cache_write_tokens,
+        **event.usage_counts(),
         "cost": format(scaled_cost(event.cost), "f"),
         "currency": event.currency,
         "price_table_version": event.price_table_version,
@@ -171,25 +167,18 @@ async def read_billing_events(servers: str, topic: str, *, keep_replays: bool = 
     """Every billing event of `topic` up to its end offsets at the time of the call."""
     export = Export()
     seen: set[str] = set()
-    async with contextlib.aclosing(
-        read_topic(
-            servers,
-            topic,
-            missing_hint=(
-                "nothing was billed there yet (`streamtally worker` creates the topics), "
-                "or it is the wrong Kafka"
-            ),
-        )
-    ) as records:
-        async for record in records:
-            if record.value is None:
-                export.bad.append((record.partition, record.offset, "no value (tombstone)"))
-                continue
-            try:
-                event = decode_billing_event(record.value)
-            except AvroDecodeError as exc:
-                export.bad.append((record.partition, record.offset, str(exc)))
-                continue
+    reading = read_decoded(
+        servers,
+        topic,
+        decode_billing_event,
+        export.bad,
+        missing_hint=(
+            "nothing was billed there yet (`streamtally worker` creates the topics), "
+            "or it is the wrong Kafka"
+        ),
+    )
+    async with contextlib.aclosing(reading) as events:
+        async for event in events:
             if event.event_id in seen and not keep_replays:
                 export.replays += 1
                 continue

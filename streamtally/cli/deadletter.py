@@ -28,8 +28,8 @@ from typing import Any, Final
 
 from streamtally.settings import Settings
 from streamtally.topics import Topics
-from streamtally.wire.avro import AvroDecodeError, decode_dead_letter
-from streamtally.wire.kafka import read_topic
+from streamtally.wire.avro import decode_dead_letter
+from streamtally.wire.kafka import read_decoded
 from streamtally.wire.records import DeadLetter
 
 __all__ = [
@@ -84,16 +84,10 @@ def _position(letter: DeadLetter) -> tuple[str, int, int]:
 async def read_dead_letters(servers: str, topic: str) -> Letters:
     """Every dead letter of `topic` up to its current end, one per source position."""
     out = Letters(topic)
-    async with contextlib.aclosing(read_topic(servers, topic)) as records:
-        async for record in records:
-            if record.value is None:
-                out.bad.append((record.partition, record.offset, "no value (tombstone)"))
-                continue
-            try:
-                letter = decode_dead_letter(record.value)
-            except AvroDecodeError as exc:
-                out.bad.append((record.partition, record.offset, str(exc)))
-                continue
+    async with contextlib.aclosing(
+        read_decoded(servers, topic, decode_dead_letter, out.bad)
+    ) as letters:
+        async for letter in letters:
             position = _position(letter)
             if position not in out.copies:
                 out.letters.append(letter)

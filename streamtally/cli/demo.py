@@ -10,20 +10,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-import redis.asyncio as aioredis
-
 from streamtally.cli.produce import ManifestEntry, read_manifest
 from streamtally.errors import InputError, StackError
 from streamtally.ops.stack.config import StackConfig
+from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import RawProducer
 from streamtally.settings import Settings, project_root
-from streamtally.store.redis_keys import tokens_key
+from streamtally.store import RedisStore
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 
@@ -79,26 +76,15 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     servers, url = settings.bootstrap_servers, settings.redis_url
     asyncio.run(ensure_topics(servers, Topics.in_namespace(settings.namespace).all))
     log = StackConfig.from_settings(settings).state_dir / "logs" / "demo-worker.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
     _step(f"starting a worker (log: {log})")
-    with log.open("ab") as out:
-        worker = subprocess.Popen(
-            [sys.executable, "-m", "streamtally.cli", "worker", "--loglevel", "info"],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+    worker = WorkerProcess(log).start()  # this process's environment, its own session
     try:
         waiting = asyncio.run(
             _produce_and_wait(servers, url, settings.namespace, entries, args.timeout)
         )
     finally:
         _step("stopping the worker (SIGTERM)")
-        worker.send_signal(signal.SIGTERM)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        worker.stop(timeout=30)  # SIGKILL after 30 s
     if waiting:
         raise StackError(
             f"{len(waiting)} requests never reached Redis (e.g. {sorted(waiting)[0]}): see {log}"
@@ -122,12 +108,12 @@ async def _produce_and_wait(
     entries: list[ManifestEntry],
     timeout: float,
 ) -> set[str]:
-    client = aioredis.from_url(url)
+    store = RedisStore.from_url(url)
     try:
         ids: set[str] = set()
         async with RawProducer(servers, namespace=namespace) as producer:
             for entry in entries:
-                if entry.request_id and await client.exists(tokens_key(entry.request_id)):
+                if entry.request_id and await store.has_tokens(entry.request_id):
                     ids.add(entry.request_id)
                     continue  # already processed by an earlier run: nothing to redo
                 sent = await producer.send_transcript(
@@ -143,9 +129,7 @@ async def _produce_and_wait(
         waiting = set(ids)
         last = -1
         while waiting and time.monotonic() < deadline:
-            for request_id in list(waiting):
-                if await client.exists(tokens_key(request_id)):
-                    waiting.discard(request_id)
+            waiting = set(await store.missing_tokens(sorted(waiting)))
             if len(waiting) != last:
                 last = len(waiting)
                 print(
@@ -154,4 +138,4 @@ async def _produce_and_wait(
             await asyncio.sleep(0.5)
         return waiting
     finally:
-        await client.aclose()
+        await store.aclose()

@@ -24,7 +24,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Final
 
-from streamtally.core.models import Tokens
+from streamtally.core.models import USAGE_FIELDS, Tokens
 from streamtally.core.money import COST_SCALE
 from streamtally.core.pricing import PriceTable, Quote
 from streamtally.wire.records import BillingEvent
@@ -90,11 +90,7 @@ def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: Pri
         model=tokens.model,
         source=tokens.source,
         finish_reason=tokens.finish_reason,
-        input_tokens=usage.input_tokens,
-        output_tokens=usage.output_tokens,
-        reasoning_tokens=usage.reasoning_tokens,
-        cached_tokens=usage.cached_tokens,
-        cache_write_tokens=usage.cache_write_tokens,
+        **dict(zip(USAGE_FIELDS, usage.counts(), strict=True)),
         cost=_ZERO if quote.cost is None else quote.cost,
         currency=prices.currency,
         price_table_version=prices.version,

@@ -3,16 +3,17 @@
 `idempotent_producer` is the one producer configuration every writer uses;
 `ensure_topics` creates the declared topics; `read_topic` reads one topic
 from its beginning to its current end, which is what the read commands
-(`billing export`, `deadletter`, `rebuild`) do.
+(`billing export`, `deadletter`, `rebuild`) do, or a given range of offsets
+of it; `read_decoded` does the same and decodes each value.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -20,6 +21,7 @@ from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
 
 from streamtally.errors import StackError
 from streamtally.topics import Topic, kafka_config
+from streamtally.wire.avro import AvroDecodeError
 
 __all__ = [
     "MAX_REQUEST_BYTES",
@@ -27,6 +29,7 @@ __all__ = [
     "TopicRecord",
     "ensure_topics",
     "idempotent_producer",
+    "read_decoded",
     "read_topic",
 ]
 
@@ -105,10 +108,35 @@ class TopicRecord:
     timestamp_ms: int
 
 
+def read_ranges(
+    begins: Mapping[int, int],
+    ends: Mapping[int, int],
+    start: Mapping[int, int] | None = None,
+    end: Mapping[int, int] | None = None,
+) -> dict[int, tuple[int, int]]:
+    """What `read_topic` reads of each partition: `(first offset, offset to stop before)`.
+
+    `begins` and `ends` are the partitions' current beginning and end
+    offsets.  A partition absent from `start` is read from its beginning, and
+    a `start` before the beginning (records deleted by retention) means the
+    beginning; a partition absent from `end` is read to its current end.
+    Partitions with nothing to read are left out.
+    """
+    ranges = {}
+    for partition, begin in begins.items():
+        first = max(begin, (start or {}).get(partition, begin))
+        stop = (end or {}).get(partition, ends[partition])
+        if stop > first:
+            ranges[partition] = (first, stop)
+    return ranges
+
+
 async def read_topic(
     servers: str,
     topic: str,
     *,
+    start: Mapping[int, int] | None = None,
+    end: Mapping[int, int] | None = None,
     missing_hint: str = _MISSING_HINT,
     stall_timeout: float = STALL_TIMEOUT_S,
 ) -> AsyncGenerator[TopicRecord, None]:
@@ -119,6 +147,11 @@ async def read_topic(
     records are read (isolation level read_committed).  No consumer group
     is used and no offsets are committed.  Records come in offset order
     within a partition; partitions are interleaved.
+
+    `start` and `end` (partition to offset) narrow the read to the offsets
+    `[start, end)` of the partitions they name, the others being read from
+    their beginning and to their current end (`read_ranges`).  An `end`
+    beyond a partition's current end waits for those records to be written.
 
     An async generator holding a consumer: close it when stopping early
     (``async with contextlib.aclosing(read_topic(...)) as records``).
@@ -160,15 +193,27 @@ async def read_topic(
         consumer.assign(tps)
         ends: dict[Any, int] = await consumer.end_offsets(tps)
         begins: dict[Any, int] = await consumer.beginning_offsets(tps)
-        await consumer.seek_to_beginning(*tps)
-        remaining = {tp for tp in tps if ends[tp] > begins[tp]}
-        positions = dict(begins)
+        ranges = read_ranges(
+            {tp.partition: begins[tp] for tp in tps},
+            {tp.partition: ends[tp] for tp in tps},
+            start,
+            end,
+        )
+        remaining = {tp for tp in tps if tp.partition in ranges}
+        positions = {tp: ranges[tp.partition][0] for tp in remaining}
+        stops = {tp: ranges[tp.partition][1] for tp in remaining}
+        from_beginning = [tp for tp in remaining if positions[tp] == begins[tp]]
+        if from_beginning:
+            await consumer.seek_to_beginning(*from_beginning)
+        for tp in remaining:
+            if positions[tp] != begins[tp]:
+                consumer.seek(tp, positions[tp])
         last_progress = time.monotonic()
         while remaining:
             batches = await consumer.getmany(*remaining, timeout_ms=500)
             for tp, records in batches.items():
                 for record in records:
-                    if record.offset < ends[tp]:
+                    if record.offset < stops[tp]:
                         yield TopicRecord(
                             topic=topic,
                             partition=tp.partition,
@@ -182,7 +227,7 @@ async def read_topic(
                 if position != positions[tp]:
                     positions[tp] = position
                     last_progress = time.monotonic()
-                if position >= ends[tp]:
+                if position >= stops[tp]:
                     remaining.discard(tp)
             if remaining and time.monotonic() - last_progress > stall_timeout:
                 stuck = ", ".join(f"{tp.partition}" for tp in sorted(remaining))
@@ -194,3 +239,34 @@ async def read_topic(
         raise StackError(f"reading {topic} from Kafka at {servers} failed: {exc}") from exc
     finally:
         await consumer.stop()
+
+
+_T = TypeVar("_T")
+
+
+async def read_decoded(
+    servers: str,
+    topic: str,
+    decode: Callable[[bytes], _T],
+    bad: list[tuple[int, int, str]],
+    *,
+    missing_hint: str = _MISSING_HINT,
+) -> AsyncGenerator[_T, None]:
+    """`read_topic`, each value decoded with `decode`; what does not decode goes to `bad`.
+
+    A tombstone (no value) or a value `decode` refuses with `AvroDecodeError`
+    is appended to `bad` as `(partition, offset, reason)` and skipped.  Close
+    it when stopping early, as `read_topic`.
+    """
+    reading = read_topic(servers, topic, missing_hint=missing_hint)
+    async with contextlib.aclosing(reading) as records:
+        async for record in records:
+            if record.value is None:
+                bad.append((record.partition, record.offset, "no value (tombstone)"))
+                continue
+            try:
+                value = decode(record.value)
+            except AvroDecodeError as exc:
+                bad.append((record.partition, record.offset, str(exc)))
+                continue
+            yield value

@@ -14,7 +14,7 @@ from enum import StrEnum
 from types import MappingProxyType
 from typing import Any, Final
 
-from streamtally.core.models import FinishReason, Source, Usage, utc_now
+from streamtally.core.models import USAGE_FIELDS, FinishReason, Source, Usage, utc_now
 from streamtally.core.money import COST_PRECISION, COST_SCALE, scaled_cost
 
 __all__ = [
@@ -187,13 +187,7 @@ class BillingEvent:
             raise ValueError("event_id must not be empty")
         if not self.request_id:
             raise ValueError("request_id must not be empty")
-        for name in (
-            "input_tokens",
-            "output_tokens",
-            "reasoning_tokens",
-            "cached_tokens",
-            "cache_write_tokens",
-        ):
+        for name in USAGE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
@@ -203,13 +197,11 @@ class BillingEvent:
     @property
     def usage(self) -> Usage:
         """The five usage fields as a `Usage`."""
-        return Usage(
-            input_tokens=self.input_tokens,
-            output_tokens=self.output_tokens,
-            reasoning_tokens=self.reasoning_tokens,
-            cached_tokens=self.cached_tokens,
-            cache_write_tokens=self.cache_write_tokens,
-        )
+        return Usage(**self.usage_counts())
+
+    def usage_counts(self) -> dict[str, int]:
+        """The five usage fields by name, in `USAGE_FIELDS` order."""
+        return {name: getattr(self, name) for name in USAGE_FIELDS}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
@@ -48,43 +48,6 @@ def _env(namespace: str, redis_url: str, timeout: float) -> dict[str, str]:
         STREAMTALLY_BATCH_SIZE="500",
     )
     return env
-
-
-class Worker:
-    """The worker subprocess, which the run kills and restarts."""
-
-    def __init__(self, env: dict[str, str], log: Path) -> None:
-        self.env = env
-        self.log = log
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.kills = 0
-        self.started = 0.0
-
-    def start(self) -> None:
-        self.started = time.monotonic()
-        with self.log.open("ab") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "streamtally.cli", "worker", "--loglevel", "info"],
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=REPO,
-            )
-
-    def kill(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait()
-        self.kills += 1
-
-    def stop(self) -> int:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            return self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            return -9
 
 
 def _requests(run: str, count: int) -> list[dict[str, Any]]:
@@ -156,90 +119,45 @@ async def _produce(
     return sent, duplicates
 
 
-async def _wait_all(client: Any, ids: list[str], timeout: float) -> list[str]:
+async def _wait_all(store: Any, ids: list[str], timeout: float) -> list[str]:
     deadline = time.monotonic() + timeout
     waiting = list(ids)
     while waiting and time.monotonic() < deadline:
-        async with client.pipeline(transaction=False) as pipe:
-            for rid in waiting:
-                pipe.exists(f"st:tokens:{rid}")
-            flags = await pipe.execute()
-        waiting = [r for r, f in zip(waiting, flags, strict=True) if not f]
+        waiting = await store.missing_tokens(waiting)
         if waiting:
             await asyncio.sleep(1.0)
     return waiting
 
 
 async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes]]:
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
+    """(partition, offset, key, value) of every record of `topic` with a value, to its end."""
     from streamtally.settings import Settings
-    from streamtally.topics import Topics
+    from streamtally.wire.kafka import read_topic
 
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=Settings.load().bootstrap_servers,
-        enable_auto_commit=False,
-        isolation_level="read_committed",
-    )
-    await consumer.start()
-    try:
-        parts = [
-            TopicPartition(topic, p)
-            for p in range(Topics.in_namespace(Settings.load().namespace).by_name(topic).partitions)
+    async with contextlib.aclosing(read_topic(Settings.load().bootstrap_servers, topic)) as records:
+        return [
+            (r.partition, r.offset, r.key, r.value) async for r in records if r.value is not None
         ]
-        consumer.assign(parts)
-        await consumer.seek_to_beginning(*parts)
-        ends = await consumer.end_offsets(parts)
-        out: list[tuple[int, int, bytes | None, bytes]] = []
-
-        async def behind() -> bool:
-            for tp in parts:
-                if await consumer.position(tp) < ends[tp]:
-                    return True
-            return False
-
-        while await behind():
-            batch = await consumer.getmany(timeout_ms=1000, max_records=10000)
-            for tp, records in batch.items():
-                out.extend(
-                    (tp.partition, r.offset, r.key, r.value)
-                    for r in records
-                    if r.offset < ends[tp] and r.value is not None
-                )
-        return out
-    finally:
-        await consumer.stop()
 
 
 async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, Any]:
-    import redis.asyncio as aioredis
-
+    from streamtally.core.models import USAGE_FIELDS
     from streamtally.core.normalize import fold_stream, read_events
     from streamtally.core.pricing import PriceTable
     from streamtally.settings import Settings
-    from streamtally.store.redis_keys import stats
+    from streamtally.store import RedisStore
     from streamtally.topics import Topics
     from streamtally.wire import avro
     from streamtally.wire.billing import bill
 
     topics = Topics.in_namespace(Settings.load().namespace)
     prices = PriceTable.default()
-    client = aioredis.from_url(redis_url)
+    store = RedisStore.from_url(redis_url)
     mismatched: list[str] = []
     per_request: dict[str, dict[str, Any]] = {}
     truth: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
-    fields = (
-        "input_tokens",
-        "output_tokens",
-        "reasoning_tokens",
-        "cached_tokens",
-        "cache_write_tokens",
-    )
     try:
-        async with client.pipeline(transaction=False) as pipe:
-            for req in requests:
-                pipe.get(f"st:tokens:{req['request_id']}")
-            stored = await pipe.execute()
+        stored = await store.tokens_texts([req["request_id"] for req in requests])
         for req, text in zip(requests, stored, strict=True):
             with req["file"].open("rb") as stream:
                 tokens = fold_stream(
@@ -249,8 +167,8 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
                 mismatched.append(req["request_id"])
             row = truth[req["tenant"]]
             row["requests"] += 1
-            for name in fields:
-                row[name] += getattr(tokens.usage, name)
+            for name, count in zip(USAGE_FIELDS, tokens.usage.counts(), strict=True):
+                row[name] += count
             # the cost the pipeline should have charged (the event time only sets the day)
             cost = bill(tokens, req["tenant"], _EPOCH, prices).cost
             row["cost"] += cost
@@ -258,13 +176,13 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
                 "tenant": req["tenant"],
                 "model": tokens.model,
                 "finish_reason": tokens.finish_reason.value,
-                **{name: getattr(tokens.usage, name) for name in fields},
+                **dict(zip(USAGE_FIELDS, tokens.usage.counts(), strict=True)),
                 "cost": str(cost.normalize()),
             }
         # what the commands print: `streamtally usage --json`, `billing export --json`
         got: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
         for row_ in json.loads(_command("usage", "--json")):
-            for name in ("requests", *fields):
+            for name in ("requests", *USAGE_FIELDS):
                 got[row_["tenant"]][name] += Decimal(row_[name])
             got[row_["tenant"]]["cost"] += Decimal(row_["cost"])
         usage_mismatch = {
@@ -285,9 +203,9 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
             if [_billing_fields(e) for e in exported.get(rid, [])][:1] != [expected]
             or any(e != exported[rid][0] for e in exported[rid])
         ]
-        counts = await stats(client)
+        counts = await store.stats()
     finally:
-        await client.aclose()
+        await store.aclose()
     billing = await _topic_records(topics.billing.name)
     by_request: dict[str, set[bytes]] = defaultdict(set)
     for _, _, _, value in billing:
@@ -319,8 +237,10 @@ _EPOCH = __import__("datetime").datetime(2026, 1, 1, tzinfo=__import__("datetime
 
 def _command(*args: str) -> str:
     """What `streamtally ARGS` prints (same environment: namespace and Redis database)."""
+    from streamtally.ops.worker_process import streamtally_command
+
     proc = subprocess.run(
-        [sys.executable, "-m", "streamtally.cli", *args],
+        streamtally_command(*args),
         capture_output=True,
         text=True,
         check=True,
@@ -331,16 +251,9 @@ def _command(*args: str) -> str:
 
 
 def _billing_fields(event: dict[str, Any]) -> dict[str, Any]:
-    keys = (
-        "tenant",
-        "model",
-        "finish_reason",
-        "input_tokens",
-        "output_tokens",
-        "reasoning_tokens",
-        "cached_tokens",
-        "cache_write_tokens",
-    )
+    from streamtally.core.models import USAGE_FIELDS
+
+    keys = ("tenant", "model", "finish_reason", *USAGE_FIELDS)
     return {**{k: event[k] for k in keys}, "cost": str(Decimal(event["cost"]).normalize())}
 
 
@@ -359,20 +272,20 @@ async def _restart_broker(say: Any) -> float:
 
 async def _wait_busy(url: str, ids: list[str], timeout: float = 60.0) -> None:
     """Return once the worker is writing requests to Redis (or all are there)."""
-    import redis.asyncio as aioredis
+    from streamtally.store import RedisStore
 
-    client = aioredis.from_url(url)
+    store = RedisStore.from_url(url)
     try:
         deadline = time.monotonic() + timeout
         first: int | None = None
         while time.monotonic() < deadline:
-            count = int(await client.hlen("st:closed"))
+            count = await store.closed_count()
             if count >= len(ids) or (first is not None and count >= first + 20):
                 return
             first = count if first is None else first
             await asyncio.sleep(0.1)
     finally:
-        await client.aclose()
+        await store.aclose()
 
 
 async def _restart_redis(say: Any) -> float:
@@ -391,7 +304,9 @@ async def _restart_redis(say: Any) -> float:
 async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
     import redis.asyncio as aioredis
 
+    from streamtally.ops.worker_process import WorkerProcess
     from streamtally.settings import Settings
+    from streamtally.store import RedisStore
     from streamtally.topics import Topics
     from streamtally.wire.kafka import ensure_topics
 
@@ -408,8 +323,10 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
     rng = random.Random(seed)
     log = REPO / ".stack" / "logs" / f"chaos-{run_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    worker = Worker(_env(namespace, url, timeout=300), log)
+    # in this run's session: a Ctrl-C of the run is the worker's SIGINT too
+    worker = WorkerProcess(log, _env(namespace, url, timeout=300), cwd=REPO, new_session=False)
     worker.start()
+    kills = 0
     kill_at = [0.2, 0.45, 0.75]
     restart_broker_at = 0.6 if os.environ.get("STREAMTALLY_CHAOS_BROKER_RESTART", "1") == "1" else 0
     broker_restarts = 0
@@ -421,11 +338,12 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
         events.append(text)
 
     def progress(done: float) -> None:
-        nonlocal broker_restarts
+        nonlocal broker_restarts, kills
         # kill a worker that has had time to join its group and do some work
-        if kill_at and done >= kill_at[0] and time.monotonic() - worker.started >= 6.0:
+        if kill_at and done >= kill_at[0] and time.monotonic() - (worker.started_at or 0) >= 6.0:
             kill_at.pop(0)
             worker.kill()
+            kills += 1
             events.append(f"SIGKILL worker at {done:.0%}")
             worker.start()
         if restart_broker_at and done >= restart_broker_at and not broker_restarts:
@@ -444,19 +362,20 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
         await _restart_redis(say)
         redis_restarts = 1
     produced_in = time.monotonic() - started
-    client = aioredis.from_url(url)
+    store = RedisStore.from_url(url)
     print(f"produced {messages} messages in {time.monotonic() - started:.1f}s", file=sys.stderr)
-    waiting = await _wait_all(client, [r["request_id"] for r in requests], timeout=240)
+    waiting = await _wait_all(store, [r["request_id"] for r in requests], timeout=240)
     print(f"{len(waiting)} requests not in Redis", file=sys.stderr)
-    await client.aclose()
+    await store.aclose()
     drained_in = time.monotonic() - started
-    exit_code = worker.stop()
+    code, _ = worker.stop(timeout=60)
+    exit_code = -9 if code is None else code  # None: SIGKILLed after 60 s
     report = await _verify(requests, url)
     report.update(
         requests=count,
         raw_messages_sent=messages,
         duplicates_sent=duplicates,
-        worker_kills=worker.kills,
+        worker_kills=kills,
         broker_restarts=broker_restarts,
         redis_restarts=redis_restarts,
         worker_retries_logged=sum("retrying in" in line for line in log.read_text().splitlines()),

@@ -34,16 +34,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
-from streamtally.core.models import Source, Tokens
+from streamtally.core.models import USAGE_FIELDS, Source, Tokens
 from streamtally.core.pricing import PriceTable
 from streamtally.producers import RawProducer
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.avro import AvroDecodeError, decode_dead_letter
 from streamtally.wire.billing import bill
+from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import DeadLetter
 from tests.conftest import PROVIDER_FIXTURES, require_public_transcripts
 from tests.integration.worker import (
@@ -69,13 +70,6 @@ EXPECTATIONS = Path(__file__).resolve().parents[1] / "expectations"
 TOPICS = Topics.in_namespace()
 #: Seconds the worker gets to put all of the run's requests into Redis.
 PIPELINE_TIMEOUT_S = 150.0
-USAGE_FIELDS = (
-    "input_tokens",
-    "output_tokens",
-    "reasoning_tokens",
-    "cached_tokens",
-    "cache_write_tokens",
-)
 COST_TEXT = re.compile(r"-?\d+\.\d{12}")
 
 
@@ -512,24 +506,6 @@ def test_usage_rows_sum_the_folds_and_the_billed_costs(
 # --------------------------------------------------------------------------- dead letters
 
 
-async def _dead_letter_end(servers: str) -> dict[TopicPartition, int]:
-    """The current end offset of every partition of the dead-letter topic."""
-    producer = AIOKafkaProducer(bootstrap_servers=servers)
-    await producer.start()
-    try:
-        partitions = sorted(await producer.partitions_for(TOPICS.deadletter.name))
-    finally:
-        await producer.stop()
-    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None)
-    await consumer.start()
-    try:
-        tps = [TopicPartition(TOPICS.deadletter.name, p) for p in partitions]
-        ends: dict[TopicPartition, int] = await consumer.end_offsets(tps)
-        return ends
-    finally:
-        await consumer.stop()
-
-
 async def _send_garbage_then(
     servers: str, key: bytes, garbage: bytes, follower: Req
 ) -> tuple[int, int]:
@@ -555,28 +531,30 @@ async def _send_garbage_then(
 
 
 async def _find_dead_letter(
-    servers: str,
-    start: dict[TopicPartition, int],
-    match: Callable[[DeadLetter], bool],
-    timeout: float,
+    servers: str, match: Callable[[DeadLetter], bool], timeout: float
 ) -> DeadLetter | None:
-    consumer = AIOKafkaConsumer(bootstrap_servers=servers, group_id=None, enable_auto_commit=False)
-    await consumer.start()
-    try:
-        consumer.assign(list(start))
-        for tp, offset in start.items():
-            consumer.seek(tp, offset)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for records in (await consumer.getmany(timeout_ms=500)).values():
-                for record in records:
-                    with contextlib.suppress(AvroDecodeError):
-                        letter = decode_dead_letter(record.value)
-                        if match(letter):
-                            return letter
-        return None
-    finally:
-        await consumer.stop()
+    """The first dead letter that matches, waiting up to `timeout` s for it to be written.
+
+    Reads the dead-letter topic to its current end, then again from where
+    the last read stopped, every half second.
+    """
+    start: dict[int, int] = {}  # partition → next offset to read
+    deadline = time.monotonic() + timeout
+    while True:
+        async with contextlib.aclosing(
+            read_topic(servers, TOPICS.deadletter.name, start=start)
+        ) as records:
+            async for record in records:
+                start[record.partition] = record.offset + 1
+                if record.value is None:
+                    continue
+                with contextlib.suppress(AvroDecodeError):
+                    letter = decode_dead_letter(record.value)
+                    if match(letter):
+                        return letter
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(0.5)
 
 
 @pytest.mark.integration
@@ -587,12 +565,9 @@ def test_garbage_is_dead_lettered_and_the_worker_goes_on(run: Run) -> None:
     follower = Req("the request after the garbage", PROBE_FILE, PROBE_SOURCE,
                    f"dl-{run.tag}-next", f"dl-{run.tag}")  # fmt: skip
     run.remember(follower)
-    start = asyncio.run(_dead_letter_end(servers))
     partition, offset = asyncio.run(_send_garbage_then(servers, key, garbage, follower))
 
-    letter = asyncio.run(
-        _find_dead_letter(servers, start, lambda d: d.value == garbage, timeout=30)
-    )
+    letter = asyncio.run(_find_dead_letter(servers, lambda d: d.value == garbage, timeout=30))
     assert letter is not None, f"no dead letter in 30 s\n{run.worker.describe()}"
     assert (letter.topic, letter.partition, letter.offset) == (
         TOPICS.raw_sse.name,

@@ -12,32 +12,30 @@ log file, so a failure message can show what the worker said.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import io
 import json
 import os
 import shutil
-import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-import redis
-
+from streamtally.ops import worker_process
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
-from streamtally.store.redis_keys import ROWS_KEY, tokens_key, usage_key
+from streamtally.store import RedisStore
 
 REPO: Final = Path(__file__).resolve().parents[2]
 SAMPLES: Final = REPO / "samples"
 KAFKA_IMAGE: Final = "apache/kafka:4.1.2"
 REDIS_IMAGE: Final = "redis:7.2"
-#: What faust logs (at info level) once the worker has its partitions and consumes.
-READY_LINE: Final = "[^Worker]: Ready"
+#: What faust logs (at info level) once the worker has started and its agent runs.
+READY_LINE: Final = worker_process.READY_LINE
 #: Quiet seconds after which the test worker closes a request without end marker.
 REQUEST_TIMEOUT_S: Final = 20
 #: A small transcript the readiness probe produces.
@@ -178,9 +176,8 @@ def local_stack_up(timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
 # --------------------------------------------------------------------------- commands
 
 
-def streamtally(*args: str) -> list[str]:
-    """The argv running ``streamtally ARGS`` with this interpreter."""
-    return [sys.executable, "-m", "streamtally.cli", *args]
+#: The argv running ``streamtally ARGS`` with this interpreter.
+streamtally = worker_process.streamtally_command
 
 
 def run_streamtally(
@@ -237,105 +234,57 @@ def wait_for_tokens(
 
     Stops early when `worker` has exited: nothing more will arrive.
     """
-    waiting = set(request_ids)
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
-    deadline = time.monotonic() + timeout
-    try:
-        while waiting:
-            ordered = sorted(waiting)
-            with client.pipeline(transaction=False) as pipe:
-                for request_id in ordered:
-                    pipe.exists(tokens_key(request_id))
-                found = pipe.execute()
-            waiting -= {r for r, exists in zip(ordered, found, strict=True) if exists}
-            if not waiting or time.monotonic() > deadline:
-                break
-            if worker is not None and worker.returncode is not None:
-                break
-            time.sleep(0.25)
-    finally:
-        client.close()
-    return waiting
+
+    async def wait() -> set[str]:
+        waiting = set(request_ids)
+        store = RedisStore.from_url(redis_url, connect_timeout=5)
+        deadline = time.monotonic() + timeout
+        try:
+            while waiting:
+                waiting = set(await store.missing_tokens(sorted(waiting)))
+                if not waiting or time.monotonic() > deadline:
+                    break
+                if worker is not None and worker.returncode is not None:
+                    break
+                await asyncio.sleep(0.25)
+        finally:
+            await store.aclose()
+        return waiting
+
+    return asyncio.run(wait())
 
 
 # --------------------------------------------------------------------------- the worker
 
 
-class WorkerError(AssertionError):
+class WorkerError(worker_process.WorkerError, AssertionError):
     """The worker did not do what a test needed; the message carries its log."""
 
 
-class WorkerProcess:
-    """``streamtally worker --loglevel info`` as a subprocess, its output in `log`."""
+class WorkerProcess(worker_process.WorkerProcess):
+    """``streamtally worker --loglevel info`` as a subprocess, its output in `log`.
+
+    `env` is added to this process's environment, after an unbuffered output
+    and a request timeout of `REQUEST_TIMEOUT_S`.  It runs in the repository
+    and in its own session (a Ctrl-C of pytest is not the worker's SIGINT).
+    """
 
     def __init__(self, log: Path, env: Mapping[str, str]) -> None:
-        self.log = log
-        self.env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "STREAMTALLY_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
-            **env,
-        }
-        self._proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    @property
-    def proc(self) -> subprocess.Popen[bytes]:
-        if self._proc is None:
-            raise RuntimeError("the worker was not started")
-        return self._proc
-
-    @property
-    def returncode(self) -> int | None:
-        return self.proc.poll()
-
-    def start(self) -> WorkerProcess:
-        self.log.parent.mkdir(parents=True, exist_ok=True)
-        with self.log.open("ab") as out:
-            self._proc = subprocess.Popen(
-                streamtally("worker", "--loglevel", "info"),
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env=self.env,
-                cwd=REPO,
-                start_new_session=True,  # a Ctrl-C of pytest is not the worker's SIGINT
-            )
-        return self
-
-    def log_text(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")
-        except FileNotFoundError:
-            return ""
-
-    def describe(self, lines: int = 60) -> str:
-        """The worker's state and the end of its log, for a failure message."""
-        text = self.log_text().splitlines()
-        state = "running" if self.returncode is None else f"exited with {self.returncode}"
-        errors = [line for line in text if "Traceback" in line or "[ERROR]" in line]
-        head = f"worker pid {self.pid} {state}; log {self.log}"
-        if errors:
-            head += f"\n{len(errors)} error lines, first: {errors[0]}"
-        tail = "\n".join(text[-lines:])
-        return f"{head}\n--- last {min(lines, len(text))} log lines ---\n{tail}"
-
-    def wait_for_log(self, needle: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while needle not in self.log_text():
-            if self.returncode is not None:
-                raise WorkerError(f"worker exited before logging {needle!r}\n{self.describe()}")
-            if time.monotonic() > deadline:
-                raise WorkerError(f"no {needle!r} in {timeout:g} s\n{self.describe()}")
-            time.sleep(0.1)
+        super().__init__(
+            log,
+            {
+                **os.environ,
+                "PYTHONUNBUFFERED": "1",
+                "STREAMTALLY_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
+                **env,
+            },
+            cwd=REPO,
+        )
 
     def wait_ready(self, endpoints: Endpoints, probe_id: str, tenant: str, timeout: float) -> None:
         """Wait until the worker has joined its group and a probe request went through."""
         start = time.monotonic()
-        self.wait_for_log(READY_LINE, timeout)
+        self.wait_until_ready(timeout)
         sent = run_streamtally(
             "produce", "--source", PROBE_SOURCE, "--tenant", tenant, "--request-id", probe_id,
             str(PROBE_FILE), env=endpoints.env(), timeout=60,
@@ -345,26 +294,6 @@ class WorkerProcess:
         left = max(5.0, timeout - (time.monotonic() - start))
         if wait_for_tokens(endpoints.redis_url, [probe_id], left, self):
             raise WorkerError(f"probe {probe_id} never reached Redis\n{self.describe()}")
-
-    def stop(self, timeout: float = 30.0) -> tuple[int | None, float]:
-        """SIGTERM, then wait: (exit status, seconds); (None, timeout) if it had to be killed."""
-        proc = self.proc
-        start = time.monotonic()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-        try:
-            code = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
-            return None, timeout
-        return code, time.monotonic() - start
-
-    def kill(self) -> None:
-        """Kill the worker if it still runs (cleanup after a failed test)."""
-        if self._proc is not None and self._proc.poll() is None:
-            self._proc.kill()
-            self._proc.wait(timeout=10)
 
 
 def assert_stopped_cleanly(worker: WorkerProcess, timeout: float = 30.0) -> float:
@@ -389,12 +318,12 @@ def forget_usage(redis_url: str, tenants: Iterable[str]) -> None:
     restarts or rebalances) would write the requests and their usage again.
     """
     wanted = set(tenants)
-    client = redis.Redis.from_url(redis_url, socket_connect_timeout=5)
-    try:
-        for member in client.smembers(ROWS_KEY):
-            day, tenant, model = json.loads(member)
-            if tenant in wanted:
-                client.delete(usage_key(day, tenant, model))
-                client.srem(ROWS_KEY, member)
-    finally:
-        client.close()
+
+    async def forget() -> None:
+        store = RedisStore.from_url(redis_url, connect_timeout=5)
+        try:
+            await store.delete_usage(wanted)
+        finally:
+            await store.aclose()
+
+    asyncio.run(forget())

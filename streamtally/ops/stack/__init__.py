@@ -6,8 +6,8 @@ services. Application code reads the endpoints from `streamtally.settings.Settin
 (``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL``, else this stack's).
 
 This module also holds the small process toolkit both services share: pid files,
-detached start (own session, output to a log file), liveness, stop with
-SIGTERM then SIGKILL, port checks.
+detached start (own session, output to a log file), liveness, the wait until a
+started service answers, stop with SIGTERM then SIGKILL, port checks.
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ __all__ = [
     "ServiceStatus",
     "StackConfig",
     "StackError",
+    "already_running",
     "indent",
     "port_in_use",
+    "port_in_use_error",
     "port_open",
     "process_status",
     "read_pid",
@@ -42,6 +44,7 @@ __all__ = [
     "stop_process",
     "stop_service",
     "tail",
+    "wait_answering",
     "write_pid_file",
 ]
 
@@ -172,6 +175,45 @@ def spawn_detached(
     return proc
 
 
+def already_running(name: str, current: ServiceStatus, address: str, say: Say) -> bool:
+    """True if the service runs already (and says so); else clears a stale pid file of it."""
+    if current.running:
+        say(f"{name}: already running (pid {current.pid}, {address})")
+        return True
+    if current.pid_file.exists():
+        say(f"{name}: removing stale pid file {current.pid_file}")
+        remove_pid_file(current.pid_file)
+    return False
+
+
+def wait_answering(
+    answers: Callable[[], bool],
+    *,
+    proc: subprocess.Popen[bytes] | None,
+    pid_file: Path,
+    timeout: float,
+    every: float,
+    exited: Callable[[int], StackError],
+    timed_out: Callable[[], StackError],
+) -> float:
+    """Poll `answers` every `every` s until it is true; returns the seconds waited.
+
+    `proc` is the process just started (None: one found running).  If it
+    exits first, its pid file is removed and `exited(exit status)` raised;
+    after `timeout` s, `timed_out()` is raised.
+    """
+    start = time.monotonic()
+    deadline = start + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            remove_pid_file(pid_file)
+            raise exited(proc.returncode)
+        if answers():
+            return time.monotonic() - start
+        time.sleep(every)
+    raise timed_out()
+
+
 def _signal(pid: int, sig: signal.Signals) -> None:
     """Signal the process group ``pid`` leads (we start services with their own session)."""
     with contextlib.suppress(ProcessLookupError):
@@ -228,6 +270,17 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def port_in_use_error(host: str, port: int, remedy: str, what: str = "") -> StackError:
+    """The error of a port the service needs but another process listens on.
+
+    `what` names the port (``" (controller)"``); `remedy` is how to pick others.
+    """
+    return StackError(
+        f"port {port}{what} on {host} is already in use by another process "
+        f"(see `ss -ltnp 'sport = :{port}'`): stop it, or {remedy}"
+    )
 
 
 def port_open(host: str, port: int, timeout: float = 0.5) -> bool:

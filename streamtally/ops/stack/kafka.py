@@ -31,14 +31,16 @@ from streamtally.errors import StackError
 from streamtally.ops.stack import (
     Say,
     ServiceStatus,
+    already_running,
     indent,
     port_in_use,
+    port_in_use_error,
     port_open,
     process_status,
-    remove_pid_file,
     spawn_detached,
     stop_service,
     tail,
+    wait_answering,
 )
 from streamtally.ops.stack.config import StackConfig
 
@@ -416,24 +418,25 @@ def wait_ready(
     cfg: StackConfig, kp: KafkaPaths, proc: subprocess.Popen[bytes] | None, timeout: float
 ) -> float:
     """Poll until the broker answers metadata; returns the seconds waited."""
-    start = time.monotonic()
-    deadline = start + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            remove_pid_file(kp.pid_file)
-            raise _startup_failure(
-                kp,
-                f"exited with code {proc.returncode} while starting",
-                "Fix the cause above; `streamtally stack down --wipe` resets data and logs.",
-            )
-        if port_open(cfg.host, cfg.kafka_port) and broker_answers(cfg.local_bootstrap_servers()):
-            return time.monotonic() - start
-        time.sleep(0.25)
-    raise _startup_failure(
-        kp,
-        f"did not answer on {cfg.local_bootstrap_servers()} within {timeout:g} s",
-        "It may still be starting: `streamtally stack up` again waits for it; "
-        "`streamtally stack down` stops it.",
+    return wait_answering(
+        lambda: (
+            port_open(cfg.host, cfg.kafka_port) and broker_answers(cfg.local_bootstrap_servers())
+        ),
+        proc=proc,
+        pid_file=kp.pid_file,
+        timeout=timeout,
+        every=0.25,
+        exited=lambda code: _startup_failure(
+            kp,
+            f"exited with code {code} while starting",
+            "Fix the cause above; `streamtally stack down --wipe` resets data and logs.",
+        ),
+        timed_out=lambda: _startup_failure(
+            kp,
+            f"did not answer on {cfg.local_bootstrap_servers()} within {timeout:g} s",
+            "It may still be starting: `streamtally stack up` again waits for it; "
+            "`streamtally stack down` stops it.",
+        ),
     )
 
 
@@ -448,24 +451,20 @@ def status(cfg: StackConfig) -> ServiceStatus:
 def _check_ports_free(cfg: StackConfig) -> None:
     for name, port in (("kafka", cfg.kafka_port), ("controller", cfg.controller_port)):
         if port_in_use(cfg.host, port):
-            raise StackError(
-                f"port {port} ({name}) on {cfg.host} is already in use by another process "
-                f"(see `ss -ltnp 'sport = :{port}'`): stop it, or pick other ports with "
-                "STREAMTALLY_KAFKA_PORT / STREAMTALLY_CONTROLLER_PORT"
+            raise port_in_use_error(
+                cfg.host,
+                port,
+                "pick other ports with STREAMTALLY_KAFKA_PORT / STREAMTALLY_CONTROLLER_PORT",
+                what=f" ({name})",
             )
 
 
 def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
     """Start the broker unless it runs already; return once it answers metadata requests."""
     kp = paths(cfg)
-    current = status(cfg)
-    if current.running:
-        say(f"kafka: already running (pid {current.pid}, {cfg.local_bootstrap_servers()})")
+    if already_running("kafka", status(cfg), cfg.local_bootstrap_servers(), say):
         wait_ready(cfg, kp, None, timeout)
         return
-    if current.pid_file.exists():
-        say(f"kafka: removing stale pid file {kp.pid_file}")
-        remove_pid_file(kp.pid_file)
     java = find_java()
     resolve_jars(kp, say)
     _check_ports_free(cfg)

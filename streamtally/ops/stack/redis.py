@@ -22,14 +22,16 @@ from streamtally.errors import StackError
 from streamtally.ops.stack import (
     Say,
     ServiceStatus,
+    already_running,
     indent,
     port_in_use,
+    port_in_use_error,
     process_status,
     read_pid,
-    remove_pid_file,
     spawn_detached,
     stop_service,
     tail,
+    wait_answering,
 )
 from streamtally.ops.stack.config import StackConfig
 
@@ -195,17 +197,17 @@ def _startup_failure(rp: RedisPaths, what: str) -> StackError:
 def wait_ready(
     cfg: StackConfig, rp: RedisPaths, proc: subprocess.Popen[bytes] | None, timeout: float
 ) -> float:
-    start = time.monotonic()
-    deadline = start + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            remove_pid_file(rp.pid_file)
-            raise _startup_failure(rp, f"exited with code {proc.returncode} while starting")
-        if redis_answers(cfg):
-            return time.monotonic() - start
-        time.sleep(0.1)
-    raise _startup_failure(
-        rp, f"did not answer PING on {cfg.host}:{cfg.redis_port} within {timeout:g} s"
+    """Poll until redis-server answers PING; returns the seconds waited."""
+    return wait_answering(
+        lambda: redis_answers(cfg),
+        proc=proc,
+        pid_file=rp.pid_file,
+        timeout=timeout,
+        every=0.1,
+        exited=lambda code: _startup_failure(rp, f"exited with code {code} while starting"),
+        timed_out=lambda: _startup_failure(
+            rp, f"did not answer PING on {cfg.host}:{cfg.redis_port} within {timeout:g} s"
+        ),
     )
 
 
@@ -227,24 +229,17 @@ def _free_port(cfg: StackConfig, say: Say) -> None:
         while port_in_use(cfg.host, cfg.redis_port) and time.monotonic() < deadline:
             time.sleep(0.1)
     if port_in_use(cfg.host, cfg.redis_port):
-        raise StackError(
-            f"port {cfg.redis_port} on {cfg.host} is already in use by another process "
-            f"(see `ss -ltnp 'sport = :{cfg.redis_port}'`): stop it, or pick another port "
-            "with STREAMTALLY_REDIS_PORT"
+        raise port_in_use_error(
+            cfg.host, cfg.redis_port, "pick another port with STREAMTALLY_REDIS_PORT"
         )
 
 
 def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
     """Start redis-server unless it runs already; return once it answers PING."""
     rp = paths(cfg)
-    current = status(cfg)
-    if current.running:
-        say(f"redis: already running (pid {current.pid}, {cfg.local_redis_url()})")
+    if already_running("redis", status(cfg), cfg.local_redis_url(), say):
         wait_ready(cfg, rp, None, timeout)
         return
-    if current.pid_file.exists():
-        say(f"redis: removing stale pid file {rp.pid_file}")
-        remove_pid_file(rp.pid_file)
     server = find_redis_server(say)
     _free_port(cfg, say)
     rp.data_dir.mkdir(parents=True, exist_ok=True)

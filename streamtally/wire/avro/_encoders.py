@@ -13,6 +13,7 @@ from typing import Any, Final
 from pydantic import BaseModel
 
 from streamtally.core.models import (
+    USAGE_FIELDS,
     ChoiceTokens,
     Chunk,
     Source,
@@ -51,13 +52,7 @@ Model = Usage | ToolCallDelta | Chunk | ToolCall | ChoiceTokens | Tokens
 
 
 def _usage_out(u: Usage) -> dict[str, Any]:
-    return {
-        "input_tokens": u.input_tokens,
-        "output_tokens": u.output_tokens,
-        "reasoning_tokens": u.reasoning_tokens,
-        "cached_tokens": u.cached_tokens,
-        "cache_write_tokens": u.cache_write_tokens,
-    }
+    return dict(zip(USAGE_FIELDS, u.counts(), strict=True))
 
 
 def _tool_call_delta_out(d: ToolCallDelta) -> dict[str, Any]:
@@ -221,11 +216,7 @@ def encode_billing_event(event: BillingEvent) -> bytes:
             "model": event.model,
             "source": event.source.name,
             "finish_reason": event.finish_reason.name,
-            "input_tokens": event.input_tokens,
-            "output_tokens": event.output_tokens,
-            "reasoning_tokens": event.reasoning_tokens,
-            "cached_tokens": event.cached_tokens,
-            "cache_write_tokens": event.cache_write_tokens,
+            **event.usage_counts(),
             "cost": scaled_cost(event.cost),
             "currency": event.currency,
             "price_table_version": event.price_table_version,
