@@ -19,7 +19,7 @@ finished.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,7 +64,20 @@ class _Boot(BootStrategy):
 
 
 class _WorkerApp(faust.App):
+    """The worker's faust app: `after_stop` runs once its agent, tasks and timers are stopped."""
+
     BootStrategy = _Boot
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.after_stop: list[Callable[[], Awaitable[None]]] = []
+
+    async def on_shutdown(self) -> None:
+        # mode calls `on_shutdown` after the app's children (the agent) and its futures
+        # (the raw-topic task, the timer) have stopped: nothing can write any more.
+        await super().on_shutdown()
+        for hook in self.after_stop:
+            await hook()
 
 
 def _broker_url(bootstrap_servers: str) -> str:
@@ -185,11 +198,13 @@ def create_app(
             pipeline.source = None
             await source.stop()
 
-    async def close_sinks(_sender: Any, **_: Any) -> None:
+    async def close_sinks() -> None:
         if pipeline.sinks is not None:
             await pipeline.sinks.close()
 
-    app.on_before_shutdown.connect(close_sinks)  # type: ignore[arg-type]
+    # Not on faust's `on_before_shutdown`: that fires before the agent stops, and a
+    # batch in flight would meet a closed producer (and retry it forever).
+    app.after_stop.append(close_sinks)
     if consume:
         app.task(consume_raw_topics)
     return pipeline

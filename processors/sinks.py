@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
-from aiokafka.errors import KafkaError
+from aiokafka.errors import KafkaError, ProducerClosed
 from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
@@ -196,13 +196,22 @@ class Sinks:
 
 
 _TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
+#: Kafka errors no retry cures: a closed producer stays closed.
+_FINAL = (ProducerClosed,)
 
 
 async def retry(step: Callable[[], Awaitable[Any]], what: str) -> Any:
+    """Run `step` until it succeeds, retrying transient failures with capped backoff.
+
+    Cancellation (the worker stopping) ends the wait at once; the step's
+    outputs stay unwritten and their records uncommitted, so nothing is lost.
+    """
     delay = 0.1
     while True:
         try:
             return await step()
+        except _FINAL:
+            raise
         except _TRANSIENT as exc:
             log.warning(
                 "%s failed (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, delay
