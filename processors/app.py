@@ -30,7 +30,7 @@ from faust.app.base import BootStrategy
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
-from streamtally.processors.sinks import Sinks, retry
+from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import RawMessage, RawSource
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -114,6 +114,8 @@ def create_app(
         PriceTable.load_or_default(settings.prices_path), timeout=settings.request_timeout
     )
     pipeline = Pipeline(app=app, processor=processor, agents={})
+    # Wall time counts towards a request's quiet time only while writes succeed.
+    processor.input_clock.healthy = lambda: pipeline.sinks is None or not pipeline.sinks.failing
     gate = pipeline.gate
     # At most two fetched batches wait for the agent: the consumer cannot run ahead.
     batches = app.channel(maxsize=2)
@@ -136,7 +138,7 @@ def create_app(
         ids = {r for m in batch if (r := processor.request_id_of(m.key))}
         unknown = sorted(processor.unknown(ids))
         if unknown:
-            found = await retry(lambda: sinks().lookup(unknown), "closed-request lookup")
+            found = await sinks().find_closed(unknown)
             for request_id, closed in found.items():
                 processor.learn_closed(request_id, closed)
 
@@ -172,6 +174,8 @@ def create_app(
     pipeline.agents["process-raw"] = app.agent(batches, name="process-raw")(process)
 
     async def close_quiet_requests() -> None:
+        if make_sinks is not None:
+            await sinks().probe()  # an outage with nothing to write stops the clocks too
         await finish(processor.expire())
 
     app.timer(interval=1.0)(close_quiet_requests)
@@ -189,12 +193,14 @@ def create_app(
         source = RawSource(settings, topics, revoked)
         await source.start()
         pipeline.source = source
+        processor.live = source.is_live  # a partition's clock runs only while caught up
         try:
             # faust holds stream queues until its own consumer gets partitions; it has none.
             app.flow_control.resume()
             async for batch in source.batches():
                 await batches.send(value=batch)
         finally:
+            processor.live = None
             pipeline.source = None
             await source.stop()
 

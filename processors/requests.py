@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from enum import StrEnum
@@ -51,6 +51,7 @@ from streamtally.core.normalize import Normalizer
 from streamtally.core.pricing import PriceTable
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
+from streamtally.processors.clock import InputClock, input_time
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.records import (
@@ -198,7 +199,8 @@ class _Open:
     source: str
     next_seq: int
     last_time: datetime
-    last_seen: float
+    #: Its partition's input clock at its last record (`processors.clock`).
+    last_input: float
     #: The highest offset of any record of this request seen so far: where it closes.
     max_offset: int
     topic_partition: tuple[str, int]
@@ -233,7 +235,11 @@ class RequestProcessor:
         )
         self.timeout = timeout
         self.counters = Counters()
-        self._clock = clock
+        #: When requests went quiet: the partitions' input clocks (see `processors.clock`).
+        self.input_clock = InputClock(clock)
+        #: Whether a partition is caught up and answering (the worker wires its consumer in;
+        #: None: every partition is, as in a test or a replay with no consumer to ask).
+        self.live: Callable[[Hashable, int], bool] | None = None
         self._open: dict[str, _Open] = {}
         self._closed: OrderedDict[str, Closed] = OrderedDict()
         self._pending_close: dict[str, Closed] = {}
@@ -289,13 +295,24 @@ class RequestProcessor:
     def expire(self) -> Outputs:
         """Close every request that has been quiet for longer than the timeout."""
         out = Outputs()
-        deadline = self._clock() - self.timeout
-        for request_id in [r for r, s in self._open.items() if s.last_seen < deadline]:
+        clock = self.input_clock
+        clock.tick(self.live)
+        timeout = self.timeout
+        quiet = []
+        for request_id, state in self._open.items():
+            now = clock.now(state.topic_partition)
+            if now is not None and now - state.last_input > timeout:
+                quiet.append(request_id)
+        for request_id in quiet:
             state = self._open[request_id]
             reason = CloseReason.GAP if state.waiting else CloseReason.TIMEOUT
             self._finish(out, request_id, state, reason)
             self.counters.requests_timed_out += 1
         return out
+
+    def _input_now(self, position: Position) -> float:
+        now = self.input_clock.now((position.topic, position.partition))
+        return 0.0 if now is None else now
 
     def drop_partitions(self, topic_partitions: set[tuple[str, int]]) -> list[str]:
         """Forget the open requests of partitions this worker no longer owns (a rebalance).
@@ -306,6 +323,7 @@ class RequestProcessor:
         dropped = [r for r, s in self._open.items() if s.topic_partition in topic_partitions]
         for request_id in dropped:
             self.counters.revoked += len(self._open.pop(request_id).waiting)
+        self.input_clock.forget(topic_partitions)
         return dropped
 
     # -- internals: each adds what it produces to `out` ----------------------------------
@@ -321,11 +339,13 @@ class RequestProcessor:
         out = Outputs() if out is None else out
         self.counters.received += 1
         if len(value) > MAX_RECORD_BYTES:
+            self.input_clock.saw((position.topic, position.partition), position.offset)
             self._dead(out, _oversized(value), key, value, position)
             return out
         try:
             record = decode(value)
         except PERMANENT_ERRORS as exc:
+            self.input_clock.saw((position.topic, position.partition), position.offset)
             self._dead(out, exc, key, value, position)
             return out
         self._arrive(out, _Raw(record, position, key, value))
@@ -341,6 +361,11 @@ class RequestProcessor:
             )
             self._dead(out, reason, key, value, position, source=source, request_id=request_id)
             return
+        self.input_clock.saw(
+            (position.topic, position.partition),
+            position.offset,
+            input_time(record.received_at.timestamp(), position.timestamp),
+        )
         closed = self._closed.get(request_id)
         if closed is not None:
             if position.offset <= closed.offset:
@@ -362,7 +387,7 @@ class RequestProcessor:
                 source=source,
                 next_seq=0,
                 last_time=record.received_at,
-                last_seen=self._clock(),
+                last_input=self._input_now(position),
                 max_offset=position.offset,
                 topic_partition=(position.topic, position.partition),
                 close_at=self._pending_close.pop(request_id, None),
@@ -374,7 +399,7 @@ class RequestProcessor:
             )
             self._dead(out, mixed, key, value, position, source=source, request_id=request_id)
             return
-        state.last_seen = self._clock()
+        state.last_input = self._input_now(position)
         state.max_offset = max(state.max_offset, position.offset)
         if record.seq < state.next_seq or record.seq in state.waiting:
             self.counters.duplicates += 1

@@ -142,6 +142,10 @@ class RedisOutputs:
             for letter in outputs.dead_letters
         )
 
+    async def probe(self) -> None:
+        """Raise when Redis does not answer now (an outage with nothing to write)."""
+        await self.store.ping()
+
     async def flush(self) -> None:
         await self._sink.flush()  # keeps its batch queued when it fails
         await self.store.count_dead_letters(self._dead)
@@ -166,6 +170,8 @@ class Sinks:
     def __init__(self, *sinks: Sink, lookup: Any = _no_lookup) -> None:
         self._sinks = sinks
         self.lookup = lookup
+        self._write_failing = False
+        self._probe_failing = False
         # The agents (raw SSE, raw engine) and the timer share the sinks: one write
         # at a time, or a flush would send another writer's half-added batch.
         self._lock = asyncio.Lock()
@@ -188,11 +194,47 @@ class Sinks:
             return
         async with self._lock:
             for sink in self._sinks:
-                await retry(functools.partial(sink.begin, outputs), type(sink).__name__)
+                await retry(
+                    functools.partial(sink.begin, outputs), type(sink).__name__, self._health
+                )
             for sink in self._sinks:
                 sink.add(outputs)
             for sink in self._sinks:
-                await retry(sink.flush, type(sink).__name__)
+                await retry(sink.flush, type(sink).__name__, self._health)
+
+    async def find_closed(self, request_ids: list[str]) -> dict[str, Closed]:
+        """The lookup of closed requests, retried as the writes are."""
+        found: dict[str, Closed] = await retry(
+            lambda: self.lookup(request_ids), "closed-request lookup", self._health
+        )
+        return found
+
+    @property
+    def failing(self) -> bool:
+        """True while a write, a lookup or the last probe fails (an outage): clocks stop."""
+        return self._write_failing or self._probe_failing
+
+    async def probe(self) -> None:
+        """Ask every sink that can whether its store answers now (one try each, no retry).
+
+        Between writes an outage would go unseen; the worker probes once a
+        second, so the input clocks stop as soon as a store stops answering.
+        """
+        failing = False
+        for sink in self._sinks:
+            check = getattr(sink, "probe", None)
+            if check is None:
+                continue
+            try:
+                await check()
+            except _TRANSIENT as exc:
+                if not self._probe_failing:
+                    log.warning("%s does not answer (%s): clocks stopped", type(sink).__name__, exc)
+                failing = True
+        self._probe_failing = failing
+
+    def _health(self, ok: bool) -> None:
+        self._write_failing = not ok
 
 
 _TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
@@ -200,7 +242,11 @@ _TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
 _FINAL = (ProducerClosed,)
 
 
-async def retry(step: Callable[[], Awaitable[Any]], what: str) -> Any:
+async def retry(
+    step: Callable[[], Awaitable[Any]],
+    what: str,
+    health: Callable[[bool], None] | None = None,
+) -> Any:
     """Run `step` until it succeeds, retrying transient failures with capped backoff.
 
     Cancellation (the worker stopping) ends the wait at once; the step's
@@ -209,12 +255,18 @@ async def retry(step: Callable[[], Awaitable[Any]], what: str) -> Any:
     delay = 0.1
     while True:
         try:
-            return await step()
+            result = await step()
         except _FINAL:
             raise
         except _TRANSIENT as exc:
+            if health is not None:
+                health(False)
             log.warning(
                 "%s failed (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, delay
             )
             await asyncio.sleep(delay)
             delay = min(delay * 2, 5.0)
+        else:
+            if health is not None:
+                health(True)
+            return result

@@ -12,7 +12,8 @@ an open request.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,9 @@ from streamtally.topics import Topics
 __all__ = ["RawMessage", "RawSource"]
 
 log = logging.getLogger(__name__)
+
+#: A partition whose broker sent no fetch response for this long is not live (an outage).
+LIVE_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +89,26 @@ class RawSource:
 
     def assignment(self) -> set[TopicPartition]:
         return set(self._consumer.assignment())
+
+    def is_live(self, tp: Hashable, next_offset: int) -> bool:
+        """Whether partition `tp` ((topic, partition)) is caught up and its broker answering.
+
+        Caught up: the records before `next_offset` are all there is (the
+        highwater of the last fetch response).  Answering: a fetch response
+        for it came within `LIVE_WINDOW_S`.  Before the first fetch of a
+        partition neither is known, and it is not live.
+        """
+        if not isinstance(tp, tuple) or len(tp) != 2:
+            return False
+        key = TopicPartition(*tp)
+        if key not in self._consumer.assignment():
+            return False
+        highwater = self._consumer.highwater(key)
+        polled_ms = self._consumer.last_poll_timestamp(key)
+        if highwater is None or polled_ms is None:
+            return False
+        fresh = time.time() * 1000 - polled_ms < LIVE_WINDOW_S * 1000
+        return bool(fresh and next_offset >= highwater)
 
     async def batches(self) -> AsyncIterator[tuple[RawMessage, ...]]:
         """Batches of records in arrival order (per partition: offset order), forever."""

@@ -49,6 +49,7 @@ FOREVER: Final = -1
 MIB: Final = 1024 * 1024
 
 CleanupPolicy = Literal["delete", "compact"]
+TimestampType = Literal["CreateTime", "LogAppendTime"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -67,6 +68,10 @@ class Topic:
     description: str
     #: Largest record batch the topic accepts (`max.message.bytes`); None: broker default (1 MiB).
     max_message_bytes: int | None = None
+    #: Whose clock a record's timestamp is (`message.timestamp.type`): the broker's
+    #: `LogAppendTime` on the raw topics, the input clock by which quiet requests
+    #: are closed (no producer can set it); None: the broker default (CreateTime).
+    timestamp_type: TimestampType | None = None
 
     def __post_init__(self) -> None:
         if not self.name or any(not (c.isalnum() or c in "._-") for c in self.name):
@@ -86,6 +91,8 @@ class Topic:
         }
         if self.max_message_bytes is not None:
             out["max.message.bytes"] = str(self.max_message_bytes)
+        if self.timestamp_type is not None:
+            out["message.timestamp.type"] = self.timestamp_type
         return out
 
 
@@ -93,6 +100,7 @@ _RAW_SSE: Final = Topic(
     name="raw.sse",
     partitions=6,
     retention_ms=7 * DAY_MS,
+    timestamp_type="LogAppendTime",
     value_schema="RawSseEvent",
     description=(
         "Every server-sent event of every provider stream, as received, then an END marker "
@@ -104,6 +112,7 @@ _RAW_ENGINE: Final = Topic(
     name="raw.engine",
     partitions=6,
     retention_ms=7 * DAY_MS,
+    timestamp_type="LogAppendTime",
     value_schema="RawEngineOutput",
     description=(
         "Every inference-engine output (Dynamo LLMEngineOutput, vLLM RequestOutput, "

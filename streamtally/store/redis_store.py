@@ -10,6 +10,7 @@ about its data.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import date
@@ -69,6 +70,10 @@ class RedisStore:
         if timeout is not None:
             options["socket_timeout"] = timeout
         return cls(aioredis.from_url(url, **options))
+
+    async def ping(self, timeout: float = 1.0) -> None:
+        """Whether Redis answers now: returns, or raises (a `RedisError`, `OSError`, timeout)."""
+        await asyncio.wait_for(self._client.ping(), timeout)
 
     async def aclose(self) -> None:
         """Close the client."""

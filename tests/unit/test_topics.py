@@ -61,7 +61,12 @@ def test_layout_and_retention() -> None:
         assert topic.config()["cleanup.policy"] == "delete"
     assert T.tokens.config()["cleanup.policy"] == "compact"
     assert T.billing.config() == {"cleanup.policy": "delete", "retention.ms": "-1"}
-    assert T.raw_sse.config() == {"cleanup.policy": "delete", "retention.ms": "604800000"}
+    for raw in T.raw:  # the broker's clock: what quiet requests are timed by
+        assert raw.config() == {
+            "cleanup.policy": "delete",
+            "retention.ms": "604800000",
+            "message.timestamp.type": "LogAppendTime",
+        }
     # every topic a request's records flow through is co-partitioned by request id
     keyed = {t.partitions for t in ALL_TOPICS if t is not T.deadletter}
     assert keyed == {6}

@@ -19,15 +19,21 @@ from streamtally.errors import InvalidEvent
 __all__ = ["RawUsage"]
 
 
+#: Counts below this can be summed by any provider's conversion (a few fields) safely.
+_LARGE = 2**60
+
+
 class RawUsage:
     """Last-reported-wins store of a provider's raw usage fields."""
 
-    __slots__ = ("_convert", "_fields", "_last")
+    __slots__ = ("_convert", "_fields", "_large", "_last")
 
     def __init__(self, convert: Callable[[Mapping[str, int]], Usage]) -> None:
         self._fields: dict[str, int] = {}
         self._convert = convert
         self._last: Usage | None = None
+        #: Whether a stored count is large enough for a total of a few to pass 2**63.
+        self._large = False
 
     def report(self, fields: Mapping[str, object]) -> Usage:
         """Record one usage report (None means "not reported") and return the running total.
@@ -36,23 +42,41 @@ class RawUsage:
         raises `InvalidEvent` and changes nothing (the running total stays).
         """
         stored = self._fields
-        updates: dict[str, int] = {}
-        for name, value in fields.items():
-            if value is None:
-                continue
-            if type(value) is int and 0 <= value <= MAX_COUNT:
-                count = value
-            else:
-                count = as_int(value, f"usage field {name}") or 0  # raises: not a count
-            if stored.get(name) != count:
-                updates[name] = count
-        if updates or self._last is None:
-            usage = self._convert({**stored, **updates})
-            if max(usage.counts()) > MAX_COUNT:
+        changed = self._last is None
+        previous: dict[str, int | None] = {}
+        large = self._large
+        try:
+            for name, value in fields.items():
+                if value is None:
+                    continue
+                if type(value) is int and 0 <= value <= MAX_COUNT:
+                    count = value
+                else:
+                    count = as_int(value, f"usage field {name}") or 0  # raises: not a count
+                old = stored.get(name)
+                if old != count:
+                    if name not in previous:
+                        previous[name] = old
+                    stored[name] = count
+                    changed = True
+                    if count >= _LARGE:
+                        large = True
+            if not changed:
+                return self._last  # type: ignore[return-value]
+            usage = self._convert(stored)
+            # A total adds a few counts: below 2**60 each, it cannot pass 2**63.
+            if large and max(usage.counts()) > MAX_COUNT:
                 raise InvalidEvent(f"usage {usage.counts()} is beyond a 64-bit count")
-            stored.update(updates)
-            self._last = usage
-        return self._last
+        except InvalidEvent:
+            for name, old in previous.items():  # as if the report never came
+                if old is None:
+                    del stored[name]
+                else:
+                    stored[name] = old
+            raise
+        self._large = large
+        self._last = usage
+        return usage
 
     def raw(self) -> dict[str, int]:
         return dict(self._fields)
