@@ -281,13 +281,21 @@ class RequestProcessor:
             return None
 
     def handle_sse(
-        self, key: bytes | None, value: bytes, position: Position, out: Outputs | None = None
+        self,
+        key: bytes | None,
+        value: bytes | None,
+        position: Position,
+        out: Outputs | None = None,
     ) -> Outputs:
         """One message of the raw SSE topic; its outputs are added to `out` (or a new one)."""
         return self._handle(avro.decode_raw_sse_event, key, value, position, out)
 
     def handle_engine(
-        self, key: bytes | None, value: bytes, position: Position, out: Outputs | None = None
+        self,
+        key: bytes | None,
+        value: bytes | None,
+        position: Position,
+        out: Outputs | None = None,
     ) -> Outputs:
         """One message of the raw engine-output topic; its outputs are added to `out`."""
         return self._handle(avro.decode_raw_engine_output, key, value, position, out)
@@ -332,15 +340,16 @@ class RequestProcessor:
         self,
         decode: Callable[[bytes], RawRecord],
         key: bytes | None,
-        value: bytes,
+        value: bytes | None,
         position: Position,
         out: Outputs | None,
     ) -> Outputs:
         out = Outputs() if out is None else out
         self.counters.received += 1
-        if len(value) > MAX_RECORD_BYTES:
+        refused = _refused_at_the_edge(key, value)
+        if refused is not None or value is None:  # dead-lettered, so the counts reconcile
             self.input_clock.saw((position.topic, position.partition), position.offset)
-            self._dead(out, _oversized(value), key, value, position)
+            self._dead(out, refused or _TOMBSTONE, key, value or b"", position)
             return out
         try:
             record = decode(value)
@@ -355,7 +364,7 @@ class RequestProcessor:
         record, key, value, position = raw.record, raw.key, raw.value, raw.position
         request_id = record.request_id
         source = record.source.value
-        if key is not None and key != request_id.encode():
+        if key != request_id.encode():
             reason = InputError(
                 f"message key {key!r} is not the record's request id {request_id!r}"
             )
@@ -375,6 +384,12 @@ class RequestProcessor:
             self._dead(out, late, key, value, position, source=source, request_id=request_id)
             return
         state = self._open.get(request_id)
+        if state is None and record.kind is EventKind.END and record.seq == 0:
+            # An end marker that is a request's first record: no event to bill (a phantom
+            # 0-cost request otherwise).  (A later END ahead of its events waits for them.)
+            lone = InputError(f"end marker of request {request_id!r}, which has no events")
+            self._dead(out, lone, key, value, position, source=source, request_id=request_id)
+            return
         if state is None:
             state = self._open[request_id] = _Open(
                 normalizer=Normalizer(
@@ -565,6 +580,27 @@ class RequestProcessor:
                 dead_lettered_at=when,
             )
         )
+
+
+_TOMBSTONE = InputError("a tombstone (a record with no value) on a raw topic")
+
+
+def _refused_at_the_edge(key: bytes | None, value: bytes | None) -> InputError | None:
+    """Why a raw message is refused before it is decoded; None when it is not.
+
+    No key: the commit gate holds a record by its key, so a keyless record of
+    an open request would be committed before the request closes (and lost on
+    a restart); every producer keys a raw record by its request id.  No value:
+    a tombstone; raw records are never deleted, and counting it keeps
+    in = applied + duplicates + dead-lettered exact.
+    """
+    if value is None:
+        return _TOMBSTONE
+    if not key:
+        return InputError("record has no key: a raw record is keyed by its request id")
+    if len(value) > MAX_RECORD_BYTES:
+        return _oversized(value)
+    return None
 
 
 def _oversized(value: bytes) -> InputError:

@@ -41,7 +41,8 @@ class RawMessage:
     #: The record's Kafka time, in seconds since the epoch.
     timestamp: float | None
     key: bytes | None
-    value: bytes
+    #: None for a tombstone (dead-lettered: raw records are never deleted).
+    value: bytes | None
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -128,7 +129,6 @@ class RawSource:
                 )
                 for tp, records in fetched.items()
                 for record in records
-                if record.value is not None
             )
             if batch:
                 yield batch

@@ -42,6 +42,7 @@ from streamtally.processors.requests import Completed, Outputs, Position, Reques
 from streamtally.producers import raw_records
 from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
+from streamtally.wire.records import EventKind
 
 TOPICS = Topics.in_namespace()
 
@@ -309,7 +310,8 @@ class PipelineRun:
     flipped: int = 0
     out: Outputs = field(default_factory=Outputs)
     counters: dict[str, int] = field(default_factory=dict)
-    #: Whether any record fed decodes as one of this request (so it opens the request).
+    #: Whether any record fed decodes as one of this request (so it opens the request;
+    #: an end marker that is its first record, seq 0, opens nothing).
     opens: bool = False
     #: Steps after which the counters did not add up.
     unbalanced: list[str] = field(default_factory=list)
@@ -369,7 +371,9 @@ def opens_request(source: Source, value: bytes, request_id: str) -> bool:
         )
     except InputError:
         return False
-    return record.request_id == request_id
+    return record.request_id == request_id and not (
+        record.kind is EventKind.END and record.seq == 0
+    )
 
 
 def check_counters(processor: RequestProcessor, run: PipelineRun, step: str) -> None:

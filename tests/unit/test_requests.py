@@ -801,9 +801,10 @@ def test_a_key_that_is_not_the_records_request_id_is_dead_lettered() -> None:
     assert letter.key == b"someone-else"
     assert letter.value == s.records[0]
     assert run.processor.unknown([s.request_id]) == {s.request_id}  # nothing opened
-    # A message without a key is taken at the record's word.
-    run.feed(s.source, s.records[0], 1, key=None)
-    assert run.processor.is_open(s.request_id)
+    # A message without a key is refused at the edge (the commit gate keys on it).
+    (keyless,) = run.feed(s.source, s.records[0], 1, key=None).dead_letters
+    assert keyless.reason == "record has no key: a raw record is keyed by its request id"
+    assert not run.processor.is_open(s.request_id)
 
 
 def test_a_record_switching_tenant_mid_request_is_dead_lettered() -> None:
