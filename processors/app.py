@@ -29,7 +29,7 @@ from faust.app.base import BootStrategy
 
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
-from streamtally.processors.requests import Outputs, Position, RequestProcessor
+from streamtally.processors.requests import Limits, Outputs, Position, RequestProcessor
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import RawMessage, RawSource
 from streamtally.settings import Settings
@@ -111,7 +111,13 @@ def create_app(
         datadir=str(datadir),
     )
     processor = RequestProcessor(
-        PriceTable.load_or_default(settings.prices_path), timeout=settings.request_timeout
+        PriceTable.load_or_default(settings.prices_path),
+        timeout=settings.request_timeout,
+        limits=Limits(
+            records_per_request=settings.max_records_per_request,
+            open_requests=settings.max_open_requests,
+            open_per_tenant=settings.max_open_per_tenant,
+        ),
     )
     pipeline = Pipeline(app=app, processor=processor, agents={})
     # Wall time counts towards a request's quiet time only while writes succeed.

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter as CounterOf
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
@@ -69,6 +70,7 @@ __all__ = [
     "Closed",
     "Completed",
     "Counters",
+    "Limits",
     "Outputs",
     "Position",
     "RequestProcessor",
@@ -93,10 +95,28 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (
 RawRecord = RawSseEvent | RawEngineOutput
 
 
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one worker holds at most; each limit dead-letters what passes it, with the reason.
+
+    Defaults are safe for a worker of a few GiB; the settings
+    (`STREAMTALLY_MAX_RECORDS_PER_REQUEST`, `STREAMTALLY_MAX_OPEN_REQUESTS`,
+    `STREAMTALLY_MAX_OPEN_PER_TENANT`) change them.
+    """
+
+    #: Records one request may have (its end marker is always taken, so it still closes).
+    records_per_request: int = 100_000
+    #: Requests open at once in this worker: a new one past it is refused.
+    open_requests: int = 100_000
+    #: Requests open at once for one tenant: one tenant cannot take every slot.
+    open_per_tenant: int = 20_000
+
+
 class CloseReason(StrEnum):
     END = "end"  #: the producer's end-of-stream marker
     TIMEOUT = "timeout"  #: quiet for longer than the timeout
     GAP = "gap"  #: quiet for longer than the timeout with sequence numbers missing
+    LIMIT = "limit"  #: passed its record limit (`Limits.records_per_request`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -221,6 +241,7 @@ class RequestProcessor:
         *,
         timeout: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        limits: Limits | None = None,
     ) -> None:
         self.prices = prices
         #: The same table without a single price: what an unpriceable request is billed by.
@@ -234,6 +255,8 @@ class RequestProcessor:
             origin="no prices",
         )
         self.timeout = timeout
+        self.limits = Limits() if limits is None else limits
+        self._open_by_tenant: CounterOf[str] = CounterOf()
         self.counters = Counters()
         #: When requests went quiet: the partitions' input clocks (see `processors.clock`).
         self.input_clock = InputClock(clock)
@@ -318,6 +341,27 @@ class RequestProcessor:
             self.counters.requests_timed_out += 1
         return out
 
+    def _refused_by_limits(self, tenant: str) -> InputError | None:
+        limits = self.limits
+        if len(self._open) >= limits.open_requests:
+            return InputError(
+                f"the worker holds {len(self._open)} open requests, the limit "
+                f"(STREAMTALLY_MAX_OPEN_REQUESTS={limits.open_requests})"
+            )
+        if self._open_by_tenant[tenant] >= limits.open_per_tenant:
+            return InputError(
+                f"tenant {tenant!r} has {self._open_by_tenant[tenant]} open requests, the limit "
+                f"(STREAMTALLY_MAX_OPEN_PER_TENANT={limits.open_per_tenant})"
+            )
+        return None
+
+    def _release(self, tenant: str) -> None:
+        left = self._open_by_tenant[tenant] - 1
+        if left > 0:
+            self._open_by_tenant[tenant] = left
+        else:
+            del self._open_by_tenant[tenant]
+
     def _input_now(self, position: Position) -> float:
         now = self.input_clock.now((position.topic, position.partition))
         return 0.0 if now is None else now
@@ -330,7 +374,9 @@ class RequestProcessor:
         """
         dropped = [r for r, s in self._open.items() if s.topic_partition in topic_partitions]
         for request_id in dropped:
-            self.counters.revoked += len(self._open.pop(request_id).waiting)
+            state = self._open.pop(request_id)
+            self._release(state.tenant)
+            self.counters.revoked += len(state.waiting)
         self.input_clock.forget(topic_partitions)
         return dropped
 
@@ -391,6 +437,11 @@ class RequestProcessor:
             self._dead(out, lone, key, value, position, source=source, request_id=request_id)
             return
         if state is None:
+            refused = self._refused_by_limits(record.tenant)
+            if refused is not None:
+                self._dead(out, refused, key, value, position, source=source, request_id=request_id)
+                return
+            self._open_by_tenant[record.tenant] += 1
             state = self._open[request_id] = _Open(
                 normalizer=Normalizer(
                     record.source,
@@ -413,6 +464,18 @@ class RequestProcessor:
                 f"({state.source}/{state.tenant} → {source}/{record.tenant})"
             )
             self._dead(out, mixed, key, value, position, source=source, request_id=request_id)
+            return
+        held = state.records + state.duplicates + len(state.waiting)
+        if held >= self.limits.records_per_request and record.kind is not EventKind.END:
+            # Closed here with what it has (deterministic: a replay closes it at this very
+            # record again); its later records are late.  Memory stays bounded.
+            many = InputError(
+                f"request {request_id!r} has {held} records, the limit "
+                f"(STREAMTALLY_MAX_RECORDS_PER_REQUEST={self.limits.records_per_request})"
+            )
+            self._dead(out, many, key, value, position, source=source, request_id=request_id)
+            state.max_offset = max(state.max_offset, position.offset)
+            self._finish(out, request_id, state, CloseReason.LIMIT)
             return
         state.last_input = self._input_now(position)
         state.max_offset = max(state.max_offset, position.offset)
@@ -466,6 +529,7 @@ class RequestProcessor:
     def _finish(self, out: Outputs, request_id: str, state: _Open, reason: CloseReason) -> None:
         """Close a request: at its END, by timeout, or over a gap (see `CloseReason`)."""
         del self._open[request_id]
+        self._release(state.tenant)
         message = NO_FINISH
         if reason is CloseReason.GAP:
             first_missing = state.next_seq
@@ -477,6 +541,10 @@ class RequestProcessor:
             )
         elif reason is CloseReason.TIMEOUT:
             message = f"request timed out: no end-of-stream marker within {self.timeout:g}s"
+        elif reason is CloseReason.LIMIT:
+            message = (
+                f"request closed at its record limit ({self.limits.records_per_request} records)"
+            )
         for seq in sorted(state.waiting):  # after the END marker: too late to belong
             waiting = state.waiting.pop(seq)
             late = InputError(f"event seq {seq} of request {request_id!r} after its end marker")

@@ -93,6 +93,22 @@ class Settings(BaseSettings):
     batch_size: int = Field(
         2000, ge=1, le=100_000, validation_alias=_env("STREAMTALLY_BATCH_SIZE", "batch_size")
     )
+    #: Records one request may have; more are dead-lettered (its end marker is always taken).
+    max_records_per_request: int = Field(
+        100_000,
+        ge=1,
+        validation_alias=_env("STREAMTALLY_MAX_RECORDS_PER_REQUEST", "max_records_per_request"),
+    )
+    #: Requests a worker holds open at once; a new one past it is dead-lettered.
+    max_open_requests: int = Field(
+        100_000, ge=1, validation_alias=_env("STREAMTALLY_MAX_OPEN_REQUESTS", "max_open_requests")
+    )
+    #: Requests one tenant may have open at once in a worker.
+    max_open_per_tenant: int = Field(
+        20_000,
+        ge=1,
+        validation_alias=_env("STREAMTALLY_MAX_OPEN_PER_TENANT", "max_open_per_tenant"),
+    )
     #: Seconds to wait for a batch to fill.
     batch_within: float = Field(0.05, gt=0)
     #: Seconds without heartbeats before the group gives a dead worker's partitions away.
@@ -198,6 +214,9 @@ _VARIABLES: Final = {
     "STREAMTALLY_PRICES": "prices_path",
     "STREAMTALLY_REQUEST_TIMEOUT": "request_timeout",
     "STREAMTALLY_BATCH_SIZE": "batch_size",
+    "STREAMTALLY_MAX_RECORDS_PER_REQUEST": "max_records_per_request",
+    "STREAMTALLY_MAX_OPEN_REQUESTS": "max_open_requests",
+    "STREAMTALLY_MAX_OPEN_PER_TENANT": "max_open_per_tenant",
     "STREAMTALLY_STATE_DIR": "state_dir_setting",
     "STREAMTALLY_KAFKA_PORT": "kafka_port",
     "STREAMTALLY_CONTROLLER_PORT": "controller_port",

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from streamtally.core.models import Source
 from streamtally.core.pricing import PriceTable
-from streamtally.processors.requests import Counters, Outputs, Position, RequestProcessor
+from streamtally.processors.requests import Counters, Limits, Outputs, Position, RequestProcessor
 from streamtally.producers import raw_records
 from streamtally.topics import Topics, encode_key
 
@@ -71,4 +71,49 @@ def test_a_lone_end_bills_nothing_and_the_real_request_still_counts() -> None:
     (completed,) = done.completed
     assert completed.billing.tenant == "acme"
     assert completed.billing.input_tokens == 3
+    assert _reconciles(processor.counters)
+
+
+# --------------------------------------------------------------------------- limits
+
+
+def _open(processor: RequestProcessor, request_id: str, tenant: str, offset: int) -> Outputs:
+    first = _records(request_id, tenant=tenant)[0]
+    return processor.handle_sse(encode_key(request_id), first, _at(offset))
+
+
+def test_open_requests_past_the_limits_are_refused_with_the_reason() -> None:
+    processor = RequestProcessor(
+        PriceTable.default(), limits=Limits(open_requests=3, open_per_tenant=2)
+    )
+    assert _open(processor, "a-1", "acme", 0).dead_letters == []
+    assert _open(processor, "a-2", "acme", 1).dead_letters == []
+    (letter,) = _open(processor, "a-3", "acme", 2).dead_letters  # acme has 2 open
+    assert "STREAMTALLY_MAX_OPEN_PER_TENANT=2" in letter.reason
+    assert _open(processor, "g-1", "globex", 3).dead_letters == []  # another tenant may
+    (letter,) = _open(processor, "g-2", "globex", 4).dead_letters  # the worker holds 3
+    assert "STREAMTALLY_MAX_OPEN_REQUESTS=3" in letter.reason
+    # a closed request frees its slot
+    end = _records("a-1", tenant="acme")[-1]
+    assert processor.handle_sse(b"a-1", end, _at(5)).completed
+    assert _open(processor, "a-4", "acme", 6).dead_letters == []
+    assert _reconciles(processor.counters)
+
+
+def test_a_request_past_its_record_limit_closes_there_with_what_it_had() -> None:
+    long_stream = STREAM.replace(b'"finish_reason":"stop"', b'"finish_reason":null') * 5
+    records = raw_records(Source.OPENAI, long_stream, tenant="acme", request_id="r")[1]
+    processor = RequestProcessor(PriceTable.default(), limits=Limits(records_per_request=3))
+    out = Outputs()
+    for offset, value in enumerate(records):
+        processor.handle_sse(b"r", value, _at(offset), out)
+    # closed at the record past the limit, with what it had; what follows is late
+    first, *late = out.dead_letters
+    assert "STREAMTALLY_MAX_RECORDS_PER_REQUEST=3" in first.reason
+    assert [d.offset for d in late] == [4, 5]
+    assert all("already closed" in d.reason for d in late)
+    (done,) = out.completed
+    assert done.tokens.text == "HiHiHi"
+    assert done.tokens.error == "request closed at its record limit (3 records)"
+    assert done.closed.offset == 3
     assert _reconciles(processor.counters)
