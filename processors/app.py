@@ -19,6 +19,7 @@ finished.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,7 @@ from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.requests import Limits, Outputs, Position, RequestProcessor
 from streamtally.processors.sinks import Sinks
-from streamtally.processors.source import RawMessage, RawSource
+from streamtally.processors.source import FetchedBatch, RawMessage, RawSource, Revocations
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 
@@ -48,6 +49,10 @@ class Pipeline:
     sinks: Sinks | None = None
     #: The raw-topic consumer, while the worker runs (absent in agent tests).
     source: RawSource | None = None
+    #: Which partitions were revoked since a batch was fetched (the consumer's, shared).
+    revocations: Revocations = field(default_factory=Revocations)
+    #: Held while a batch (or the timer's closes) is applied and written; a revoke waits.
+    batch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class _Boot(BootStrategy):
@@ -153,41 +158,61 @@ def create_app(
         sse_topic = topics.raw_sse.name
         for_sse, for_engine = processor.handle_sse, processor.handle_engine
         async for fetched in stream:
-            owned = pipeline.source.assignment() if pipeline.source is not None else None
-            batch: Sequence[RawMessage] = fetched
-            if owned is not None:  # a batch fetched before a rebalance took its partition
-                batch = [m for m in fetched if TopicPartition(m.topic, m.partition) in owned]
-            await learn(batch)
-            outputs = Outputs()
-            for m in batch:
-                handle = for_sse if m.topic == sse_topic else for_engine
-                handle(
-                    m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), outputs
-                )
-                request_id = processor.request_id_of(m.key)
-                tp = tps.get((m.topic, m.partition))
-                if tp is None:
-                    tp = tps[(m.topic, m.partition)] = TopicPartition(m.topic, m.partition)
-                gate.hold(
-                    tp,
-                    m.offset,
-                    request_id
-                    if request_id is not None and processor.is_open(request_id)
-                    else None,
-                )
-            await finish(outputs)
+            async with pipeline.batch_lock:  # a revoke waits for the batch in flight
+                await apply(fetched, for_sse, for_engine, sse_topic, tps)
+
+    async def apply(
+        fetched: FetchedBatch | Sequence[RawMessage],
+        for_sse: Any,
+        for_engine: Any,
+        sse_topic: str,
+        tps: dict[tuple[str, int], TopicPartition],
+    ) -> None:
+        batch: Sequence[RawMessage]
+        if isinstance(fetched, FetchedBatch):
+            fence, generation = pipeline.revocations, fetched.generation
+            # Records of a partition revoked since the fetch are another worker's now.
+            batch = [
+                m for m in fetched.messages if not fence.stale((m.topic, m.partition), generation)
+            ]
+        else:  # handed over directly (agent tests): nothing to fence
+            batch = fetched
+        await learn(batch)
+        outputs = Outputs()
+        for m in batch:
+            handle = for_sse if m.topic == sse_topic else for_engine
+            handle(m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), outputs)
+            request_id = processor.request_id_of(m.key)
+            tp = tps.get((m.topic, m.partition))
+            if tp is None:
+                tp = tps[(m.topic, m.partition)] = TopicPartition(m.topic, m.partition)
+            gate.hold(
+                tp,
+                m.offset,
+                request_id if request_id is not None and processor.is_open(request_id) else None,
+            )
+        await finish(outputs)
 
     pipeline.agents["process-raw"] = app.agent(batches, name="process-raw")(process)
 
     async def close_quiet_requests() -> None:
         if make_sinks is not None:
             await sinks().probe()  # an outage with nothing to write stops the clocks too
-        await finish(processor.expire())
+        async with pipeline.batch_lock:
+            await finish(processor.expire())
 
     app.timer(interval=1.0)(close_quiet_requests)
 
     async def revoked(tps: set[TopicPartition]) -> None:
-        """Partitions go to another worker: commit what is done, forget the rest."""
+        """Partitions go to another worker: commit what is done, forget the rest.
+
+        Waits for the batch in flight (it may hold records of these partitions),
+        so nothing of theirs is applied after their requests are dropped.
+        """
+        async with pipeline.batch_lock:
+            await _revoke(tps)
+
+    async def _revoke(tps: set[TopicPartition]) -> None:
         if pipeline.source is not None:
             await pipeline.source.commit(
                 {tp: o for tp, o in gate.committable().items() if tp in tps}
@@ -197,6 +222,7 @@ def create_app(
 
     async def consume_raw_topics() -> None:
         source = RawSource(settings, topics, revoked)
+        source.revocations = pipeline.revocations
         await source.start()
         pipeline.source = source
         processor.live = source.is_live  # a partition's clock runs only while caught up

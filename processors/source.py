@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +23,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 
-__all__ = ["RawMessage", "RawSource"]
+__all__ = ["FetchedBatch", "RawMessage", "RawSource", "Revocations"]
 
 log = logging.getLogger(__name__)
 
@@ -45,11 +45,52 @@ class RawMessage:
     value: bytes | None
 
 
+class Revocations:
+    """Which partitions were revoked after a batch was fetched (a fence for stale batches).
+
+    `consumer.assignment()` keeps naming a revoked partition until the new
+    assignment arrives, so a batch fetched before a revoke could be applied
+    after the revoke dropped its partition's requests: requests re-opened on a
+    partition this worker no longer owns, closed later by timeout or gap, a
+    second, different billing event.  Each revoke moves the generation on; a
+    batch remembers the generation it was fetched in; its records of a
+    partition revoked since are stale and never applied (the partition's next
+    owner reads them from the committed offset).
+    """
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._revoked_at: dict[Hashable, int] = {}
+
+    def revoke(self, tps: Iterable[Hashable]) -> None:
+        self.generation += 1
+        for tp in tps:
+            self._revoked_at[tp] = self.generation
+
+    def stale(self, tp: Hashable, fetched_in: int) -> bool:
+        """Whether `tp` was revoked after a batch fetched in generation `fetched_in`."""
+        return self._revoked_at.get(tp, 0) > fetched_in
+
+
+@dataclass(frozen=True, slots=True)
+class FetchedBatch:
+    """Records from one fetch, with the revocation generation they were fetched in."""
+
+    generation: int
+    messages: tuple[RawMessage, ...]
+
+
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
-    def __init__(self, revoked: Callable[[set[TopicPartition]], Awaitable[None]]) -> None:
+    def __init__(
+        self,
+        revocations: Revocations,
+        revoked: Callable[[set[TopicPartition]], Awaitable[None]],
+    ) -> None:
+        self._revocations = revocations
         self._revoked = revoked
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
+        self._revocations.revoke((tp.topic, tp.partition) for tp in revoked)
         await self._revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
@@ -79,7 +120,8 @@ class RawSource:
             session_timeout_ms=int(settings.session_timeout * 1000),
             heartbeat_interval_ms=int(max(settings.session_timeout / 10, 0.5) * 1000),
         )
-        self._listener = _Listener(on_revoked)
+        self.revocations = Revocations()
+        self._listener = _Listener(self.revocations, on_revoked)
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -111,10 +153,11 @@ class RawSource:
         fresh = time.time() * 1000 - polled_ms < LIVE_WINDOW_S * 1000
         return bool(fresh and next_offset >= highwater)
 
-    async def batches(self) -> AsyncIterator[tuple[RawMessage, ...]]:
+    async def batches(self) -> AsyncIterator[FetchedBatch]:
         """Batches of records in arrival order (per partition: offset order), forever."""
         timeout_ms = int(self.settings.batch_within * 1000)
         while True:
+            generation = self.revocations.generation  # before the fetch: a revoke during it
             fetched = await self._consumer.getmany(
                 timeout_ms=timeout_ms, max_records=self.settings.batch_size
             )
@@ -131,7 +174,7 @@ class RawSource:
                 for record in records
             )
             if batch:
-                yield batch
+                yield FetchedBatch(generation, batch)
 
     async def commit(self, offsets: Mapping[Any, int]) -> None:
         """Commit these offsets of partitions this consumer still owns."""

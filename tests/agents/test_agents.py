@@ -20,7 +20,7 @@ from streamtally.core.normalize import fold_stream, read_events
 from streamtally.processors.app import Pipeline, create_app
 from streamtally.processors.requests import Outputs
 from streamtally.processors.sinks import Sinks
-from streamtally.processors.source import RawMessage
+from streamtally.processors.source import FetchedBatch, RawMessage
 from streamtally.producers import raw_records
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -209,3 +209,41 @@ async def test_event_after_the_end_marker_is_dead_lettered(
 def test_sample_prices_cover_every_sample_model() -> None:
     prices = json.loads(resources.files("streamtally.core").joinpath("prices.json").read_text())
     assert prices["models"]
+
+
+async def test_a_batch_fetched_before_its_partition_was_revoked_is_never_applied(
+    pipeline: Pipeline, recording: RecordingSink
+) -> None:
+    """The fence against double billing after a rebalance (see `processors.source.Revocations`).
+
+    Before, a batch fetched before a revoke was applied after the revoke had
+    dropped the partition's requests: the request was re-opened on a partition
+    this worker no longer owned and later closed by timeout, while the new
+    owner closed it at its END: two different billing events for one request.
+    """
+    _, records = raw_records(
+        Source.OPENAI,
+        (SAMPLES / "openai/text_usage.sse").read_bytes(),
+        tenant="acme",
+        request_id="fenced-1",
+    )
+    topic = TOPICS.raw_sse.name
+    first = FetchedBatch(
+        pipeline.revocations.generation,
+        tuple(
+            RawMessage(topic, 0, i, 1_790_000_000.0, b"fenced-1", v)
+            for i, v in enumerate(records[:2])
+        ),
+    )
+    pipeline.revocations.revoke([(topic, 0)])  # the rebalance comes while it waits
+    rest = FetchedBatch(
+        pipeline.revocations.generation,  # fetched after: partition 1 is still ours
+        (RawMessage(topic, 1, 0, 1_790_000_000.0, b"other-1", records[0]),),
+    )
+    async with pipeline.agents["process-raw"].test_context() as agent:
+        await agent.put(first)
+        await agent.put(rest)
+    assert not pipeline.processor.is_open("fenced-1")  # nothing of partition 0 applied
+    assert pipeline.processor.counters.received == 1  # only the record of partition 1
+    assert recording.outputs.chunks == []  # other-1's record has the wrong key: dead letter
+    assert len(recording.outputs.dead_letters) == 1
