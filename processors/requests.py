@@ -20,7 +20,9 @@ again at the same offset for the same reason, so its outputs are the same.
 
 Every raw record ends in exactly one of: applied, duplicate (a re-sent
 sequence number, dropped), dead-lettered (with the reason), or replayed
-(counted by the run that closed its request).
+(counted by the run that closed its request).  Per closed request the
+counts of applied records and duplicates travel with its outputs; dead
+letters are counted by position, so a replay never counts twice.
 
 Poison.  Every output is encoded here, as it is made, not later in a sink:
 a record whose event cannot be decoded, validated, normalised or encoded
@@ -29,9 +31,9 @@ the reason before anything of it is folded, and touches nothing else of its
 batch.  A request's close cannot fail on its price: a cost the billing record
 cannot carry is billed as unpriced (cost 0, counted in
 `Counters.unpriced`) for an operator to re-rate.  The sinks then only move
-bytes, so the only failures left to them are transient (retried).  Per closed request the
-counts of applied records and duplicates travel with its outputs; dead
-letters are counted by position, so a replay never counts twice.
+bytes, so the only failures left to them are transient (retried).  What is
+refused before it is decoded, and the limits, are in `processors.limits`;
+the results are in `processors.outputs`.
 """
 
 from __future__ import annotations
@@ -43,16 +45,29 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from enum import StrEnum
 from typing import Any
 
 from streamtally.core.fold import NO_FINISH, Fold
-from streamtally.core.models import Chunk, Tokens
+from streamtally.core.models import Tokens
 from streamtally.core.normalize import Normalizer
 from streamtally.core.pricing import PriceTable
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
 from streamtally.processors.clock import InputClock, input_time
+from streamtally.processors.limits import (
+    PERMANENT_ERRORS,
+    TOMBSTONE,
+    Limits,
+    refused_at_the_edge,
+)
+from streamtally.processors.outputs import (
+    Closed,
+    CloseReason,
+    Completed,
+    Counters,
+    Outputs,
+    Position,
+)
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.records import (
@@ -78,127 +93,8 @@ __all__ = [
 
 #: How many closed requests are remembered locally (Redis remembers them all).
 CLOSED_MEMORY = 200_000
-#: Raw records larger than this are dead-lettered.
-MAX_RECORD_BYTES = 4 << 20
-#: What one record can fail with that no retry cures: it is dead-lettered with the reason.
-#: (InputError covers decoding and validation, Avro encoding included; ValueError covers
-#: pydantic's ValidationError; the rest are what hostile JSON can make Python raise.)
-PERMANENT_ERRORS: tuple[type[Exception], ...] = (
-    InputError,
-    ValueError,
-    TypeError,
-    ArithmeticError,
-    RecursionError,
-    UnicodeError,
-)
 
 RawRecord = RawSseEvent | RawEngineOutput
-
-
-@dataclass(frozen=True, slots=True)
-class Limits:
-    """What one worker holds at most; each limit dead-letters what passes it, with the reason.
-
-    Defaults are safe for a worker of a few GiB; the settings
-    (`STREAMTALLY_MAX_RECORDS_PER_REQUEST`, `STREAMTALLY_MAX_OPEN_REQUESTS`,
-    `STREAMTALLY_MAX_OPEN_PER_TENANT`) change them.
-    """
-
-    #: Records one request may have (its end marker is always taken, so it still closes).
-    records_per_request: int = 100_000
-    #: Requests open at once in this worker: a new one past it is refused.
-    open_requests: int = 100_000
-    #: Requests open at once for one tenant: one tenant cannot take every slot.
-    open_per_tenant: int = 20_000
-
-
-class CloseReason(StrEnum):
-    END = "end"  #: the producer's end-of-stream marker
-    TIMEOUT = "timeout"  #: quiet for longer than the timeout
-    GAP = "gap"  #: quiet for longer than the timeout with sequence numbers missing
-    LIMIT = "limit"  #: passed its record limit (`Limits.records_per_request`)
-
-
-@dataclass(frozen=True, slots=True)
-class Position:
-    """Where a raw record came from; `timestamp` is the Kafka record time (seconds)."""
-
-    topic: str
-    partition: int
-    offset: int
-    timestamp: float | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Closed:
-    """What is known of a closed request: where and why it closed, and if it was applied."""
-
-    offset: int
-    reason: CloseReason
-    applied: bool = True
-
-    def marker(self) -> str:
-        return f"{self.offset} {self.reason.value}"
-
-    @classmethod
-    def from_marker(cls, text: str, *, applied: bool) -> Closed:
-        offset, _, reason = text.partition(" ")
-        return cls(int(offset), CloseReason(reason or "end"), applied)
-
-
-@dataclass(frozen=True, slots=True)
-class Completed:
-    """A finished request: its record, its billing event and its record counts."""
-
-    tokens: Tokens
-    billing: BillingEvent
-    closed: Closed
-    #: Raw records applied to it (its events and its end marker).
-    records: int
-    #: Re-sent records dropped as duplicates.
-    duplicates: int
-    #: `tokens` and `billing` as their topics' Avro values (encoded once, here).
-    tokens_value: bytes = b""
-    billing_value: bytes = b""
-
-
-@dataclass(slots=True)
-class Outputs:
-    chunks: list[Chunk] = field(default_factory=list)
-    #: Each chunk's Avro value, in `chunks` order (encoded once, when it was made).
-    chunk_values: list[bytes] = field(default_factory=list)
-    completed: list[Completed] = field(default_factory=list)
-    dead_letters: list[DeadLetter] = field(default_factory=list)
-
-    def extend(self, other: Outputs) -> None:
-        self.chunks.extend(other.chunks)
-        self.chunk_values.extend(other.chunk_values)
-        self.completed.extend(other.completed)
-        self.dead_letters.extend(other.dead_letters)
-
-    def __bool__(self) -> bool:
-        return bool(self.chunks or self.completed or self.dead_letters)
-
-
-@dataclass(slots=True)
-class Counters:
-    """Raw records of this process by outcome.
-
-    `received == applied + duplicates + dead_lettered + replayed + revoked + waiting`,
-    where `waiting` are records held for a missing sequence number.
-    """
-
-    received: int = 0
-    applied: int = 0
-    duplicates: int = 0
-    dead_lettered: int = 0
-    replayed: int = 0
-    #: Waiting records forgotten when their partition went to another worker.
-    revoked: int = 0
-    requests_completed: int = 0
-    requests_timed_out: int = 0
-    #: Requests billed at 0 because no price applied (or the cost overflowed the record).
-    unpriced: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,10 +288,10 @@ class RequestProcessor:
     ) -> Outputs:
         out = Outputs() if out is None else out
         self.counters.received += 1
-        refused = _refused_at_the_edge(key, value)
+        refused = refused_at_the_edge(key, value)
         if refused is not None or value is None:  # dead-lettered, so the counts reconcile
             self.input_clock.saw((position.topic, position.partition), position.offset)
-            self._dead(out, refused or _TOMBSTONE, key, value or b"", position)
+            self._dead(out, refused or TOMBSTONE, key, value or b"", position)
             return out
         try:
             record = decode(value)
@@ -589,14 +485,15 @@ class RequestProcessor:
     def _bill(self, tokens: Tokens, tenant: str, when: datetime) -> tuple[BillingEvent, bytes]:
         """The request's billing event and its Avro value; never fails on the price.
 
-        A cost the billing record cannot carry (beyond decimal(38,12)) is billed
-        as unpriced: cost 0, counted, and logged for an operator to re-rate.
+        An unknown model, or a cost the billing record cannot carry (beyond
+        decimal(38,12)), is billed as unpriced: ``priced=False``, cost 0,
+        counted, and logged for an operator to re-rate.  Should pricing fail
+        otherwise, the request is billed by a table without a single price:
+        unpriced too.
         """
         try:
             billing = bill(tokens, tenant, when, self.prices)
-            if not self.prices.is_priced(tokens.model):
-                self.counters.unpriced += 1
-            return billing, avro.encode_billing_event(billing)
+            value = avro.encode_billing_event(billing)
         except PERMANENT_ERRORS as exc:
             log.warning(
                 "request %s (tenant %s, model %s) billed at 0 as unpriced: %s",
@@ -605,9 +502,11 @@ class RequestProcessor:
                 ascii(tokens.model),
                 exc,
             )
-            self.counters.unpriced += 1
             billing = bill(tokens, tenant, when, self._no_prices)
-            return billing, avro.encode_billing_event(billing)
+            value = avro.encode_billing_event(billing)
+        if not billing.priced:  # counted once, whichever way it was billed
+            self.counters.unpriced += 1
+        return billing, value
 
     def _remember(self, request_id: str, closed: Closed) -> None:
         self._closed[request_id] = closed
@@ -648,28 +547,3 @@ class RequestProcessor:
                 dead_lettered_at=when,
             )
         )
-
-
-_TOMBSTONE = InputError("a tombstone (a record with no value) on a raw topic")
-
-
-def _refused_at_the_edge(key: bytes | None, value: bytes | None) -> InputError | None:
-    """Why a raw message is refused before it is decoded; None when it is not.
-
-    No key: the commit gate holds a record by its key, so a keyless record of
-    an open request would be committed before the request closes (and lost on
-    a restart); every producer keys a raw record by its request id.  No value:
-    a tombstone; raw records are never deleted, and counting it keeps
-    in = applied + duplicates + dead-lettered exact.
-    """
-    if value is None:
-        return _TOMBSTONE
-    if not key:
-        return InputError("record has no key: a raw record is keyed by its request id")
-    if len(value) > MAX_RECORD_BYTES:
-        return _oversized(value)
-    return None
-
-
-def _oversized(value: bytes) -> InputError:
-    return InputError(f"record of {len(value)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")

@@ -26,8 +26,8 @@ from streamtally.core.fold import NO_FINISH
 from streamtally.core.models import FinishReason, Source, Tokens
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.core.pricing import PriceTable
+from streamtally.processors.limits import MAX_RECORD_BYTES
 from streamtally.processors.requests import (
-    MAX_RECORD_BYTES,
     Closed,
     CloseReason,
     Completed,

@@ -1,0 +1,71 @@
+"""What a worker refuses, and holds at most: each refusal is a dead letter with its reason.
+
+Raw messages are refused at the edge, before they are decoded, when they have
+no key, no value (a tombstone) or more than `MAX_RECORD_BYTES`; a record
+fails permanently with one of `PERMANENT_ERRORS`; `Limits` bounds what one
+worker holds (records per request, open requests per worker and per tenant).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamtally.errors import InputError
+
+__all__ = ["MAX_RECORD_BYTES", "PERMANENT_ERRORS", "TOMBSTONE", "Limits", "refused_at_the_edge"]
+
+#: Raw records larger than this are dead-lettered.
+MAX_RECORD_BYTES = 4 << 20
+#: What one record can fail with that no retry cures: it is dead-lettered with the reason.
+#: (InputError covers decoding and validation, Avro encoding included; ValueError covers
+#: pydantic's ValidationError; the rest are what hostile JSON can make Python raise.)
+PERMANENT_ERRORS: tuple[type[Exception], ...] = (
+    InputError,
+    ValueError,
+    TypeError,
+    ArithmeticError,
+    RecursionError,
+    UnicodeError,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one worker holds at most; each limit dead-letters what passes it, with the reason.
+
+    Defaults are safe for a worker of a few GiB; the settings
+    (`STREAMTALLY_MAX_RECORDS_PER_REQUEST`, `STREAMTALLY_MAX_OPEN_REQUESTS`,
+    `STREAMTALLY_MAX_OPEN_PER_TENANT`) change them.
+    """
+
+    #: Records one request may have (its end marker is always taken, so it still closes).
+    records_per_request: int = 100_000
+    #: Requests open at once in this worker: a new one past it is refused.
+    open_requests: int = 100_000
+    #: Requests open at once for one tenant: one tenant cannot take every slot.
+    open_per_tenant: int = 20_000
+
+
+TOMBSTONE = InputError("a tombstone (a record with no value) on a raw topic")
+
+
+def refused_at_the_edge(key: bytes | None, value: bytes | None) -> InputError | None:
+    """Why a raw message is refused before it is decoded; None when it is not.
+
+    No key: the commit gate holds a record by its key, so a keyless record of
+    an open request would be committed before the request closes (and lost on
+    a restart); every producer keys a raw record by its request id.  No value:
+    a tombstone; raw records are never deleted, and counting it keeps
+    in = applied + duplicates + dead-lettered exact.
+    """
+    if value is None:
+        return TOMBSTONE
+    if not key:
+        return InputError("record has no key: a raw record is keyed by its request id")
+    if len(value) > MAX_RECORD_BYTES:
+        return _oversized(value)
+    return None
+
+
+def _oversized(value: bytes) -> InputError:
+    return InputError(f"record of {len(value)} bytes exceeds the {MAX_RECORD_BYTES}-byte limit")

@@ -1,0 +1,106 @@
+"""What the request processor hands back: its outputs, where records came from, its counts.
+
+`RequestProcessor` (processors/requests.py) adds to an `Outputs` per batch:
+the chunks it made, the requests it completed (Tokens, billing event, how it
+closed, record counts; every value already Avro-encoded), and the dead
+letters.  `Counters` tally every raw record by outcome.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from streamtally.core.models import Chunk, Tokens
+from streamtally.wire.records import BillingEvent, DeadLetter
+
+__all__ = ["CloseReason", "Closed", "Completed", "Counters", "Outputs", "Position"]
+
+
+class CloseReason(StrEnum):
+    END = "end"  #: the producer's end-of-stream marker
+    TIMEOUT = "timeout"  #: quiet for longer than the timeout
+    GAP = "gap"  #: quiet for longer than the timeout with sequence numbers missing
+    LIMIT = "limit"  #: passed its record limit (`Limits.records_per_request`)
+
+
+@dataclass(frozen=True, slots=True)
+class Position:
+    """Where a raw record came from; `timestamp` is the Kafka record time (seconds)."""
+
+    topic: str
+    partition: int
+    offset: int
+    timestamp: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Closed:
+    """What is known of a closed request: where and why it closed, and if it was applied."""
+
+    offset: int
+    reason: CloseReason
+    applied: bool = True
+
+    def marker(self) -> str:
+        return f"{self.offset} {self.reason.value}"
+
+    @classmethod
+    def from_marker(cls, text: str, *, applied: bool) -> Closed:
+        offset, _, reason = text.partition(" ")
+        return cls(int(offset), CloseReason(reason or "end"), applied)
+
+
+@dataclass(frozen=True, slots=True)
+class Completed:
+    """A finished request: its record, its billing event and its record counts."""
+
+    tokens: Tokens
+    billing: BillingEvent
+    closed: Closed
+    #: Raw records applied to it (its events and its end marker).
+    records: int
+    #: Re-sent records dropped as duplicates.
+    duplicates: int
+    #: `tokens` and `billing` as their topics' Avro values (encoded once, here).
+    tokens_value: bytes = b""
+    billing_value: bytes = b""
+
+
+@dataclass(slots=True)
+class Outputs:
+    chunks: list[Chunk] = field(default_factory=list)
+    #: Each chunk's Avro value, in `chunks` order (encoded once, when it was made).
+    chunk_values: list[bytes] = field(default_factory=list)
+    completed: list[Completed] = field(default_factory=list)
+    dead_letters: list[DeadLetter] = field(default_factory=list)
+
+    def extend(self, other: Outputs) -> None:
+        self.chunks.extend(other.chunks)
+        self.chunk_values.extend(other.chunk_values)
+        self.completed.extend(other.completed)
+        self.dead_letters.extend(other.dead_letters)
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.completed or self.dead_letters)
+
+
+@dataclass(slots=True)
+class Counters:
+    """Raw records of this process by outcome.
+
+    `received == applied + duplicates + dead_lettered + replayed + revoked + waiting`,
+    where `waiting` are records held for a missing sequence number.
+    """
+
+    received: int = 0
+    applied: int = 0
+    duplicates: int = 0
+    dead_lettered: int = 0
+    replayed: int = 0
+    #: Waiting records forgotten when their partition went to another worker.
+    revoked: int = 0
+    requests_completed: int = 0
+    requests_timed_out: int = 0
+    #: Requests billed at 0 because no price applied (or the cost overflowed the record).
+    unpriced: int = 0
