@@ -1,31 +1,18 @@
-"""Price tables: per-model token rates as exact decimals, and the exact cost of a request.
+"""Price tables in use: which entry prices a model, and the exact cost of a request.
 
-A price table is one JSON file::
+The file format and its validation are `streamtally.core.price_file`; this
+module is the loaded table (`PriceTable`) and its arithmetic.
 
-    {
-      "version": "2026-11-01",
-      "currency": "USD",
-      "unit": 1000000,
-      "notes": "optional free text: where the rates come from",
-      "models": {
-        "gpt-4.1": {"input": "2.00", "cached_input": "0.50", "cache_write": "2.50",
-                    "output": "8.00", "reasoning": null},
-        ...
-      }
-    }
-
-Every rate is the price of `unit` tokens, written as a decimal *string*
-(``"0.075"``): a JSON number is refused, floats above all, because a binary
-float cannot hold most decimal prices exactly.  `input` and `output` are
-required; `cached_input` (cache reads) and `cache_write` default to the input
-rate, `reasoning` to the output rate (``null`` or absent: use the default).
-
-Model lookup (`PriceTable.rates_for`): the exact name, else the longest
-configured name that is a prefix of the model (``gpt-4o-2024-08-06`` →
-``gpt-4o``; configure ``gpt-4o-mini`` too, or the mini model is priced as
-``gpt-4o``), else the ``"*"`` entry if the table has one, else the model is
-*unpriced* (`cost` returns None).  A request without a model only matches
-``"*"``.
+Model lookup (`PriceTable.entry_for`): the exact name if the table has it;
+else the longest *wildcard* entry (a name ending in ``*``) whose text before
+the ``*`` starts the model (``"gpt-4.1-20*"`` prices ``gpt-4.1-2025-04-14``;
+``"gpt-4.1-mini-20*"``, being longer, wins for ``gpt-4.1-mini-2025-04-14``);
+else the model is *unpriced* (`cost` returns None).  ``"*"`` alone is the
+shortest wildcard: it prices whatever nothing else does.  A request without a
+model only matches ``"*"``.  Nothing is matched by an implicit prefix: an
+entry ``"gpt-4.1"`` prices ``gpt-4.1`` only, never ``gpt-4.1-mini-...``, so a
+model the table does not name stays visibly unpriced instead of being billed
+at another model's rates.
 
 Cost (`PriceTable.quote`, `PriceTable.cost`)::
 
@@ -38,7 +25,8 @@ Cost (`PriceTable.quote`, `PriceTable.cost`)::
 computed with exact rational arithmetic (never a float).  The result is a
 `Decimal` with exactly 12 decimal places (the scale of `BillingEvent.cost`);
 it is rounded, ROUND_HALF_EVEN, only when the exact value has more than 12
-decimal places (`Quote.rounded` says so).
+decimal places (`Quote.rounded` says so).  Whether the billing record can
+carry it (decimal(38, 12)) is for `streamtally.wire.billing` to check.
 
 Inconsistent usage: `cached_tokens` and `cache_write_tokens` are parts of
 `input_tokens` and `reasoning_tokens` is part of `output_tokens`.  When a
@@ -51,29 +39,26 @@ describes it and a warning is logged on the ``streamtally.core.pricing`` logger.
 
 from __future__ import annotations
 
-import json
 import logging
-import re
 from dataclasses import dataclass
 from decimal import Decimal
 from fractions import Fraction
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Final
-
-from pydantic import (
-    BaseModel,
-    BeforeValidator,
-    ConfigDict,
-    Field,
-    PositiveInt,
-    ValidationError,
-    field_validator,
-)
+from typing import Final
 
 from streamtally.core.models import Usage
 from streamtally.core.money import COST_SCALE
-from streamtally.errors import InputError
+from streamtally.core.price_file import (
+    WILDCARD,
+    ModelRates,
+    PriceTableError,
+    Rates,
+    TableFile,
+    is_wildcard,
+    parse_table,
+    read_table_text,
+)
 
 __all__ = [
     "WILDCARD",
@@ -86,85 +71,7 @@ __all__ = [
 
 log = logging.getLogger("streamtally.core.pricing")
 
-#: The model name of the catch-all entry.
-WILDCARD: Final = "*"
-
-_DECIMAL_TEXT: Final = re.compile(r"[0-9]+(\.[0-9]+)?")
-_CURRENCY: Final = re.compile(r"[A-Z]{3}")
 _SCALE: Final = 10**COST_SCALE
-
-
-class PriceTableError(InputError):
-    """A price table file that cannot be read or is not valid; the message says where."""
-
-
-class _JsonNumber(str):
-    """The literal text of a JSON number that has a fraction or exponent (see `_loads`)."""
-
-    __slots__ = ()
-
-
-def _rate(value: object) -> object:
-    """Accept only a plain non-negative decimal string such as ``"2.50"``."""
-    if isinstance(value, _JsonNumber):
-        raise ValueError(
-            f"rate is the JSON number {value}; write it as the string {json.dumps(str(value))} "
-            "(floats cannot hold decimal prices exactly)"
-        )
-    if isinstance(value, int | float):  # bool is an int too
-        raise ValueError(
-            f"rate is the JSON number {value!r}; write it as the string {json.dumps(str(value))}"
-        )
-    if not isinstance(value, str):
-        raise ValueError(f'rate must be a decimal string like "2.50", got {type(value).__name__}')
-    if not _DECIMAL_TEXT.fullmatch(value):
-        raise ValueError(
-            f'rate {value!r} is not a plain non-negative decimal like "2.50" '
-            "(no sign, exponent, spaces or thousands separators)"
-        )
-    return Decimal(value)
-
-
-def _optional_rate(value: object) -> object:
-    return None if value is None else _rate(value)
-
-
-Rate = Annotated[Decimal, BeforeValidator(_rate)]
-#: Validated before the union, so a bad value gets one error, not one per union branch.
-OptionalRate = Annotated[Decimal | None, BeforeValidator(_optional_rate)]
-
-
-class ModelRates(BaseModel):
-    """The rates of one model entry as written in the file (`None`: use the default)."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    input: Rate
-    output: Rate
-    cached_input: OptionalRate = None
-    cache_write: OptionalRate = None
-    reasoning: OptionalRate = None
-
-    def resolved(self) -> Rates:
-        """The five rates with the defaults filled in."""
-        return Rates(
-            input=self.input,
-            cached_input=self.input if self.cached_input is None else self.cached_input,
-            cache_write=self.input if self.cache_write is None else self.cache_write,
-            output=self.output,
-            reasoning=self.output if self.reasoning is None else self.reasoning,
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class Rates:
-    """The five resolved rates of a model, each the price of `PriceTable.unit` tokens."""
-
-    input: Decimal
-    cached_input: Decimal
-    cache_write: Decimal
-    output: Decimal
-    reasoning: Decimal
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,7 +82,7 @@ class Quote:
     """
 
     model: str | None
-    #: The price table entry used: the model itself, a prefix of it, or "*".
+    #: The price table entry used: the model itself, or the wildcard entry that matched it.
     entry: str | None
     cost: Decimal | None
     #: True when the exact cost had more than 12 decimal places and was rounded half-even.
@@ -188,83 +95,35 @@ class Quote:
         return self.cost is not None
 
 
-class _TableFile(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    version: Annotated[str, Field(min_length=1)]
-    currency: str
-    unit: PositiveInt
-    notes: str | None = None
-    models: dict[str, ModelRates]
-
-    @field_validator("version", "currency", "notes", mode="before")
-    @classmethod
-    def _text_not_number(cls, value: object) -> object:
-        if isinstance(value, _JsonNumber):
-            raise ValueError(f"must be a JSON string, got the number {value}")
-        return value
-
-    @field_validator("currency")
-    @classmethod
-    def _currency(cls, value: str) -> str:
-        if not _CURRENCY.fullmatch(value):
-            raise ValueError(f"currency must be an ISO 4217 code like 'USD', got {value!r}")
-        return value
-
-    @field_validator("unit", mode="before")
-    @classmethod
-    def _unit(cls, value: object) -> object:
-        if isinstance(value, _JsonNumber):
-            raise ValueError(f"unit must be a whole JSON number like 1000000, got {value}")
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ValueError(f"unit must be a whole JSON number like 1000000, got {value!r}")
-        return value
-
-    @field_validator("models")
-    @classmethod
-    def _names(cls, value: dict[str, ModelRates]) -> dict[str, ModelRates]:
-        for name in value:
-            if not name or name != name.strip():
-                raise ValueError(f"model name {name!r} is empty or has surrounding spaces")
-        return value
-
-
-def _loads(text: str) -> Any:
-    """JSON with every non-integer number kept as its literal text (a `_JsonNumber`)."""
-
-    def duplicate_check(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in pairs:
-            if key in out:
-                raise ValueError(f"duplicate key {key!r}")
-            out[key] = value
-        return out
-
-    return json.loads(text, parse_float=_JsonNumber, object_pairs_hook=duplicate_check)
-
-
-def _where(loc: tuple[int | str, ...]) -> str:
-    return ".".join(str(part) for part in loc) or "(top level)"
-
-
 class PriceTable:
     """A loaded, validated price table.  Treat it as read-only; safe to share between tasks."""
 
-    __slots__ = ("_rates", "currency", "notes", "unit", "version")
+    __slots__ = ("_exact", "_rates", "_wildcards", "currency", "notes", "unit", "version")
 
     version: str
     currency: str
     unit: int
     notes: str | None
     _rates: dict[str, Rates]
+    #: The exact entries, by model name.
+    _exact: dict[str, Rates]
+    #: (text before the ``*``, entry name) of every wildcard entry, longest text first.
+    _wildcards: tuple[tuple[str, str], ...]
 
-    def __init__(self, checked: _TableFile) -> None:
+    def __init__(self, checked: TableFile) -> None:
         """Use `load`, `loads` or `from_dict`."""
         self.version = checked.version
         self.currency = checked.currency
         self.unit = checked.unit
         self.notes = checked.notes
         self._rates = {name: entry.resolved() for name, entry in checked.models.items()}
+        self._exact = {n: r for n, r in self._rates.items() if not is_wildcard(n)}
+        self._wildcards = tuple(
+            sorted(
+                ((name[:-1], name) for name in self._rates if is_wildcard(name)),
+                key=lambda pair: (-len(pair[0]), pair[0]),
+            )
+        )
 
     @classmethod
     def default(cls) -> PriceTable:
@@ -292,48 +151,34 @@ class PriceTable:
     @classmethod
     def loads(cls, text: str, *, origin: str = "<price table>") -> PriceTable:
         """Parse and validate a price table from its JSON text; `origin` names it in errors."""
-        try:
-            raw = _loads(text)
-        except ValueError as exc:  # json.JSONDecodeError is a ValueError
-            raise PriceTableError(f"{origin}: not valid JSON: {exc}") from exc
-        return cls.from_dict(raw, origin=origin)
+        return cls(read_table_text(text, origin=origin))
 
     @classmethod
     def from_dict(cls, data: object, *, origin: str = "<price table>") -> PriceTable:
         """Validate an already parsed table (same shape and rules as the file)."""
-        try:
-            checked = _TableFile.model_validate(data)
-        except ValidationError as exc:
-            problems = "; ".join(
-                f"{_where(e['loc'])}: {e['msg'].removeprefix('Value error, ')}"
-                for e in exc.errors()
-            )
-            raise PriceTableError(f"{origin}: invalid price table: {problems}") from None
-        return cls(checked)
+        return cls(parse_table(data, origin=origin))
 
     # ---------------------------------------------------------------- lookup
 
     @property
     def models(self) -> tuple[str, ...]:
-        """The configured model names (``"*"`` included if present), sorted."""
+        """The configured entry names (wildcards such as ``"*"`` included), sorted."""
         return tuple(sorted(self._rates))
 
     def entry_for(self, model: str | None) -> str | None:
-        """The configured name that prices `model` (exact, longest prefix, ``"*"``) or None."""
-        if model is not None:
-            if model in self._rates:
-                return model
-            best: str | None = None
-            for name in self._rates:
-                if (
-                    name != WILDCARD
-                    and model.startswith(name)
-                    and (best is None or len(name) > len(best))
-                ):
-                    best = name
-            if best is not None:
-                return best
-        return WILDCARD if WILDCARD in self._rates else None
+        """The entry that prices `model`: its exact name, else the longest matching wildcard.
+
+        None when no entry does (the model is unpriced).  A model of None only
+        matches the catch-all ``"*"``.
+        """
+        if model is None:
+            return WILDCARD if WILDCARD in self._rates else None
+        if model in self._exact:
+            return model
+        for prefix, name in self._wildcards:
+            if model.startswith(prefix):
+                return name
+        return None
 
     def rates_for(self, model: str | None) -> Rates | None:
         """The resolved rates that price `model`, or None when it is unpriced."""

@@ -25,8 +25,12 @@ Join rules (`join`):
 What is rebuilt and what is not:
 
 * ``st:tokens:{id}``, the usage rows and ``st:usage:rows``: exactly as the
-  worker wrote them (same Tokens JSON, same row, same cost), and
-  ``st:stats`` ``requests`` (+1 per request applied).
+  worker wrote them (same Tokens JSON, same row, same cost, and the row's
+  ``unpriced_requests`` from each billing event's ``priced``), and
+  ``st:stats`` ``requests`` (+1 per request applied).  A billing event
+  written before ``priced`` existed (BillingEvent v1) reads as priced, so a
+  request billed unpriced by such an old worker (cost 0) is not counted in
+  ``unpriced_requests`` by the rebuild: the event cannot tell.
 * ``st:closed``: the worker's closing marker ("offset reason") names the
   offset of the request's last raw record, which neither topic carries; the
   rebuild writes ``"0 end"`` (`CLOSED_MARKER`).  A request is never counted

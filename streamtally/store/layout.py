@@ -32,11 +32,17 @@ Redis layout
     cache_write_tokens
     cost_units          whole currency units of the total cost
     cost_pico           remainder in 10**-12 currency units, always 0 <= x < 10**12
+    unpriced_requests   how many of `requests` were billed unpriced (the billing
+                        event's ``priced`` is false, its cost 0): written only when
+                        one is; absent (rows written before it existed, or
+                        without an unpriced request) reads as 0
     ==================  ==========================================================
 
     The exact total cost is ``cost_units + cost_pico / 10**12``; the script
     carries ``cost_pico`` into ``cost_units`` so neither field ever needs more
     than 64 bits (a Lua number holds the < 2 * 10**12 intermediate sum exactly).
+    A row whose `unpriced_requests` is above 0 has a cost that is too low by
+    what those requests would have cost: re-rate them from the billing events.
 
 ``st:usage:rows`` (set)
     Every usage row ever written, as the compact JSON array
@@ -75,6 +81,7 @@ __all__ = [
     "STATS_KEY",
     "TOKENS_PREFIX",
     "UNKNOWN_MODEL",
+    "UNPRICED_FIELD",
     "day_of",
     "parse_row_member",
     "position_of",
@@ -101,8 +108,10 @@ DEAD_SEEN_KEY: Final = f"{PREFIX}deadletter:seen"
 UNKNOWN_MODEL: Final = "unknown"
 #: The cost fields of a usage row: whole units, then the 10**-12 remainder.
 COST_FIELDS: Final = ("cost_units", "cost_pico")
-#: Every field of a usage row hash, in order.
-ROW_FIELDS: Final = ("requests", *USAGE_FIELDS, *COST_FIELDS)
+#: The field of a usage row counting its unpriced requests (absent: 0).
+UNPRICED_FIELD: Final = "unpriced_requests"
+#: Every field of a usage row hash, in order (the flush script's ``ALL``; new ones go last).
+ROW_FIELDS: Final = ("requests", *USAGE_FIELDS, *COST_FIELDS, UNPRICED_FIELD)
 #: The fields of `STATS_KEY`, in the order `RedisStore.stats` reports them.
 STATS_FIELDS: Final = ("records", "duplicates", "dead_lettered", "requests")
 #: The fields of `STATS_KEY` that count raw records (not rebuildable from the output topics).

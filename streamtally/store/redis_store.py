@@ -188,9 +188,11 @@ class RedisStore:
     ) -> list[dict[str, Any]]:
         """The usage rows, optionally of one tenant and/or UTC day, sorted by (day, tenant, model).
 
-        Each row is ``{"tenant", "model", "day", "requests", "input_tokens",
-        "output_tokens", "reasoning_tokens", "cached_tokens", "cache_write_tokens",
-        "cost"}`` with `cost` the exact total as a decimal string (12 places).
+        Each row is ``{"tenant", "model", "day", "requests", "unpriced_requests",
+        "input_tokens", "output_tokens", "reasoning_tokens", "cached_tokens",
+        "cache_write_tokens", "cost"}`` with `cost` the exact total as a decimal
+        string (12 places) and `unpriced_requests` how many of `requests` were
+        billed unpriced, cost 0 (0 for a row written before the field existed).
         The hashes are read in one MULTI/EXEC, so the rows are one consistent
         snapshot of the rows listed in the index.
         """

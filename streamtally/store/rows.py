@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from streamtally.core.models import USAGE_FIELDS
 from streamtally.core.money import cost_text
-from streamtally.store.layout import ROW_FIELDS, day_of, usage_key
+from streamtally.store.layout import ROW_FIELDS, UNPRICED_FIELD, day_of, usage_key
 
 __all__ = ["day_filter", "reply_text", "usage_row"]
 
@@ -55,8 +55,10 @@ def usage_row(
 ) -> dict[str, Any] | None:
     """One row from its hash's `ROW_FIELDS` values (HMGET order); None when the hash is gone.
 
-    The row is ``{"tenant", "model", "day", "requests", <the five usage
-    fields>, "cost"}`` with `cost` the exact total as a decimal string (12 places).
+    The row is ``{"tenant", "model", "day", "requests", "unpriced_requests",
+    <the five usage fields>, "cost"}`` with `cost` the exact total as a decimal
+    string (12 places) and `unpriced_requests` how many of `requests` were billed
+    unpriced (0 when the hash has no such field: rows written before it existed).
     """
     if all(value is None for value in values):
         return None  # listed but gone (deleted by hand): nothing to report
@@ -67,6 +69,7 @@ def usage_row(
         "model": model,
         "day": day,
         "requests": _int(fields, "requests", key),
+        UNPRICED_FIELD: _int(fields, UNPRICED_FIELD, key),
         **{name: _int(fields, name, key) for name in USAGE_FIELDS},
         "cost": cost_text(_int(fields, "cost_units", key), _int(fields, "cost_pico", key)),
     }

@@ -10,8 +10,9 @@ and fails before writing anything if one is wrong; then, request by request in
 batch order: if ``st:tokens:{request_id}`` exists it changes nothing and
 reports 0 (already applied, by an earlier call or earlier in the same batch:
 the first Tokens written wins), else it records the close marker and the
-raw-record counts, writes the Tokens, HINCRBYs the row, carries the cost and
-adds the row to the index, and reports 1.  All keys are passed as KEYS; they
+raw-record counts, writes the Tokens, HINCRBYs the row (and its
+``unpriced_requests`` when the request was billed unpriced), carries the cost
+and adds the row to the index, and reports 1.  All keys are passed as KEYS; they
 span hash slots, so this is for a single Redis (not Redis Cluster).
 
 One request is a `FinishedRequest`; `flush_call` lays a batch out as the
@@ -41,14 +42,15 @@ FLUSH_SCRIPT: Final = """
 -- KEYS[3]            st:stats    (records, duplicates, requests, dead_lettered)
 -- KEYS[2i+2], KEYS[2i+3] (i = 1..n)  st:tokens:{request_id}, st:usage:{day}:{tenant}:{model}
 -- ARGV[1]            n
--- ARGV[2 + 13(i-1) ..] tokens_json, row_member, input, output, reasoning, cached,
+-- ARGV[2 + 14(i-1) ..] tokens_json, row_member, input, output, reasoning, cached,
 --                     cache_write, cost_units, cost_pico, request_id, closed marker,
---                     records, duplicates   (integers as decimal strings)
+--                     records, duplicates, unpriced (1 if billed unpriced, else 0)
+--                     (integers as decimal strings)
 local PICO = 1000000000000
 local FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_tokens',
                 'cache_write_tokens'}
 local ALL = {'requests', 'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_tokens',
-             'cache_write_tokens', 'cost_units', 'cost_pico'}
+             'cache_write_tokens', 'cost_units', 'cost_pico', 'unpriced_requests'}
 local n = tonumber(ARGV[1])
 
 local function kind(key)
@@ -96,7 +98,7 @@ end
 local applied = {}
 for i = 1, n do
   local tk, uk = KEYS[2 * i + 2], KEYS[2 * i + 3]
-  local a = 2 + 13 * (i - 1)
+  local a = 2 + 14 * (i - 1)
   if redis.call('EXISTS', tk) == 1 then
     applied[i] = 0
   else
@@ -120,6 +122,9 @@ for i = 1, n do
       redis.call('HINCRBY', uk, 'cost_units', 1)
     end
     redis.call('HSET', uk, 'cost_pico', string.format('%d', pico))
+    if ARGV[a + 13] ~= '0' then
+      redis.call('HINCRBY', uk, 'unpriced_requests', ARGV[a + 13])
+    end
     redis.call('SADD', KEYS[1], ARGV[a + 1])
     applied[i] = 1
   end
@@ -142,7 +147,7 @@ return new
 """
 
 #: ARGV entries per request of `FLUSH_SCRIPT` (after ARGV[1], the request count).
-ARGS_PER_REQUEST: Final = 13
+ARGS_PER_REQUEST: Final = 14
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +174,8 @@ class FinishedRequest:
     #: Raw-record counts added to ``st:stats``.
     records: int
     duplicates: int
+    #: False when the billing event is unpriced: counted in the row's ``unpriced_requests``.
+    priced: bool
 
     def keys(self) -> tuple[str, str]:
         """KEYS[2i+2], KEYS[2i+3] of request i."""
@@ -186,6 +193,7 @@ class FinishedRequest:
             self.closed,
             str(self.records),
             str(self.duplicates),
+            "0" if self.priced else "1",
         )
 
 

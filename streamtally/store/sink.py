@@ -50,6 +50,9 @@ def finished_request(
 ) -> FinishedRequest:
     """What the flush script takes for one finished request.
 
+    An unpriced billing event (``priced`` False) is counted in its row's
+    ``unpriced_requests``.
+
     Raises ValueError when `billing` is not the billing event of `tokens`
     (another request id, model or usage) or a value cannot be counted.
     """
@@ -89,6 +92,7 @@ def finished_request(
         closed=closed,
         records=_counter("records", records),
         duplicates=_counter("duplicates", duplicates),
+        priced=billing.priced,
     )
 
 

@@ -8,11 +8,15 @@ the usage the provider reported (often 0 tokens, so a cost of 0).
 alone, so replaying a request (after a crash, or a re-run of the pipeline)
 produces the same id and downstream consumers drop the duplicate.
 
-Unpriced models (no entry, prefix or ``"*"`` in the price table, or no model
-at all) are still billed, with cost ``Decimal(0)``, so their usage is never
-lost; `Billed.priced` is False for them and a warning is logged on the
-``streamtally.wire.billing`` logger.  Re-price them from the event's token counts
-once the price table knows the model.
+Unpriced requests are still billed, with cost ``Decimal(0)`` and
+``BillingEvent.priced`` False, so their usage is never lost and never hidden:
+a model no entry of the price table matches (exact name or wildcard, see
+`streamtally.core.pricing`; a request without a model matches only ``"*"``),
+and a cost the billing record cannot carry (beyond decimal(38, 12), a price
+table error).  A warning is logged on the ``streamtally.wire.billing`` logger
+(once per model and price table for an unknown model, every time for a cost
+that does not fit).  Re-price them from the event's token counts once the
+price table knows the model.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ from decimal import Decimal
 from typing import Final
 
 from streamtally.core.models import USAGE_FIELDS, Tokens
-from streamtally.core.money import COST_SCALE
+from streamtally.core.money import COST_SCALE, scaled_cost
 from streamtally.core.pricing import PriceTable, Quote
 from streamtally.wire.records import BillingEvent
 
@@ -59,8 +63,8 @@ class Billed:
 
     @property
     def priced(self) -> bool:
-        """False when the model was not in the price table (the event's cost is then 0)."""
-        return self.quote.priced
+        """The event's `priced`: False when the request could not be priced (cost 0)."""
+        return self.event.priced
 
 
 _WARNED: set[tuple[str | None, str]] = set()
@@ -72,7 +76,20 @@ def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: Pri
         raise ValueError(f"event_time must be timezone-aware, got {event_time!r}")
     usage = tokens.usage
     quote = prices.quote(tokens.model, usage)
-    if quote.cost is None and (tokens.model, prices.version) not in _WARNED:
+    cost = quote.cost
+    if cost is not None and not _carried(cost):
+        log.warning(
+            "request %r (tenant %r, model %r): cost %s does not fit the billing record "
+            "(decimal(38,12)); billed at 0 as unpriced with price table %s entry %r",
+            tokens.request_id,
+            tenant,
+            tokens.model,
+            cost,
+            prices.version,
+            quote.entry,
+        )
+        cost = None
+    elif cost is None and (tokens.model, prices.version) not in _WARNED:
         _WARNED.add((tokens.model, prices.version))  # once per model: not a log flood
         log.warning(
             "unpriced model %r (first seen in request %s, tenant %s): billed at 0 %s with "
@@ -91,7 +108,8 @@ def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: Pri
         source=tokens.source,
         finish_reason=tokens.finish_reason,
         **dict(zip(USAGE_FIELDS, usage.counts(), strict=True)),
-        cost=_ZERO if quote.cost is None else quote.cost,
+        cost=_ZERO if cost is None else cost,
+        priced=cost is not None,
         currency=prices.currency,
         price_table_version=prices.version,
         event_time=event_time,
@@ -100,5 +118,14 @@ def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: Pri
 
 
 def bill(tokens: Tokens, tenant: str, event_time: datetime, prices: PriceTable) -> BillingEvent:
-    """The billing event of the finished request `tokens` (cost 0 if its model is unpriced)."""
+    """The billing event of the finished request `tokens` (unpriced: cost 0, priced False)."""
     return price_request(tokens, tenant, event_time, prices).event
+
+
+def _carried(cost: Decimal) -> bool:
+    """Whether the billing record can carry `cost` (decimal(38, 12))."""
+    try:
+        scaled_cost(cost)
+    except ValueError:
+        return False
+    return True

@@ -162,8 +162,11 @@ class BillingEvent:
     """The billable outcome of one request, priced (topic `streamtally.billing`).
 
     `cost` is an exact `Decimal` with at most 12 decimal places and 38 digits
-    (Avro decimal(38, 12)); floats are refused.  `event_id` is the
-    deterministic idempotency key computed by whoever prices the request.
+    (Avro decimal(38, 12)); floats are refused.  `priced` is False when the
+    request could not be priced (its model matches no price table entry, or
+    its cost does not fit decimal(38, 12)); its cost is then 0, which is
+    checked.  `event_id` is the deterministic idempotency key computed by
+    whoever prices the request.
     """
 
     event_id: str
@@ -178,6 +181,8 @@ class BillingEvent:
     cached_tokens: int = 0
     cache_write_tokens: int = 0
     cost: Decimal
+    #: False: the request is unpriced and `cost` is 0 (events older than the field read True).
+    priced: bool = True
     currency: str = "USD"
     price_table_version: str
     event_time: datetime
@@ -192,6 +197,10 @@ class BillingEvent:
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"{name} must be an int >= 0, got {value!r}")
         scaled_cost(self.cost)
+        if not isinstance(self.priced, bool):
+            raise ValueError(f"priced must be a bool, got {self.priced!r}")
+        if not self.priced and self.cost != 0:
+            raise ValueError(f"an unpriced event has cost 0, got {self.cost}")
         _check_aware("event_time", self.event_time)
 
     @property

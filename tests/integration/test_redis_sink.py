@@ -21,8 +21,10 @@ from redis.exceptions import ResponseError
 from streamtally.cli import main
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
+from streamtally.ops.rebuild import TokensRecord, apply, join
 from streamtally.store import (
     ROWS_KEY,
+    UNPRICED_FIELD,
     RedisSink,
     RedisStore,
     row_member,
@@ -31,6 +33,7 @@ from streamtally.store import (
     tokens_pattern,
     usage_key,
 )
+from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
 
@@ -41,7 +44,7 @@ PRICES = PriceTable.from_dict(
         "version": "it-1",
         "currency": "USD",
         "unit": 1_000_000,
-        "models": {"gpt-4o": {"input": "2.50", "cached_input": "1.25", "output": "10.00"}},
+        "models": {"gpt-4o-20*": {"input": "2.50", "cached_input": "1.25", "output": "10.00"}},
     }
 )
 WHEN = datetime(2026, 11, 21, 23, 59, 59, tzinfo=UTC)
@@ -235,6 +238,90 @@ async def test_many_large_picos_never_leave_the_range(
     assert (fields["cost_units"], fields["cost_pico"]) == ("199", "999999999975")
 
 
+# --------------------------------------------------------------------------- unpriced requests
+
+
+async def test_unpriced_requests_are_counted_in_their_row_once(
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
+) -> None:
+    tenant = scope.tenant()
+    priced = make_tokens(scope.rid("p"))
+    unknown = [make_tokens(scope.rid(n), model="mystery-1") for n in (1, 2)]
+    sink = RedisSink(store)
+    sink.add(priced, billed(priced, tenant))
+    for tokens in unknown:
+        event = billed(tokens, tenant)
+        assert (event.priced, event.cost) == (False, Decimal(0))
+        sink.add(tokens, event)
+    assert await sink.flush() == [True, True, True]
+    # a priced request writes no unpriced_requests field; an unpriced one adds 1
+    assert UNPRICED_FIELD not in await hash_of(
+        redis_client, usage_key(DAY, tenant, "gpt-4o-2024-08-06")
+    )
+    row = usage_key(DAY, tenant, "mystery-1")
+    fields = await hash_of(redis_client, row)
+    assert (fields["requests"], fields[UNPRICED_FIELD]) == ("2", "2")
+    assert (fields["cost_units"], fields["cost_pico"]) == ("0", "0")
+
+    replay = RedisSink(store)
+    replay.add(unknown[0], billed(unknown[0], tenant))
+    assert await replay.flush() == [False]
+    assert await hash_of(redis_client, row) == fields  # counted once
+    rows = {r["model"]: r for r in await store.usage_rows(tenant=tenant)}
+    assert rows["mystery-1"]["unpriced_requests"] == 2
+    assert rows["gpt-4o-2024-08-06"]["unpriced_requests"] == 0
+
+
+async def test_a_row_written_before_the_field_reads_0_and_counts_on(
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
+) -> None:
+    tenant = scope.tenant()
+    row = usage_key(DAY, tenant, "mystery-1")
+    old = {  # what the previous flush script wrote: no unpriced_requests
+        "requests": "3",
+        "input_tokens": "30",
+        "output_tokens": "6",
+        "reasoning_tokens": "0",
+        "cached_tokens": "0",
+        "cache_write_tokens": "0",
+        "cost_units": "0",
+        "cost_pico": "0",
+    }
+    await redis_client.hset(row, mapping=old)
+    await redis_client.sadd(ROWS_KEY, row_member(DAY, tenant, "mystery-1"))
+    [before] = await store.usage_rows(tenant=tenant)
+    assert (before["requests"], before["unpriced_requests"]) == (3, 0)
+
+    tokens = make_tokens(scope.rid(1), model="mystery-1")
+    sink = RedisSink(store)
+    sink.add(tokens, billed(tokens, tenant))
+    assert await sink.flush() == [True]
+    [after] = await store.usage_rows(tenant=tenant)
+    assert (after["requests"], after["unpriced_requests"], after["input_tokens"]) == (4, 1, 1030)
+
+
+async def test_the_rebuild_restores_unpriced_requests_from_the_billing_events(
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
+) -> None:
+    tenant = scope.tenant()
+    priced, unknown = make_tokens(scope.rid("p")), make_tokens(scope.rid("u"), model="mystery-1")
+    # as the rebuild reads them: decoded from the billing topic's bytes
+    events = [
+        avro.decode_billing_event(avro.encode_billing_event(billed(tokens, tenant)))
+        for tokens in (priced, unknown)
+    ]
+    plan = join([TokensRecord(t.request_id, t) for t in (priced, unknown)], events)
+    assert len(plan.requests) == 2
+    result = await apply(store, plan.requests)
+    assert (result.applied, result.present) == (2, 0)
+    rows = {r["model"]: r for r in await store.usage_rows(tenant=tenant)}
+    assert (rows["mystery-1"]["requests"], rows["mystery-1"]["unpriced_requests"]) == (1, 1)
+    assert rows["gpt-4o-2024-08-06"]["unpriced_requests"] == 0
+    assert (await apply(store, plan.requests)).present == 2  # a second rebuild changes nothing
+    again = {r["model"]: r for r in await store.usage_rows(tenant=tenant)}
+    assert again == rows
+
+
 # --------------------------------------------------------------------------- reading
 
 
@@ -263,6 +350,7 @@ async def test_usage_rows_sum_requests_and_filter(
             "model": "gpt-4o-2024-08-06",
             "day": DAY,
             "requests": 2,
+            "unpriced_requests": 0,
             "input_tokens": 4000,
             "output_tokens": 150,
             "reasoning_tokens": 20,
@@ -276,6 +364,7 @@ async def test_usage_rows_sum_requests_and_filter(
             "model": "unknown",
             "day": DAY,
             "requests": 1,
+            "unpriced_requests": 1,  # no model: priced by no entry
             "input_tokens": 7,
             "output_tokens": 0,
             "reasoning_tokens": 0,
@@ -461,6 +550,7 @@ def test_cli_usage_json_and_table(
             "model": "gpt-4o-2024-08-06",
             "day": DAY,
             "requests": 2,
+            "unpriced_requests": 0,
             "input_tokens": 2000,
             "output_tokens": 400,
             "reasoning_tokens": 0,

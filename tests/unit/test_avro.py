@@ -804,6 +804,46 @@ def _fields(obj: Any) -> dict[str, Any]:
     return {name: getattr(obj, name) for name in obj.__dataclass_fields__}
 
 
+def test_billing_priced_round_trips() -> None:
+    assert BILLING.priced is True
+    unpriced = BillingEvent(**{**_fields(BILLING), "cost": Decimal(0), "priced": False})
+    back = avro.decode_billing_event(avro.encode_billing_event(unpriced))
+    assert back == unpriced
+    assert back.priced is False
+    assert avro.decode("BillingEvent", avro.encode_billing_event(unpriced))["priced"] is False
+
+
+def test_a_billing_event_of_version_1_decodes_as_priced() -> None:
+    """Events written before `priced` existed read with its default, true."""
+    record = avro.decode("BillingEvent", avro.encode_billing_event(BILLING))
+    old = avro.encode("BillingEvent", record, version=1)
+    assert avro.writer_of(old).version == 1
+    assert old[2:10] == avro.history("BillingEvent")[0].fingerprint
+    assert old[2:10].hex() == "373b7e6c075c7a5a"  # the v1 fingerprint, as on the topic
+    back = avro.decode_billing_event(old)
+    assert back.priced is True
+    assert back == BILLING
+    free = BillingEvent(**{**_fields(BILLING), "cost": Decimal(0)})
+    old_free = avro.encode(
+        "BillingEvent", avro.decode("BillingEvent", avro.encode_billing_event(free)), version=1
+    )
+    assert avro.decode_billing_event(old_free).priced is True  # a v1 event cannot say otherwise
+
+
+def test_billing_event_version_2_only_adds_priced_with_default_true() -> None:
+    v1, v2 = (v.schema for v in avro.history("BillingEvent")[:2])
+    assert [v.version for v in avro.history("BillingEvent")] == [1, 2]
+    assert avro.current("BillingEvent").version == 2
+    names_v1 = [f["name"] for f in v1["fields"]]
+    names_v2 = [f["name"] for f in v2["fields"]]
+    assert [n for n in names_v2 if n != "priced"] == names_v1
+    assert names_v2.index("priced") == names_v2.index("cost") + 1
+    priced = _field(v2, "priced")
+    assert (priced["type"], priced["default"]) == ("boolean", True)
+    assert avro.compatibility_errors(v1, v2) == []
+    assert avro.compatibility_errors(v2, v1) == []
+
+
 # --------------------------------------------------------------------------- dead letters
 
 DEAD_LETTERS = [

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 from datetime import UTC, datetime, timedelta, timezone
@@ -20,8 +21,8 @@ PRICES = PriceTable.from_dict(
         "currency": "USD",
         "unit": 1_000_000,
         "models": {
-            "gpt-4.1": {"input": "2.00", "cached_input": "0.50", "output": "8.00"},
-            "claude-sonnet-4": {
+            "gpt-4.1-20*": {"input": "2.00", "cached_input": "0.50", "output": "8.00"},
+            "claude-sonnet-4*": {
                 "input": "3.00",
                 "cached_input": "0.30",
                 "cache_write": "3.75",
@@ -80,6 +81,7 @@ def test_bill_prices_the_request_exactly() -> None:
     assert event.price_table_version == "2026-11-01"
     assert event.event_time == WHEN
     assert event.finish_reason is FinishReason.STOP
+    assert event.priced
 
 
 def test_same_tokens_twice_give_identical_events_and_avro_bytes() -> None:
@@ -117,6 +119,62 @@ def test_unpriced_model_is_billed_at_zero_flagged_and_logged(
     encode_billing_event(billed.event)  # and it is a valid event
 
 
+def test_an_unpriced_event_says_so_on_the_wire() -> None:
+    event = bill(make_tokens(model="mystery-1"), "acme", WHEN, PRICES)
+    assert event.priced is False
+    assert event.cost == Decimal(0)
+    back = decode_billing_event(encode_billing_event(event))
+    assert back == event
+    assert back.priced is False
+
+
+def test_a_longer_model_is_not_billed_at_a_shorter_models_rates() -> None:
+    """`gpt-4.1-mini-2025-04-14` is unpriced by a table that names `gpt-4.1` only."""
+    only_gpt41 = PriceTable.from_dict(
+        {
+            "version": "v",
+            "currency": "USD",
+            "unit": 1_000_000,
+            "models": {"gpt-4.1": {"input": "2.00", "cached_input": "0.50", "output": "8.00"}},
+        }
+    )
+    event = bill(make_tokens(model="gpt-4.1-mini-2025-04-14"), "acme", WHEN, only_gpt41)
+    assert (event.priced, event.cost) == (False, Decimal(0))
+    priced = bill(make_tokens(model="gpt-4.1-mini-2025-04-14"), "acme", WHEN, PRICES)
+    assert (priced.priced, priced.cost) == (False, Decimal(0))  # "gpt-4.1-20*" does not start it
+    assert bill(make_tokens(model="gpt-4.1"), "acme", WHEN, only_gpt41).priced
+
+
+def test_a_cost_the_record_cannot_carry_is_billed_unpriced(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    huge = PriceTable.from_dict(
+        {
+            "version": "huge",
+            "currency": "USD",
+            "unit": 1,
+            "models": {"m": {"input": "9" * 30, "output": "0"}},
+        }
+    )
+    with caplog.at_level(logging.WARNING, logger="streamtally.wire.billing"):
+        billed = price_request(make_tokens(model="m"), "acme", WHEN, huge)
+    assert billed.quote.cost is not None  # the table prices it ...
+    assert not billed.priced  # ... but the billing record cannot carry it
+    assert (billed.event.priced, billed.event.cost) == (False, Decimal(0))
+    assert billed.event.input_tokens == 1520
+    assert "does not fit the billing record" in caplog.text
+    assert decode_billing_event(encode_billing_event(billed.event)) == billed.event
+
+
+def test_an_unpriced_event_has_cost_zero_and_priced_is_a_bool() -> None:
+    event = bill(make_tokens(), "acme", WHEN, PRICES)
+    with pytest.raises(ValueError, match="an unpriced event has cost 0"):
+        dataclasses.replace(event, priced=False)
+    with pytest.raises(ValueError, match="priced must be a bool"):
+        dataclasses.replace(event, priced=1)
+    assert dataclasses.replace(event, priced=False, cost=Decimal(0)).priced is False
+
+
 def test_request_without_model_is_unpriced() -> None:
     billed = price_request(make_tokens(model=None), "acme", WHEN, PRICES)
     assert not billed.priced
@@ -126,7 +184,8 @@ def test_request_without_model_is_unpriced() -> None:
 def test_priced_request_is_flagged_priced() -> None:
     billed = price_request(make_tokens(model="claude-sonnet-4-20250514"), "t", WHEN, PRICES)
     assert billed.priced
-    assert billed.quote.entry == "claude-sonnet-4"
+    assert billed.event.priced
+    assert billed.quote.entry == "claude-sonnet-4*"
 
 
 def test_event_time_must_be_aware_and_keeps_its_instant() -> None:

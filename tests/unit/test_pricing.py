@@ -120,28 +120,70 @@ def test_consistent_usage_has_no_notes() -> None:
 # --------------------------------------------------------------------------- lookup
 
 
-def test_model_lookup_exact_then_longest_prefix_then_wildcard() -> None:
+GPT41 = {"input": "2.00", "cached_input": "0.50", "output": "8.00"}
+GPT41_MINI = {"input": "0.40", "cached_input": "0.10", "output": "1.60"}
+
+
+def test_a_name_prices_that_model_only_never_a_longer_one() -> None:
+    """`gpt-4.1-mini-2025-04-14` is not billed at `gpt-4.1` rates unless a wildcard says so."""
+    prices = table({"gpt-4.1": GPT41})
+    assert prices.entry_for("gpt-4.1") == "gpt-4.1"
+    assert prices.entry_for("gpt-4.1-mini-2025-04-14") is None
+    assert prices.cost("gpt-4.1-mini-2025-04-14", Usage(input_tokens=1_000_000)) is None
+    assert prices.entry_for("gpt-4.1-2025-04-14") is None  # a dated snapshot too: say so
+    assert prices.entry_for("gpt-4") is None
+
+
+def test_a_wildcard_prices_every_model_it_starts() -> None:
+    prices = table({"gpt-4.1*": GPT41})
+    assert prices.entry_for("gpt-4.1-mini-2025-04-14") == "gpt-4.1*"  # the table says so
+    assert prices.cost("gpt-4.1-mini-2025-04-14", Usage(input_tokens=1_000_000)) == Decimal(2)
+    assert prices.entry_for("gpt-4.1") == "gpt-4.1*"  # "*" matches nothing too
+    assert prices.entry_for("gpt-4") is None
+    assert prices.entry_for("xgpt-4.1") is None  # a prefix, not a substring
+    assert prices.entry_for(None) is None
+
+
+def test_the_longest_wildcard_wins_and_an_exact_name_beats_every_wildcard() -> None:
     prices = table(
         {
-            "gpt-4o": {"input": "2.50", "output": "10"},
-            "gpt-4o-mini": {"input": "0.15", "output": "0.60"},
-            "gpt-4o-mini-2024-07-18": {"input": "0.20", "output": "0.60"},
+            "*": {"input": "1", "output": "1"},
+            "gpt-4.1*": GPT41,
+            "gpt-4.1-mini*": GPT41_MINI,
+            "gpt-4.1-mini-2025-04-14": {"input": "0.30", "output": "1.20"},
+            "gpt-4.1-mini-2025-04-14*": {"input": "9", "output": "9"},
         }
     )
-    assert prices.entry_for("gpt-4o-2024-08-06") == "gpt-4o"
-    assert prices.entry_for("gpt-4o-mini-2024-09-09") == "gpt-4o-mini"
-    assert prices.entry_for("gpt-4o-mini-2024-07-18") == "gpt-4o-mini-2024-07-18"
-    assert prices.entry_for("gpt-4") is None
-    assert prices.cost("gpt-4", Usage(input_tokens=1)) is None
-    assert prices.cost(None, Usage(input_tokens=1)) is None
-    assert prices.cost("gpt-4o-2024-08-06", Usage(input_tokens=1_000_000)) == Decimal("2.5")
+    assert prices.entry_for("gpt-4.1-mini-2025-04-14") == "gpt-4.1-mini-2025-04-14"
+    assert prices.entry_for("gpt-4.1-mini-2025-04-14-x") == "gpt-4.1-mini-2025-04-14*"
+    assert prices.entry_for("gpt-4.1-mini-2026-01-01") == "gpt-4.1-mini*"
+    assert prices.entry_for("gpt-4.1-nano") == "gpt-4.1*"
+    assert prices.entry_for("claude-x") == "*"  # the catch-all is the shortest wildcard
+    assert prices.entry_for(None) == "*"  # a request without a model matches only "*"
+    assert prices.models[0] == "*"
 
-    with_star = table(
-        {"gpt-4o": {"input": "2.50", "output": "10"}, "*": {"input": "1", "output": "1"}}
-    )
-    assert with_star.entry_for("claude-x") == "*"
-    assert with_star.entry_for(None) == "*"
-    assert with_star.entry_for("gpt-4o-x") == "gpt-4o"  # a real prefix beats "*"
+
+def test_a_model_named_by_no_wildcard_of_a_table_without_star_is_unpriced() -> None:
+    prices = table({"gpt-4o-20*": {"input": "2.50", "output": "10"}})
+    assert prices.entry_for("gpt-4o-2024-08-06") == "gpt-4o-20*"
+    assert prices.entry_for("gpt-4o-mini-2024-07-18") is None
+    assert prices.entry_for("gpt-4o") is None
+
+
+@pytest.mark.parametrize("name", ["gpt-*-mini", "*gpt-4.1", "gpt-4.1**", "**", "a*b*"])
+def test_a_star_anywhere_but_at_the_end_is_refused(name: str) -> None:
+    with pytest.raises(PriceTableError) as info:
+        table({name: {"input": "1", "output": "1"}})
+    message = str(info.value)
+    assert message.startswith("test.json: invalid price table: models: ")
+    assert f"model name {name!r} has a '*' before its end" in message
+    assert 'like "gpt-4.1*"' in message
+
+
+@pytest.mark.parametrize("name", ["", " gpt-4.1", "gpt-4.1* "])
+def test_empty_names_and_surrounding_spaces_are_refused(name: str) -> None:
+    with pytest.raises(PriceTableError, match="is empty or has surrounding spaces"):
+        table({name: {"input": "1", "output": "1"}})
 
 
 def test_unpriced_quote() -> None:
@@ -232,13 +274,14 @@ def test_sample_table_loads_and_prices_the_fixture_models() -> None:
     prices = PriceTable.default()
     assert "*" not in prices.models  # unknown models must stay visibly unpriced
     expected_entries = {
-        "gpt-4o-2024-08-06": "gpt-4o",
-        "gpt-4o-mini-2024-07-18": "gpt-4o-mini",
-        "gpt-4.1-2025-04-14": "gpt-4.1",
-        "gpt-4.1-mini-2025-04-14": "gpt-4.1-mini",
-        "claude-sonnet-4-5-20250929": "claude-sonnet-4-5",
-        "claude-haiku-4-5-20251001": "claude-haiku-4-5",
-        "claude-3-haiku-20240307": "claude-3-haiku",
+        "gpt-4o-2024-08-06": "gpt-4o-2024-08-06",
+        "gpt-4o-mini-2024-07-18": "gpt-4o-mini-20*",
+        "gpt-4.1-2025-04-14": "gpt-4.1-20*",
+        "gpt-4.1-mini-2025-04-14": "gpt-4.1-mini-20*",
+        "claude-sonnet-4-5-20250929": "claude-sonnet-4-5-20*",
+        "claude-sonnet-4-20250514": "claude-sonnet-4-20*",
+        "claude-haiku-4-5-20251001": "claude-haiku-4-5-20*",
+        "claude-3-haiku-20240307": "claude-3-haiku-20*",
         "gemini-2.5-flash": "gemini-2.5-flash",
         "gemini-2.5-flash-lite": "gemini-2.5-flash-lite",
         "deepseek-reasoner": "deepseek-reasoner",
@@ -248,6 +291,57 @@ def test_sample_table_loads_and_prices_the_fixture_models() -> None:
     for model, entry in expected_entries.items():
         assert prices.entry_for(model) == entry, model
     assert prices.entry_for("claude-fable-5") is None
+    assert prices.entry_for("claude-opus-4-7") is None  # no "claude-opus-4-*": not opus 4 rates
+    # gpt-4o's first snapshot cost more than the later ones: not covered by a wildcard
+    assert prices.entry_for("gpt-4o-2024-05-13") is None
     # gpt-4.1: 112 uncached * 2.00 + 1408 cached * 0.50 + 48 output * 8.00, per million
     usage = Usage(input_tokens=1520, cached_tokens=1408, output_tokens=48)
     assert prices.cost("gpt-4.1-2025-04-14", usage) == Decimal("0.001312")
+
+
+def _fixture_models() -> set[str]:
+    """Every model the expectations (public transcripts and samples) and the manifest name."""
+    models: set[str] = set()
+    for path in sorted((REPO / "tests" / "expectations").glob("*.json")):
+        for expected in json.loads(path.read_text("utf-8")).values():
+            if expected.get("model"):
+                models.add(expected["model"])
+    for line in (REPO / "samples" / "manifest.jsonl").read_text("utf-8").splitlines():
+        if json.loads(line).get("model"):
+            models.add(json.loads(line)["model"])
+    return models
+
+
+def test_sample_table_prices_every_fixture_model_as_the_former_prefix_rule_did() -> None:
+    """Explicit entries and wildcards give each fixture model the rates the implicit
+    longest-prefix match of earlier versions gave it (and leave the same ones unpriced)."""
+    prices = PriceTable.default()
+    exact = [name for name in prices.models if not name.endswith("*")]
+    models = _fixture_models()
+    assert len(models) > 35
+    for model in sorted(models):
+        former = max((name for name in exact if model.startswith(name)), key=len, default=None)
+        want = None if former is None else prices.rates_for(former)
+        assert prices.rates_for(model) == want, model
+    # the names that matched by prefix and now have an exact entry of their own
+    for model, former in {
+        "gpt-4o-2024-08-06": "gpt-4o",
+        "gpt-5.1-codex-max": "gpt-5.1",
+        "gpt-5.2-codex": "gpt-5.2",
+        "claude-3-opus-latest": "claude-3-opus",
+        "magistral-medium-2507": "magistral-medium",
+    }.items():
+        assert model in models
+        assert prices.entry_for(model) == model
+        assert prices.rates_for(model) == prices.rates_for(former), model
+
+
+def test_every_wildcard_of_the_sample_table_names_dated_snapshots() -> None:
+    """A packaged wildcard covers a model's dated snapshots only, never another model."""
+    prices = PriceTable.default()
+    wildcards = [name for name in prices.models if name.endswith("*")]
+    assert wildcards
+    for name in wildcards:
+        assert name.endswith("-20*"), name
+        base = name.removesuffix("-20*")
+        assert prices.rates_for(base) == prices.rates_for(name), name

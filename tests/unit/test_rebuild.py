@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -16,8 +17,11 @@ from streamtally.ops.rebuild import (
     Skipped,
     SkipReason,
     TokensRecord,
+    apply,
     join,
 )
+from streamtally.store import FinishedRequest
+from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
 
@@ -26,17 +30,22 @@ PRICES = PriceTable.from_dict(
         "version": "2026-11-01",
         "currency": "USD",
         "unit": 1_000_000,
-        "models": {"gpt-4.1": {"input": "2.00", "cached_input": "0.50", "output": "8.00"}},
+        "models": {"gpt-4.1-20*": {"input": "2.00", "cached_input": "0.50", "output": "8.00"}},
     }
 )
 WHEN = datetime(2026, 11, 21, 12, 30, tzinfo=UTC)
 
 
-def make_tokens(request_id: str, text: str = "hello", output_tokens: int = 48) -> Tokens:
+def make_tokens(
+    request_id: str,
+    text: str = "hello",
+    output_tokens: int = 48,
+    model: str | None = "gpt-4.1-2025-04-14",
+) -> Tokens:
     return Tokens(
         request_id=request_id,
         source=Source.OPENAI,
-        model="gpt-4.1-2025-04-14",
+        model=model,
         text=text,
         reasoning="",
         tool_calls=(),
@@ -172,6 +181,34 @@ def test_requests_come_ordered_by_event_time_then_request_id() -> None:
 
 def test_nothing_in_nothing_out() -> None:
     assert join([], []) == Plan()
+
+
+class FakeStore:
+    """What the rebuild's sink needs of a `RedisStore`: `apply_requests`."""
+
+    def __init__(self) -> None:
+        self.batches: list[list[FinishedRequest]] = []
+
+    async def apply_requests(self, batch: Sequence[FinishedRequest]) -> list[bool]:
+        self.batches.append(list(batch))
+        return [True] * len(batch)
+
+
+async def test_the_rebuild_counts_unpriced_requests_from_their_billing_events() -> None:
+    priced, unknown = make_tokens("priced"), make_tokens("unknown", model="mystery-1")
+    events = [billing_of(priced), billing_of(unknown)]
+    assert [e.priced for e in events] == [True, False]
+    # as read back from the billing topic
+    decoded = [avro.decode_billing_event(avro.encode_billing_event(e)) for e in events]
+    plan = join([record(priced), record(unknown)], decoded)
+    store = FakeStore()
+    result = await apply(store, plan.requests)  # type: ignore[arg-type]
+    assert result.applied == 2
+    [batch] = store.batches
+    assert [(r.request_id, r.priced, r.argv()[-1]) for r in batch] == [
+        ("priced", True, "0"),
+        ("unknown", False, "1"),  # the flush script adds 1 to the row's unpriced_requests
+    ]
 
 
 def test_the_commands_are_registered() -> None:

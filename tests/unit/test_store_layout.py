@@ -32,6 +32,7 @@ from streamtally.store import (
     STATS_KEY,
     TOKENS_PREFIX,
     UNKNOWN_MODEL,
+    UNPRICED_FIELD,
     RedisStore,
     day_of,
     finished_request,
@@ -51,7 +52,7 @@ PRICES = PriceTable.from_dict(
         "version": "2026-11-01",
         "currency": "USD",
         "unit": 1_000_000,
-        "models": {"gpt-4.1": {"input": "2.00", "cached_input": "0.50", "output": "8.00"}},
+        "models": {"gpt-4.1-20*": {"input": "2.00", "cached_input": "0.50", "output": "8.00"}},
     }
 )
 DAY = "2026-11-21"
@@ -160,6 +161,7 @@ def test_the_stored_tokens_text_is_compact_utf8_json() -> None:
 def test_the_field_names() -> None:
     assert UNKNOWN_MODEL == "unknown"
     assert COST_FIELDS == ("cost_units", "cost_pico")
+    assert UNPRICED_FIELD == "unpriced_requests"
     assert ROW_FIELDS == (
         "requests",
         "input_tokens",
@@ -169,6 +171,7 @@ def test_the_field_names() -> None:
         "cache_write_tokens",
         "cost_units",
         "cost_pico",
+        "unpriced_requests",  # added last: the script reads cost_pico as values[8]
     )
     assert ROW_FIELDS[1:6] == USAGE_FIELDS
     assert STATS_FIELDS == ("records", "duplicates", "dead_lettered", "requests")
@@ -179,9 +182,14 @@ def test_the_field_names() -> None:
 
 
 def test_the_script_texts_are_unchanged() -> None:
-    """A script's SHA1 is its name in Redis's script cache; the texts were moved, not edited."""
+    """A script's SHA1 is its name in Redis's script cache: an edit is a new script.
+
+    The flush script was last changed to count unpriced requests
+    (``unpriced_requests``, a 14th argument per request); before it was
+    1b37480601245eac7cc7415f6c371d59fd1e367f.
+    """
     assert hashlib.sha1(FLUSH_SCRIPT.encode()).hexdigest() == (
-        "1b37480601245eac7cc7415f6c371d59fd1e367f"
+        "8403b48c6bafab472e83bcee360bd4664cae25f3"
     )
     assert hashlib.sha1(DEAD_LETTER_SCRIPT.encode()).hexdigest() == (
         "5f3aa4e824ff12f8f80c5d3e08f041f6565f722c"
@@ -198,22 +206,32 @@ def test_the_flush_script_names_the_row_fields_of_the_layout() -> None:
     assert _lua_list("FIELDS") == USAGE_FIELDS
     assert _lua_list("ALL") == ROW_FIELDS
     assert f"local a = 2 + {ARGS_PER_REQUEST} * (i - 1)" in FLUSH_SCRIPT
+    assert ROW_FIELDS.index("cost_pico") + 1 == 8
+    assert "local pico = tonumber(values[8] or '0')" in FLUSH_SCRIPT
+    # the unpriced count is the last argument of a request, added only when it is not 0
+    assert ARGS_PER_REQUEST == 14
+    assert "if ARGV[a + 13] ~= '0' then" in FLUSH_SCRIPT
+    assert "redis.call('HINCRBY', uk, 'unpriced_requests', ARGV[a + 13])" in FLUSH_SCRIPT
 
 
-def test_flush_call_lays_out_keys_and_the_13_arguments_per_request() -> None:
+def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
     first = make_tokens("r1")
     event = dataclasses.replace(
         bill(first, "acme:eu", datetime(2026, 11, 21, 23, 30, tzinfo=UTC), PRICES),
         cost=Decimal("123.000000000456"),
     )
     second = make_tokens("r2", model=None)
-    unpriced = dataclasses.replace(
-        bill(second, "globex", datetime(2026, 11, 22, 0, 0, tzinfo=UTC), PRICES),
+    unpriced = bill(second, "globex", datetime(2026, 11, 22, 0, 0, tzinfo=UTC), PRICES)
+    assert not unpriced.priced
+    third = make_tokens("r3")
+    negative = dataclasses.replace(
+        bill(third, "acme", datetime(2026, 11, 21, 1, 0, tzinfo=UTC), PRICES),
         cost=Decimal("-0.5"),
     )
     batch = [
         finished_request(first, event, closed="12 timeout", records=4, duplicates=1),
         finished_request(second, unpriced),
+        finished_request(third, negative),
     ]
     assert all(len(request.argv()) == ARGS_PER_REQUEST for request in batch)
     keys, argv = flush_call(batch)
@@ -225,9 +243,11 @@ def test_flush_call_lays_out_keys_and_the_13_arguments_per_request() -> None:
         "st:usage:2026-11-21:acme%3Aeu:gpt-4.1-2025-04-14",
         "st:tokens:r2",
         "st:usage:2026-11-22:globex:unknown",
+        "st:tokens:r3",
+        "st:usage:2026-11-21:acme:gpt-4.1-2025-04-14",
     ]
     assert argv == [
-        "2",
+        "3",
         tokens_json(first),
         '["2026-11-21","acme:eu","gpt-4.1-2025-04-14"]',
         "1520",  # the five usage fields, in USAGE_FIELDS order
@@ -241,6 +261,7 @@ def test_flush_call_lays_out_keys_and_the_13_arguments_per_request() -> None:
         "12 timeout",  # closing marker
         "4",  # raw records
         "1",  # duplicates
+        "0",  # priced: not counted in unpriced_requests
         tokens_json(second),
         '["2026-11-22","globex","unknown"]',
         "1520",
@@ -248,10 +269,25 @@ def test_flush_call_lays_out_keys_and_the_13_arguments_per_request() -> None:
         "7",
         "1408",
         "3",
-        "-1",  # -0.5 = -1 + 0.5: floor division, the pico part never negative
-        "500000000000",
+        "0",  # unpriced: cost 0
+        "0",
         "r2",
         "0 end",  # the defaults
+        "0",
+        "0",
+        "1",  # unpriced: one more in the row's unpriced_requests
+        tokens_json(third),
+        '["2026-11-21","acme","gpt-4.1-2025-04-14"]',
+        "1520",
+        "48",
+        "7",
+        "1408",
+        "3",
+        "-1",  # -0.5 = -1 + 0.5: floor division, the pico part never negative
+        "500000000000",
+        "r3",
+        "0 end",
+        "0",
         "0",
         "0",
     ]

@@ -21,17 +21,19 @@ PRICES = PriceTable.from_dict(
         "version": "2026-11-01",
         "currency": "USD",
         "unit": 1_000_000,
-        "models": {"gpt-4.1": {"input": "2.00", "cached_input": "0.50", "output": "8.00"}},
+        "models": {"gpt-4.1-20*": {"input": "2.00", "cached_input": "0.50", "output": "8.00"}},
     }
 )
 WHEN = datetime(2026, 11, 21, 12, 0, tzinfo=UTC)
 
 
-def make_tokens(request_id: str, usage: Usage | None = None) -> Tokens:
+def make_tokens(
+    request_id: str, usage: Usage | None = None, model: str | None = "gpt-4.1-2025-04-14"
+) -> Tokens:
     return Tokens(
         request_id=request_id,
         source=Source.OPENAI,
-        model="gpt-4.1-2025-04-14",
+        model=model,
         text="hi",
         reasoning="",
         tool_calls=(),
@@ -96,6 +98,16 @@ def test_usage_beyond_a_counter_and_a_cost_beyond_one_increment_are_refused() ->
     rich = dataclasses.replace(billed(tokens), cost=Decimal(2**63))
     with pytest.raises(ValueError, match=r"r1: cost .* is too large to count"):
         finished_request(tokens, rich)
+
+
+def test_an_unpriced_billing_event_is_counted_as_unpriced() -> None:
+    priced = make_tokens("r1")
+    unknown = make_tokens("r2", model="mystery-1")
+    nameless = make_tokens("r3", model=None)
+    requests = [finished_request(t, billed(t)) for t in (priced, unknown, nameless)]
+    assert [r.priced for r in requests] == [True, False, False]
+    assert [r.argv()[-1] for r in requests] == ["0", "1", "1"]
+    assert [(r.cost_units, r.cost_pico) for r in requests[1:]] == [(0, 0), (0, 0)]
 
 
 async def test_flush_hands_the_batch_in_add_order_and_empties_it() -> None:

@@ -195,6 +195,10 @@ def decode_raw_engine_output(data: bytes) -> RawEngineOutput:
 
 
 def decode_billing_event(data: bytes) -> BillingEvent:
+    """A billing event written with any released version of its schema.
+
+    One written before `priced` existed (version 1) reads as priced, the field's default.
+    """
     r = read("BillingEvent", data)
     finish = _finish(r["finish_reason"])
     _require(finish is not None, "BillingEvent: no finish reason")

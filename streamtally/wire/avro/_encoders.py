@@ -218,6 +218,7 @@ def encode_billing_event(event: BillingEvent) -> bytes:
             "finish_reason": event.finish_reason.name,
             **event.usage_counts(),
             "cost": scaled_cost(event.cost),
+            "priced": event.priced,
             "currency": event.currency,
             "price_table_version": event.price_table_version,
             "event_time": event.event_time,
