@@ -192,7 +192,8 @@ def run(
                         f"garbage-{tag}".encode(),
                         b"\x00\xffnot avro at all \xfe\x80 " + tag.encode(),
                     ),
-                    (None, b"\xc3\x01" + bytes(range(256)) + tag.encode()),
+                    # keyed: a keyless record is refused before it is decoded
+                    (f"garbage-2-{tag}".encode(), b"\xc3\x01" + bytes(range(256)) + tag.encode()),
                 ],
             )
         )

@@ -464,10 +464,13 @@ def test_usage_rows_sum_the_folds_and_the_billed_costs(
             row = rows.setdefault(
                 key,
                 {"tenant": tenant, "model": key[1], "day": key[0], "requests": 0}
+                | {"unpriced_requests": 0}
                 | dict.fromkeys(USAGE_FIELDS, 0)
                 | {"cost": Decimal(0)},
             )
             row["requests"] += 1
+            if not _prices().is_priced(folded["model"]):
+                row["unpriced_requests"] += 1  # billed at 0, marked, counted
             for name in USAGE_FIELDS:
                 row[name] += folded["usage"][name]
             row["cost"] += Decimal(event["cost"])
