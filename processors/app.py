@@ -122,6 +122,7 @@ def create_app(
             records_per_request=settings.max_records_per_request,
             open_requests=settings.max_open_requests,
             open_per_tenant=settings.max_open_per_tenant,
+            text_bytes=settings.max_text_bytes,
         ),
     )
     pipeline = Pipeline(app=app, processor=processor, agents={})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from streamtally.core.fold import MAX_TEXT_BYTES
 from streamtally.errors import InputError
 
 __all__ = ["MAX_RECORD_BYTES", "PERMANENT_ERRORS", "TOMBSTONE", "Limits", "refused_at_the_edge"]
@@ -35,7 +36,7 @@ class Limits:
 
     Defaults are safe for a worker of a few GiB; the settings
     (`STREAMTALLY_MAX_RECORDS_PER_REQUEST`, `STREAMTALLY_MAX_OPEN_REQUESTS`,
-    `STREAMTALLY_MAX_OPEN_PER_TENANT`) change them.
+    `STREAMTALLY_MAX_OPEN_PER_TENANT`, `STREAMTALLY_MAX_TEXT_BYTES`) change them.
     """
 
     #: Records one request may have (its end marker is always taken, so it still closes).
@@ -44,6 +45,8 @@ class Limits:
     open_requests: int = 100_000
     #: Requests open at once for one tenant: one tenant cannot take every slot.
     open_per_tenant: int = 20_000
+    #: UTF-8 bytes of text, reasoning and tool arguments one request keeps (a prefix beyond).
+    text_bytes: int = MAX_TEXT_BYTES
 
 
 TOMBSTONE = InputError("a tombstone (a record with no value) on a raw topic")

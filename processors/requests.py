@@ -344,7 +344,7 @@ class RequestProcessor:
                     request_id,
                     model=record.model if isinstance(record, RawEngineOutput) else None,
                 ),
-                fold=Fold(request_id, record.source),
+                fold=Fold(request_id, record.source, max_text_bytes=self.limits.text_bytes),
                 tenant=record.tenant,
                 source=source,
                 next_seq=0,

@@ -109,6 +109,13 @@ class Settings(BaseSettings):
         ge=1,
         validation_alias=_env("STREAMTALLY_MAX_OPEN_PER_TENANT", "max_open_per_tenant"),
     )
+    #: UTF-8 bytes of text, reasoning and tool arguments one request keeps (a prefix beyond).
+    max_text_bytes: int = Field(
+        4 << 20,
+        ge=0,
+        le=6 << 20,  # the Tokens record must fit the tokens topic's 8 MiB
+        validation_alias=_env("STREAMTALLY_MAX_TEXT_BYTES", "max_text_bytes"),
+    )
     #: Seconds to wait for a batch to fill.
     batch_within: float = Field(0.05, gt=0)
     #: Seconds without heartbeats before the group gives a dead worker's partitions away.
@@ -217,6 +224,7 @@ _VARIABLES: Final = {
     "STREAMTALLY_MAX_RECORDS_PER_REQUEST": "max_records_per_request",
     "STREAMTALLY_MAX_OPEN_REQUESTS": "max_open_requests",
     "STREAMTALLY_MAX_OPEN_PER_TENANT": "max_open_per_tenant",
+    "STREAMTALLY_MAX_TEXT_BYTES": "max_text_bytes",
     "STREAMTALLY_STATE_DIR": "state_dir_setting",
     "STREAMTALLY_KAFKA_PORT": "kafka_port",
     "STREAMTALLY_CONTROLLER_PORT": "controller_port",

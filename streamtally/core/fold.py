@@ -30,10 +30,14 @@ from streamtally.core.models import (
     Usage,
 )
 
-__all__ = ["NO_FINISH", "Fold", "fold"]
+__all__ = ["MAX_TEXT_BYTES", "NO_FINISH", "Fold", "fold"]
 
 #: The error recorded for a stream that ended without any finish signal.
 NO_FINISH = "stream ended without a finish reason"
+#: UTF-8 bytes of text, reasoning and tool arguments a request keeps by default: beyond it
+#: the Tokens keeps a prefix and says so (`truncated`), so one request cannot grow a
+#: worker's memory without bound, and its Tokens fits the tokens topic (8 MiB records).
+MAX_TEXT_BYTES = 4 << 20
 
 
 class _Tool:
@@ -75,16 +79,45 @@ class _Choice:
 class Fold:
     """Accumulates one request's chunks; `result()` gives its `Tokens`."""
 
-    __slots__ = ("_choices", "chunks", "error", "model", "request_id", "source", "usage")
+    __slots__ = (
+        "_choices",
+        "_room",
+        "chunks",
+        "error",
+        "model",
+        "request_id",
+        "source",
+        "truncated",
+        "usage",
+    )
 
-    def __init__(self, request_id: str, source: Source) -> None:
+    def __init__(
+        self, request_id: str, source: Source, *, max_text_bytes: int = MAX_TEXT_BYTES
+    ) -> None:
         self.request_id = request_id
         self.source = source
         self.model: str | None = None
         self.usage: Usage | None = None
         self.error: str | None = None
         self.chunks = 0
+        self.truncated = False
+        #: UTF-8 bytes of text, reasoning and tool arguments still to be kept.
+        self._room = max_text_bytes
         self._choices: dict[int, _Choice] = {0: _Choice()}
+
+    def _keep(self, delta: str) -> str:
+        """What of `delta` fits the request's text limit (all of it, a prefix, or nothing)."""
+        room = self._room
+        if len(delta) * 4 <= room:  # fits whatever its characters (fast path)
+            self._room = room - len(delta.encode("utf-8"))
+            return delta
+        data = delta.encode("utf-8")
+        if len(data) <= room:
+            self._room = room - len(data)
+            return delta
+        self.truncated = True
+        self._room = 0
+        return data[:room].decode("utf-8", errors="ignore")  # never half a character
 
     def add(self, chunk: Chunk) -> None:
         self.chunks += 1
@@ -97,10 +130,10 @@ class Fold:
         choice = self._choices.get(chunk.choice)
         if choice is None:
             choice = self._choices[chunk.choice] = _Choice()
-        if chunk.text_delta:
-            choice.text.append(chunk.text_delta)
-        if chunk.reasoning_delta:
-            choice.reasoning.append(chunk.reasoning_delta)
+        if chunk.text_delta and (kept := self._keep(chunk.text_delta)):
+            choice.text.append(kept)
+        if chunk.reasoning_delta and (kept := self._keep(chunk.reasoning_delta)):
+            choice.reasoning.append(kept)
         for delta in chunk.tool_call_deltas:
             tool = choice.tools.get(delta.index)
             if tool is None:
@@ -109,8 +142,8 @@ class Fold:
                 tool.id = delta.id
             if delta.name and tool.name is None:
                 tool.name = delta.name
-            if delta.arguments_delta:
-                tool.args.append(delta.arguments_delta)
+            if delta.arguments_delta and (kept := self._keep(delta.arguments_delta)):
+                tool.args.append(kept)
         finish = chunk.finish_reason
         if finish is not None and PRECEDENCE[finish] > choice.rank:
             choice.finish = finish
@@ -166,12 +199,19 @@ class Fold:
             error=error,
             chunks=self.chunks,
             choices=tuple(results) if len(results) > 1 else (),
+            truncated=self.truncated,
         )
 
 
-def fold(chunks: Iterable[Chunk], request_id: str, source: Source) -> Tokens:
+def fold(
+    chunks: Iterable[Chunk],
+    request_id: str,
+    source: Source,
+    *,
+    max_text_bytes: int = MAX_TEXT_BYTES,
+) -> Tokens:
     """Fold a complete stream of one request's chunks into its `Tokens`."""
-    acc = Fold(request_id, source)
+    acc = Fold(request_id, source, max_text_bytes=max_text_bytes)
     for chunk in chunks:
         acc.add(chunk)
     return acc.result()

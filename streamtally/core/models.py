@@ -200,12 +200,17 @@ class Tokens(_Frozen):
     chunks: NonNegativeInt
     #: Every choice, choice 0 included; empty when the request had one choice.
     choices: tuple[ChoiceTokens, ...] = Field(default=())
+    #: True when the text kept (text, reasoning, tool arguments) hit the request's limit:
+    #: it is a prefix; the usage still counts in full.
+    truncated: bool = False
 
     def to_json_dict(self) -> dict[str, Any]:
         """The public JSON shape printed by `streamtally fold` and `tokens get`."""
         out = self.model_dump(mode="json")
         if not self.choices:
             del out["choices"]
+        if not self.truncated:
+            del out["truncated"]
         return out
 
 

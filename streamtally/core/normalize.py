@@ -19,7 +19,7 @@ from streamtally.core.adapters.engines import AtomrAdapter, DynamoAdapter, VllmA
 from streamtally.core.adapters.gemini import GeminiAdapter
 from streamtally.core.adapters.openai import OpenAIChatAdapter
 from streamtally.core.adapters.openai_responses import OpenAIResponsesAdapter
-from streamtally.core.fold import Fold
+from streamtally.core.fold import MAX_TEXT_BYTES, Fold
 from streamtally.core.models import Chunk, Source, Tokens, trusted_chunk, utc_now
 from streamtally.core.sse import NonSseLine, SseDecoder, SseEvent
 from streamtally.errors import InvalidEvent, NotAStream
@@ -182,6 +182,7 @@ def fold_stream(
     fallback_request_id: str = "",
     on_invalid: Callable[[int, InvalidEvent], None] | None = None,
     model: str | None = None,
+    max_text_bytes: int = MAX_TEXT_BYTES,
 ) -> Tokens:
     """Normalise and fold one whole request: what `streamtally fold` prints.
 
@@ -210,7 +211,7 @@ def fold_stream(
             f"no {source.value} content in {normalizer.events} {what}{detail}: "
             f"is this a {source.value} stream? (see `streamtally fold --help` for the sources)"
         )
-    acc = Fold(chunks[0].request_id, source)
+    acc = Fold(chunks[0].request_id, source, max_text_bytes=max_text_bytes)
     for chunk in chunks:
         acc.add(chunk)
     return acc.result()

@@ -106,6 +106,7 @@ def _tokens_out(t: Tokens) -> dict[str, Any]:
         "error": t.error,
         "chunks": t.chunks,
         "choices": [_choice_out(c) for c in t.choices],
+        "truncated": t.truncated,
     }
 
 
