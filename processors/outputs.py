@@ -81,6 +81,15 @@ class Outputs:
         self.completed.extend(other.completed)
         self.dead_letters.extend(other.dead_letters)
 
+    def without(self, request_ids: set[str]) -> Outputs:
+        """These outputs less the completions of `request_ids` (their chunks stay)."""
+        return Outputs(
+            chunks=self.chunks,
+            chunk_values=self.chunk_values,
+            completed=[c for c in self.completed if c.tokens.request_id not in request_ids],
+            dead_letters=self.dead_letters,
+        )
+
     def __bool__(self) -> bool:
         return bool(self.chunks or self.completed or self.dead_letters)
 

@@ -40,7 +40,9 @@ log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
-    async def begin(self, outputs: Outputs) -> None: ...
+    async def begin(self, outputs: Outputs) -> set[str] | None:
+        """Record what must be known before any output leaves; return the request ids whose
+        close was decided otherwise already (their outputs are then not written)."""
 
     def add(self, outputs: Outputs) -> None: ...
 
@@ -64,8 +66,9 @@ class KafkaSink:
         self._partitions = {t.name: list(range(t.partitions)) for t in topics.all}
         self._pending: list[tuple[str, bytes | None, bytes]] = []
 
-    async def begin(self, outputs: Outputs) -> None:
+    async def begin(self, outputs: Outputs) -> set[str] | None:
         del outputs  # nothing to record before sending
+        return None
 
     def add(self, outputs: Outputs) -> None:
         # Values were encoded by the processor as each output was made (a record that
@@ -123,10 +126,18 @@ class RedisOutputs:
         self._sink = RedisSink(self.store)
         self._dead: list[str] = []
 
-    async def begin(self, outputs: Outputs) -> None:
-        await self.store.mark_closing(
+    async def begin(self, outputs: Outputs) -> set[str] | None:
+        conflicts = await self.store.mark_closing(
             {done.tokens.request_id: done.closed.marker() for done in outputs.completed}
         )
+        for request_id, marker in conflicts.items():
+            log.warning(
+                "request %s was closed as %r already (by the partition's other owner): "
+                "its close here is not written",
+                ascii(request_id),
+                marker,
+            )
+        return set(conflicts)
 
     def add(self, outputs: Outputs) -> None:
         for done in outputs.completed:
@@ -184,23 +195,28 @@ class Sinks:
                 if stop is not None:
                     await stop()
 
-    async def write(self, outputs: Outputs) -> None:
+    async def write(self, outputs: Outputs) -> Outputs:
         """Make the outputs durable, retrying each step until it succeeds.
 
         Every step is idempotent, so a retry after a lost reply is harmless;
         a broker or Redis that is down stalls the worker instead of losing data.
         """
         if not outputs:
-            return
+            return outputs
         async with self._lock:
+            decided_otherwise: set[str] = set()
             for sink in self._sinks:
-                await retry(
+                found = await retry(
                     functools.partial(sink.begin, outputs), type(sink).__name__, self._health
                 )
+                decided_otherwise |= found or set()
+            if decided_otherwise:  # one close decision per request, whoever made it first
+                outputs = outputs.without(decided_otherwise)
             for sink in self._sinks:
                 sink.add(outputs)
             for sink in self._sinks:
                 await retry(sink.flush, type(sink).__name__, self._health)
+        return outputs
 
     async def find_closed(self, request_ids: list[str]) -> dict[str, Closed]:
         """The lookup of closed requests, retried as the writes are."""

@@ -14,7 +14,7 @@ import asyncio
 import json
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import date
-from typing import Any, cast
+from typing import Any
 
 import redis.asyncio as aioredis
 
@@ -33,6 +33,7 @@ from streamtally.store.layout import (
 )
 from streamtally.store.rows import day_filter, reply_text, usage_row
 from streamtally.store.scripts import (
+    CLOSE_ONCE_SCRIPT,
     DEAD_LETTER_SCRIPT,
     FLUSH_SCRIPT,
     FinishedRequest,
@@ -54,6 +55,7 @@ class RedisStore:
         self._client = client
         self._flush = client.register_script(FLUSH_SCRIPT)
         self._dead = client.register_script(DEAD_LETTER_SCRIPT)
+        self._close_once = client.register_script(CLOSE_ONCE_SCRIPT)
 
     @classmethod
     def from_url(
@@ -86,14 +88,22 @@ class RedisStore:
 
     # ------------------------------------------------------------------ writes
 
-    async def mark_closing(self, markers: Mapping[str, str]) -> None:
+    async def mark_closing(self, markers: Mapping[str, str]) -> dict[str, str]:
         """Record close decisions (request id -> "offset reason") before their outputs are sent.
 
+        Write-once: a decision already there is never overwritten.  Returns the
+        requests decided before with another marker (and that marker): their
+        outputs must not be written (another owner of the partition decided;
+        the one decision stands), so a request never gets two different bills.
         A replay that finds a decision but no Tokens closes the request again
         at the same offset for the same reason, so its outputs do not change.
         """
-        if markers:
-            await self._client.hset(CLOSED_KEY, mapping=cast("Mapping[Any, Any]", markers))
+        if not markers:
+            return {}
+        args = [part for pair in markers.items() for part in pair]
+        flat = await self._close_once(keys=[CLOSED_KEY], args=args)
+        texts = [reply_text(item) for item in flat]
+        return dict(zip(texts[::2], texts[1::2], strict=True))
 
     async def apply_requests(self, batch: Sequence[FinishedRequest]) -> list[bool]:
         """Apply finished requests in ONE atomic, idempotent script call.

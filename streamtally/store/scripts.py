@@ -29,6 +29,7 @@ from streamtally.store.layout import CLOSED_KEY, DEAD_SEEN_KEY, ROWS_KEY, STATS_
 
 __all__ = [
     "ARGS_PER_REQUEST",
+    "CLOSE_ONCE_SCRIPT",
     "DEAD_LETTER_SCRIPT",
     "FLUSH_SCRIPT",
     "FinishedRequest",
@@ -144,6 +145,24 @@ if new > 0 then
   redis.call('HINCRBY', KEYS[2], 'dead_lettered', new)
 end
 return new
+"""
+
+CLOSE_ONCE_SCRIPT: Final = """
+-- KEYS[1] st:closed (request_id -> "offset reason")
+-- ARGV: request_id, marker, request_id, marker, ...
+-- Each close decision is written once and never overwritten; returns, flat, every
+-- request_id decided before with ANOTHER marker, and that marker.
+local conflicts = {}
+for i = 1, #ARGV, 2 do
+  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 0 then
+    local current = redis.call('HGET', KEYS[1], ARGV[i])
+    if current ~= ARGV[i + 1] then
+      conflicts[#conflicts + 1] = ARGV[i]
+      conflicts[#conflicts + 1] = current
+    end
+  end
+end
+return conflicts
 """
 
 #: ARGV entries per request of `FLUSH_SCRIPT` (after ARGV[1], the request count).

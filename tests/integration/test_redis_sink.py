@@ -580,3 +580,22 @@ def test_cli_unreachable_redis_says_how_to_start_the_stack(
     assert err.count("\n") == 1
     assert "cannot reach Redis at redis://127.0.0.1:1/0" in err
     assert "streamtally stack up" in err
+
+
+async def test_a_close_decision_is_written_once_and_a_different_one_is_reported(
+    own_store: RedisStore,
+) -> None:
+    """Write-once close markers: the partition's first owner decides; no overwrite."""
+    assert await own_store.mark_closing({"r-1": "41 timeout", "r-2": "7 end"}) == {}
+    # the same decision again (a replay): nothing to report
+    assert await own_store.mark_closing({"r-1": "41 timeout"}) == {}
+    # another owner decides differently: reported, and the first decision stands
+    assert await own_store.mark_closing({"r-1": "57 end", "r-3": "9 end"}) == {
+        "r-1": "41 timeout"
+    }
+    markers = await own_store.closed_markers(["r-1", "r-2", "r-3"])
+    assert {rid: marker for rid, (marker, _) in markers.items()} == {
+        "r-1": "41 timeout",
+        "r-2": "7 end",
+        "r-3": "9 end",
+    }

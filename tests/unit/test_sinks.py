@@ -114,8 +114,9 @@ class FakeStore(RedisStore):
         self.positions: list[list[str]] = []
         self.closed = False
 
-    async def mark_closing(self, markers: Any) -> None:
+    async def mark_closing(self, markers: Any) -> dict[str, str]:
         self.closing.append(dict(markers))
+        return {}
 
     async def apply_requests(self, batch: Any) -> list[bool]:
         self.applied.append(list(batch))
@@ -179,3 +180,46 @@ async def test_redis_outputs_mark_then_flush_requests_and_dead_letter_positions(
     }
     await redis.stop()
     assert store.closed
+
+
+class DecidedSink:
+    """A sink whose store holds another close decision for some requests."""
+
+    def __init__(self, decided: set[str]) -> None:
+        self.decided = decided
+        self.added: list[Outputs] = []
+
+    async def begin(self, outputs: Outputs) -> set[str]:
+        return {c.tokens.request_id for c in outputs.completed} & self.decided
+
+    def add(self, outputs: Outputs) -> None:
+        self.added.append(outputs)
+
+    async def flush(self) -> None:
+        return None
+
+
+async def test_a_close_decided_otherwise_is_never_written_and_its_records_stay_held() -> None:
+    """One close decision per request: a second, different one writes no second bill."""
+    from streamtally.core.pricing import PriceTable
+    from streamtally.processors.requests import Position, RequestProcessor
+    from streamtally.producers import raw_records
+
+    stream = (
+        b'data: {"id":"c","object":"chat.completion.chunk","model":"gpt-4o","choices":'
+        b'[{"index":0,"delta":{"content":"Hi"},"finish_reason":"stop"}]}\n\n'
+    )
+    processor = RequestProcessor(PriceTable.default())
+    out = Outputs()
+    for rid in ("mine", "theirs"):
+        for offset, value in enumerate(
+            raw_records(Source.OPENAI, stream, tenant="t", request_id=rid)[1]
+        ):
+            processor.handle_sse(
+                rid.encode(), value, Position(TOPICS.raw_sse.name, 0, offset, 1.0), out
+            )
+    assert [c.tokens.request_id for c in out.completed] == ["mine", "theirs"]
+    sink = DecidedSink({"theirs"})
+    written = await Sinks(sink).write(out)
+    assert [c.tokens.request_id for c in written.completed] == ["mine"]
+    assert [c.tokens.request_id for c in sink.added[0].completed] == ["mine"]
