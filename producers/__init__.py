@@ -7,6 +7,11 @@ One Kafka message per raw event (an SSE event, or one engine output line),
 keyed by the request id, with its sequence number, receive time and tenant,
 then an end-of-stream marker.  The producer is idempotent (acks=all,
 enable_idempotence), so its own retries never duplicate a record.
+
+`raw_records` encodes a transcript without sending it; with ``strict=True``
+and ``max_record_bytes`` it also refuses one that `streamtally fold` would
+not take whole or whose event would make a record the worker refuses, as
+`streamtally produce` does for every file before it sends anything.
 """
 
 from streamtally.producers.raw import RawProducer, SentRequest, raw_records

@@ -17,11 +17,12 @@ from streamtally.core.models import Source, utc_now
 from streamtally.core.normalize import (
     discover_request_id,
     fallback_request_id,
+    fold_stream,
     make_adapter,
     read_events,
 )
-from streamtally.core.sse import SseEvent
-from streamtally.errors import InvalidEvent, StackError
+from streamtally.core.sse import NonSseLine, SseEvent
+from streamtally.errors import InputError, InvalidEvent, NotAStream, StackError
 from streamtally.topics import DEFAULT_NAMESPACE, Topics, encode_key
 from streamtally.wire import avro
 from streamtally.wire.kafka import idempotent_producer
@@ -48,15 +49,42 @@ def raw_records(
     options: AdapterOptions | None = None,
     clock: Any = utc_now,
     model: str | None = None,
+    strict: bool = False,
+    max_record_bytes: int | None = None,
 ) -> tuple[str, list[bytes]]:
-    """The request id and the encoded raw records (events, then END) of one transcript."""
-    events = list(read_events(source, io.BytesIO(data)))
+    """The request id and the encoded raw records (events, then END) of one transcript.
+
+    Engine outputs are always checked (`_check_engine_lines`).  With
+    `strict`, the transcript must also be one `streamtally fold` takes
+    whole: every event valid for `source`, no text that is not SSE (the
+    source's documented trailing body, Gemini's raw JSON error, excepted),
+    and some content (`InvalidEvent` or `NotAStream`, naming the event or
+    line).  With `max_record_bytes`, an event whose record is larger is
+    refused (`InputError`, naming the event).  Nothing is sent here: a
+    caller that checks every transcript first sends nothing of a bad one.
+    """
+    non_sse: list[NonSseLine] = []
+    events = list(
+        read_events(source, io.BytesIO(data), on_non_sse=non_sse.append if strict else None)
+    )
     if source.is_sse:
         found = request_id or discover_request_id(source, events, options)
     else:
         found = _check_engine_lines(source, events, options)
+    if strict:
+        _check_whole(source, events, non_sse, options)
     rid = request_id or found or fallback_request_id(data)
-    return rid, list(_encode(source, events, rid, tenant=tenant, clock=clock, model=model))
+    records = []
+    for number, record in enumerate(
+        _encode(source, events, rid, tenant=tenant, clock=clock, model=model), start=1
+    ):
+        if max_record_bytes is not None and len(record) > max_record_bytes:
+            raise InputError(
+                f"event {number} makes a record of {len(record)} bytes, more than the "
+                f"{max_record_bytes} bytes a raw record may have; nothing was sent"
+            )
+        records.append(record)
+    return rid, records
 
 
 def _check_engine_lines(
@@ -67,6 +95,8 @@ def _check_engine_lines(
     Engine outputs travel as structured Avro records, which would quietly give
     a foreign line the shape of a valid one (missing fields take their
     defaults); so such a file is refused here, before anything is sent.
+    Outputs are numbered as `streamtally fold` numbers events (blank lines
+    are no output).
     """
     adapter = make_adapter(source, options)
     for number, event in enumerate(events, start=1):
@@ -74,9 +104,41 @@ def _check_engine_lines(
             adapter.feed(event)
         except InvalidEvent as exc:
             raise InvalidEvent(
-                f"line {number} is not a valid {source.value} output ({exc}); nothing was sent"
+                f"event {number} is not a valid {source.value} output ({exc}); nothing was sent"
             ) from exc
     return adapter.provider_request_id
+
+
+def _check_whole(
+    source: Source,
+    events: list[Any],
+    non_sse: list[NonSseLine],
+    options: AdapterOptions | None,
+) -> None:
+    """Refuse what `streamtally fold` would skip or refuse: the check of `strict`."""
+    invalid: list[tuple[int, InvalidEvent]] = []
+    try:
+        fold_stream(
+            source,
+            events,
+            options=options,
+            fallback_request_id="checked",
+            on_invalid=lambda number, exc: invalid.append((number, exc)),
+        )
+    except NotAStream as empty:
+        if not invalid:
+            raise NotAStream(f"{empty}; nothing was sent") from empty
+    if invalid:
+        number, first = invalid[0]
+        more = f" (and {len(invalid) - 1} more)" if len(invalid) > 1 else ""
+        raise InvalidEvent(
+            f"event {number} is not a valid {source.value} event ({first}){more}; nothing was sent"
+        ) from first
+    if non_sse:
+        line = non_sse[0]
+        more = f" (and {len(non_sse) - 1} more lines)" if len(non_sse) > 1 else ""
+        text = line.text if len(line.text) <= 60 else line.text[:59] + "…"
+        raise InvalidEvent(f"line {line.number} is not SSE: {text!r}{more}; nothing was sent")
 
 
 def _encode(
@@ -178,13 +240,24 @@ class RawProducer:
         request_id: str | None = None,
         options: AdapterOptions | None = None,
         model: str | None = None,
+        strict: bool = False,
+        max_record_bytes: int | None = None,
     ) -> SentRequest:
         """Send one request's raw events and its end marker; wait until Kafka has them.
 
-        `model` is recorded with engine outputs, which do not name their model.
+        `model` is recorded with engine outputs, which do not name their model;
+        `strict` and `max_record_bytes` are the checks of `raw_records`, made
+        before anything is sent.
         """
         rid, records = raw_records(
-            source, data, tenant=tenant, request_id=request_id, options=options, model=model
+            source,
+            data,
+            tenant=tenant,
+            request_id=request_id,
+            options=options,
+            model=model,
+            strict=strict,
+            max_record_bytes=max_record_bytes,
         )
         await self.send_records(source, rid, records)
         return SentRequest(rid, tenant, source, len(records) - 1)

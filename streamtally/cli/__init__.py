@@ -1,4 +1,12 @@
-"""The `streamtally` command line: one module per command, each with `add_parser`."""
+"""The `streamtally` command line: one module per command, each with `add_parser`.
+
+Every command's output for people escapes control characters
+(`streamtally.cli._output`), its log records go to stderr as text or JSON
+lines (``--log-format``, `streamtally.cli._logging`), and what a user can get
+wrong (an argument, a file, a setting, an unreachable Kafka or Redis) ends in
+one line on stderr and exit status 2, never a traceback.  An exception of
+any other kind is a bug: it still shows its traceback, to be reported.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +16,9 @@ from collections.abc import Sequence
 from importlib import import_module
 
 from streamtally import __version__
+from streamtally.cli._args import Parser, check_settings, check_text_arguments, leaf_parsers
+from streamtally.cli._logging import add_log_format, install
+from streamtally.cli._output import say
 from streamtally.errors import StreamtallyError
 from streamtally.settings import Settings
 
@@ -30,7 +41,7 @@ COMMANDS = (
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="streamtally",
         description=(
             "Exact per-request token records, usage tables and billing events "
@@ -41,21 +52,26 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         import_module(f"streamtally.cli.{name}").add_parser(subparsers)
+    for command in leaf_parsers(parser):
+        add_log_format(command)
+        check_text_arguments(command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        # The one place the environment is read: every command gets these settings.
-        settings = Settings.load()
-        code: int = args.func(args, settings)
-    except StreamtallyError as exc:
-        print(f"streamtally {args.command}: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
+    with install(args.log_format):
+        try:
+            # The one place the environment is read: every command gets these settings.
+            settings = Settings.load()
+            check_settings(settings)
+            code: int = args.func(args, settings)
+        except StreamtallyError as exc:
+            say(f"streamtally {args.command}: {exc}")
+            return 2
+        except KeyboardInterrupt:
+            return 130
     return code
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 
+from streamtally.cli._output import say
 from streamtally.errors import InputError
 from streamtally.settings import Settings
 
@@ -48,7 +48,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _say(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    say(text)
 
 
 _NOT_INSTALLED = (
@@ -109,7 +109,7 @@ def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
             redis_url=settings.redis_url,
         )
     except ValueError as exc:
-        print(f"streamtally bench pipeline: {exc}", file=sys.stderr)
+        say(f"streamtally bench pipeline: {exc}")
         return 2
     report = pipeline.run(bench, settings, progress=_say)
     if args.json:

@@ -18,14 +18,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamtally.cli import _output
+from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._output import json_text, say, write_stdout
 from streamtally.core.money import scaled_cost
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -80,6 +80,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     export.add_argument(
         "--bootstrap-servers",
+        type=bootstrap_servers,
         metavar="HOST:PORT[,...]",
         help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
     )
@@ -93,25 +94,14 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
     topic = Topics.in_namespace(settings.namespace).billing.name
     result = asyncio.run(read_billing_events(servers, topic, keep_replays=args.keep_replays))
     events = sorted(result.events, key=lambda e: (e.event_time, e.event_id))
-    try:
-        if args.json:
-            for event in events:
-                sys.stdout.write(json.dumps(event_json(event), ensure_ascii=False) + "\n")
-        else:
-            sys.stdout.write(format_table(events))
-        sys.stdout.flush()
-    except BrokenPipeError:  # `| head`: the reader has all it wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    if args.json:
+        write_stdout(json_text(event_json(event)) + "\n" for event in events)
+    else:
+        write_stdout(format_table(events))
     if result.replays:
-        print(
-            f"streamtally billing: dropped {result.replays} replayed events (same event_id)",
-            file=sys.stderr,
-        )
+        say(f"streamtally billing: dropped {result.replays} replayed events (same event_id)")
     for partition, offset, reason in result.bad:
-        print(
-            f"streamtally billing: {topic}[{partition}]@{offset} is not a billing event: {reason}",
-            file=sys.stderr,
-        )
+        say(f"streamtally billing: {topic}[{partition}]@{offset} is not a billing event: {reason}")
     return 1 if result.bad else 0
 
 
@@ -133,7 +123,7 @@ def event_json(event: BillingEvent) -> dict[str, Any]:
 
 
 def format_table(events: Sequence[BillingEvent]) -> str:
-    """A short table: one line per event, then a count."""
+    """A short table: one line per event (tenants, models, ids escaped), then a count."""
     headers = ("EVENT_TIME", "TENANT", "MODEL", "REQUEST_ID", "INPUT", "OUTPUT", "COST")
     rows = [
         (
@@ -147,20 +137,8 @@ def format_table(events: Sequence[BillingEvent]) -> str:
         )
         for e in events
     ]
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
-    right = {4, 5, 6}
-
-    def line(cells: Sequence[str]) -> str:
-        return (
-            "  ".join(
-                c.rjust(w) if i in right else c.ljust(w)
-                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-            ).rstrip()
-            + "\n"
-        )
-
     count = f"{len(events)} billing event{'s' if len(events) != 1 else ''}\n"
-    return (line(headers) + "".join(line(r) for r in rows) + count) if rows else count
+    return (_output.format_table(headers, rows, right={4, 5, 6}) + count) if rows else count
 
 
 async def read_billing_events(servers: str, topic: str, *, keep_replays: bool = False) -> Export:

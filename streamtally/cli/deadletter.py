@@ -17,15 +17,14 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import json
 import logging
-import os
-import sys
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
+from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._output import escape, format_table, json_text, say, write_stdout
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.avro import decode_dead_letter
@@ -121,6 +120,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--bootstrap-servers",
+        type=bootstrap_servers,
         metavar="HOST:PORT[,...]",
         help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
     )
@@ -144,25 +144,18 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     topic = Topics.in_namespace(settings.namespace).deadletter.name
     result = asyncio.run(read_dead_letters(servers, topic))
     limit: int | None = args.limit
-    try:
-        if args.json and args.summary:
-            sys.stdout.write(json.dumps(summary_json(result), ensure_ascii=False) + "\n")
-        elif args.json:
-            shown = _last(result.letters, limit)
-            for letter in shown:
-                row = letter_json(letter, copies=result.copies[_position(letter)])
-                sys.stdout.write(json.dumps(row, ensure_ascii=False) + "\n")
-        else:
-            last = 0 if args.summary else (DEFAULT_LIMIT if limit is None else limit)
-            sys.stdout.write(format_report(result, last))
-        sys.stdout.flush()
-    except BrokenPipeError:  # `| head`: the reader has all it wants
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    for partition, offset, reason in result.bad:
-        print(
-            f"streamtally deadletter: {topic}[{partition}]@{offset} is not a dead letter: {reason}",
-            file=sys.stderr,
+    if args.json and args.summary:
+        write_stdout(json_text(summary_json(result)) + "\n")
+    elif args.json:
+        write_stdout(
+            json_text(letter_json(letter, copies=result.copies[_position(letter)])) + "\n"
+            for letter in _last(result.letters, limit)
         )
+    else:
+        last = 0 if args.summary else (DEFAULT_LIMIT if limit is None else limit)
+        write_stdout(format_report(result, last))
+    for partition, offset, reason in result.bad:
+        say(f"streamtally deadletter: {topic}[{partition}]@{offset} is not a dead letter: {reason}")
     return 1 if result.bad else 0
 
 
@@ -218,23 +211,9 @@ def summary_json(result: Letters) -> dict[str, Any]:
 
 
 def _cut(text: str, width: int = REASON_WIDTH) -> str:
-    text = " ".join(text.split())  # one line
+    """`text` escaped (so one line), cut to `width` characters."""
+    text = escape(text)
     return text if len(text) <= width else text[: width - 1] + "…"
-
-
-def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], right: set[int]) -> str:
-    widths = [max(len(cell) for cell in column) for column in zip(headers, *rows, strict=True)]
-
-    def line(cells: Sequence[str]) -> str:
-        return (
-            "  ".join(
-                c.rjust(w) if i in right else c.ljust(w)
-                for i, (c, w) in enumerate(zip(cells, widths, strict=True))
-            ).rstrip()
-            + "\n"
-        )
-
-    return line(headers) + "".join(line(row) for row in rows)
 
 
 def format_report(result: Letters, last: int) -> str:
@@ -243,8 +222,8 @@ def format_report(result: Letters, last: int) -> str:
     out = ""
     if total:
         counts = [(str(n), t, _cut(r)) for n, t, r in _by_reason(result.letters)]
-        out += _table(("COUNT", "ERROR_TYPE", "REASON"), counts, right={0})
-    out += f"{total} dead letter{'s' if total != 1 else ''} on {result.topic}"
+        out += format_table(("COUNT", "ERROR_TYPE", "REASON"), counts, right={0})
+    out += f"{total} dead letter{'s' if total != 1 else ''} on {escape(result.topic)}"
     if result.duplicates:
         out += f" ({result.duplicates} re-sent cop{'ies' if result.duplicates != 1 else 'y'})"
     out += "\n"
@@ -262,7 +241,7 @@ def format_report(result: Letters, last: int) -> str:
             for letter in shown
         ]
         out += f"\nlast {len(shown)}:\n"
-        out += _table(
+        out += format_table(
             ("POSITION", "REQUEST_ID", "SOURCE", "REASON", "TIME", "SIZE"), rows, right={5}
         )
     return out

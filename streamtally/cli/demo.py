@@ -10,14 +10,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import sys
 import time
 from pathlib import Path
 
-from streamtally.cli.produce import ManifestEntry, read_manifest
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
+
+from streamtally.cli._output import say
+from streamtally.cli.produce import ManifestEntry, check_entries, prepare, read_manifest
 from streamtally.errors import InputError, StackError
 from streamtally.ops.stack.config import StackConfig
-from streamtally.ops.worker_process import WorkerProcess
+from streamtally.ops.worker_process import WorkerProcess, worker_command
 from streamtally.producers import RawProducer
 from streamtally.settings import Settings, project_root
 from streamtally.store import RedisStore
@@ -56,7 +59,7 @@ def _samples_manifest() -> Path:
 
 
 def _step(text: str) -> None:
-    print(f"==> {text}", file=sys.stderr, flush=True)
+    say(f"==> {text}")
 
 
 def _streamtally(*args: str) -> int:
@@ -68,7 +71,10 @@ def _streamtally(*args: str) -> int:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     manifest = args.manifest or _samples_manifest()
     entries = read_manifest(manifest)
-    logging.getLogger("aiokafka").setLevel(logging.ERROR)  # see `streamtally produce`
+    if not entries:
+        raise InputError(f"{manifest}: no requests in the manifest")
+    check_entries(entries)  # before anything starts: a bad file is named, nothing is sent
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # see `streamtally produce`
     if not args.no_stack and not settings.uses_external_stack:
         _step("starting the local stack (Kafka + Redis)")
         if _streamtally("stack", "up") != 0:
@@ -77,11 +83,17 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     asyncio.run(ensure_topics(servers, Topics.in_namespace(settings.namespace).all))
     log = StackConfig.from_settings(settings).state_dir / "logs" / "demo-worker.log"
     _step(f"starting a worker (log: {log})")
-    worker = WorkerProcess(log).start()  # this process's environment, its own session
+    # this process's environment, its own session, this command's log format
+    command = [*worker_command("info"), "--log-format", args.log_format]
+    worker = WorkerProcess(log, command=command).start()
     try:
         waiting = asyncio.run(
             _produce_and_wait(servers, url, settings.namespace, entries, args.timeout)
         )
+    except KafkaError as exc:
+        raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc
+    except (RedisError, OSError) as exc:
+        raise StackError(f"Redis at {url} failed: {exc}") from exc
     finally:
         _step("stopping the worker (SIGTERM)")
         worker.stop(timeout=30)  # SIGKILL after 30 s
@@ -116,14 +128,9 @@ async def _produce_and_wait(
                 if entry.request_id and await store.has_tokens(entry.request_id):
                     ids.add(entry.request_id)
                     continue  # already processed by an earlier run: nothing to redo
-                sent = await producer.send_transcript(
-                    entry.source,
-                    entry.file.read_bytes(),
-                    tenant=entry.tenant,
-                    request_id=entry.request_id,
-                    model=entry.model,
-                )
-                ids.add(sent.request_id)
+                request_id, records = prepare(entry)
+                await producer.send_records(entry.source, request_id, records)
+                ids.add(request_id)
         _step(f"produced {len(entries)} requests; waiting for their Tokens in Redis")
         deadline = time.monotonic() + timeout
         waiting = set(ids)
@@ -132,9 +139,7 @@ async def _produce_and_wait(
             waiting = set(await store.missing_tokens(sorted(waiting)))
             if len(waiting) != last:
                 last = len(waiting)
-                print(
-                    f"    {len(ids) - len(waiting)}/{len(ids)} requests in Redis", file=sys.stderr
-                )
+                say(f"    {len(ids) - len(waiting)}/{len(ids)} requests in Redis")
             await asyncio.sleep(0.5)
         return waiting
     finally:

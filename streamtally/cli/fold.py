@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
 import sys
 from pathlib import Path
 from typing import IO
 
+from streamtally.cli._args import file_or_stdin
+from streamtally.cli._output import json_text, say, write_stdout
 from streamtally.core.adapters.base import AdapterOptions
 from streamtally.core.models import Source
 from streamtally.core.normalize import fallback_request_id, fold_stream, read_events
@@ -65,7 +66,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default="DELTA",
         help="vLLM RequestOutputKind for lines that do not say (default: DELTA)",
     )
-    parser.add_argument("file", metavar="FILE", help="transcript file, or - for standard input")
+    parser.add_argument(
+        "file", metavar="FILE", type=file_or_stdin, help="transcript file, or - for standard input"
+    )
     parser.set_defaults(func=run)
 
 
@@ -85,16 +88,16 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         model=args.model,
     )
     for warning in skipped:
-        print(f"streamtally fold: skipped {warning}", file=sys.stderr)
-    json.dump(tokens.to_json_dict(), sys.stdout, ensure_ascii=False)
-    sys.stdout.write("\n")
+        say(f"streamtally fold: skipped {warning}")
+    write_stdout(json_text(tokens.to_json_dict()) + "\n")
     return 0
 
 
 def _read(name: str) -> bytes:
-    if name == "-":
-        return sys.stdin.buffer.read()
     try:
+        if name == "-":
+            return sys.stdin.buffer.read()
         return Path(name).read_bytes()
     except OSError as exc:
-        raise InputError(f"cannot read {name}: {exc.strerror}") from exc
+        what = "standard input" if name == "-" else name
+        raise InputError(f"cannot read {what}: {exc.strerror or exc}") from exc

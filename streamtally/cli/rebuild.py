@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
-import sys
 from collections import Counter
 from typing import Any, Final
 
+from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import rebuild
 from streamtally.settings import Settings
@@ -90,6 +90,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--bootstrap-servers",
+        type=bootstrap_servers,
         metavar="HOST:PORT[,...]",
         help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
     )
@@ -98,7 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _say(text: str) -> None:
-    print(f"streamtally rebuild: {text}", file=sys.stderr, flush=True)
+    say(f"streamtally rebuild: {text}")
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
@@ -142,9 +143,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     )
     skipped = inputs.bad + plan.skipped + result.refused
     if args.json:
-        sys.stdout.write(json.dumps(_summary_json(inputs, plan, result, skipped)) + "\n")
+        write_stdout(json_text(_summary_json(inputs, plan, result, skipped)) + "\n")
     else:
-        sys.stdout.write(_summary_text(plan, result, skipped))
+        write_stdout(_summary_text(plan, result, skipped))
     return 0
 
 
@@ -190,7 +191,7 @@ def _summary_text(
             out += f"  {n:>6}  {reason.value}\n"
         for s in skipped[:SHOWN_SKIPPED]:
             detail = f": {s.detail}" if s.detail else ""
-            out += f"  skipped {s.request_id or '?'}: {s.reason.value}{detail}\n"
+            out += escape(f"  skipped {s.request_id or '?'}: {s.reason.value}{detail}") + "\n"
         if len(skipped) > SHOWN_SKIPPED:
             out += f"  ... and {len(skipped) - SHOWN_SKIPPED} more (--json lists all)\n"
     out += (

@@ -11,6 +11,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 
+from streamtally.cli._args import Parser
+from streamtally.cli._output import say
 from streamtally.ops.stack import StackConfig, StackError, kafka, redis
 from streamtally.settings import Settings
 
@@ -23,7 +25,7 @@ Handler = Callable[[argparse.Namespace, Settings], int]
 
 
 def _say(line: str) -> None:
-    print(line, flush=True)
+    say(line, file=sys.stdout)
 
 
 def _guarded(command: str, handler: Handler) -> Handler:
@@ -33,10 +35,10 @@ def _guarded(command: str, handler: Handler) -> Handler:
         try:
             return handler(args, settings)
         except (StackError, subprocess.TimeoutExpired, OSError) as exc:
-            print(f"stack {command}: error: {exc}", file=sys.stderr, flush=True)
+            say(f"stack {command}: error: {exc}")
             return EXIT_ERROR
         except KeyboardInterrupt:
-            print(f"stack {command}: interrupted", file=sys.stderr, flush=True)
+            say(f"stack {command}: interrupted")
             return EXIT_INTERRUPTED
 
     return run
@@ -126,7 +128,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Standalone entry point: ``python -m streamtally.cli.stack up|down|status``."""
-    parser = argparse.ArgumentParser(prog="streamtally stack", description=_DESCRIPTION)
+    parser = Parser(prog="streamtally stack", description=_DESCRIPTION)
     _add_commands(parser)
     args = parser.parse_args(argv)
     handler: Handler = args.func

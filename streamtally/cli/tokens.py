@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -16,6 +17,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from streamtally.cli._output import safe_json
 from streamtally.errors import InputError, StackError
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
@@ -60,6 +62,8 @@ def run_redis(url: str, work: Callable[[RedisStore], Awaitable[T]]) -> T:
             ) from exc
         except RedisError as exc:
             raise StackError(f"Redis at {target} failed: {exc}") from exc
+        except UnicodeDecodeError as exc:  # not written by streamtally: say so, no traceback
+            raise StackError(f"Redis at {target} holds text that is not UTF-8: {exc}") from exc
         finally:
             await store.aclose()
 
@@ -76,7 +80,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     get = commands.add_parser(
         "get",
         help="print one request's Tokens JSON",
-        description="Print the stored Tokens JSON of REQUEST_ID (exactly as stored) and a newline.",
+        description=(
+            "Print the stored Tokens JSON of REQUEST_ID (as stored; control, line-separator "
+            "and bidi characters as \\uXXXX escapes) and a newline."
+        ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -94,7 +101,12 @@ def run_get(args: argparse.Namespace, settings: Settings) -> int:
     )
     if text is None:
         raise InputError(f"{request_id} not found (unknown, or still streaming)")
-    sys.stdout.flush()
-    sys.stdout.buffer.write(text.encode("utf-8") + b"\n")  # the stored bytes, whatever the locale
-    sys.stdout.buffer.flush()
+    # The stored JSON, whatever the locale; the characters a line reader or a terminal
+    # would act on are written as the \uXXXX escapes `fold` prints (the same value).
+    try:
+        sys.stdout.flush()
+        sys.stdout.buffer.write(safe_json(text).encode("utf-8") + b"\n")
+        sys.stdout.buffer.flush()
+    except BrokenPipeError:  # `| head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from collections.abc import Sequence
 from datetime import date
 from typing import Any
 
+from streamtally.cli import _output
+from streamtally.cli._output import escape, json_text, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.core.models import USAGE_FIELDS
 from streamtally.core.money import PICO
@@ -35,7 +35,10 @@ _COLUMNS = (
     ("REASONING", "reasoning_tokens"),
     ("COST", "cost"),
 )
-_TEXT_COLUMNS = frozenset({"day", "tenant", "model"})
+#: Columns aligned right: the numbers.
+_RIGHT = frozenset(
+    i for i, (_, key) in enumerate(_COLUMNS) if key not in {"day", "tenant", "model"}
+)
 
 
 def _day(value: str) -> str:
@@ -44,7 +47,7 @@ def _day(value: str) -> str:
     except ValueError:
         parsed = None
     if parsed is None or parsed.isoformat() != value:
-        raise argparse.ArgumentTypeError(f"{value!r} is not a day YYYY-MM-DD")
+        raise argparse.ArgumentTypeError(f"'{escape(value)}' is not a day YYYY-MM-DD")
     return value
 
 
@@ -74,12 +77,11 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         lambda store: store.usage_rows(tenant=tenant, day=day),
     )
     if args.json:
-        json.dump(rows, sys.stdout, ensure_ascii=False, indent=2)
-        sys.stdout.write("\n")
+        write_stdout(json_text(rows, indent=2) + "\n")
     elif not rows:
-        print("no usage recorded" + _filters(tenant, day))
+        write_stdout(escape("no usage recorded" + _filters(tenant, day)) + "\n")
     else:
-        sys.stdout.write(format_table(rows))
+        write_stdout(format_table(rows))
     return 0
 
 
@@ -104,7 +106,10 @@ def _total_cost(costs: Sequence[str]) -> str:
 
 
 def format_table(rows: Sequence[dict[str, Any]]) -> str:
-    """Rows as an aligned text table with a totals row (text left, numbers right)."""
+    """Rows as an aligned text table with a totals row (text left, numbers right).
+
+    Tenants and models are escaped: a control character in one cannot forge a row.
+    """
     totals: dict[str, Any] = {"day": "TOTAL", "tenant": "", "model": ""}
     totals["requests"] = sum(int(r["requests"]) for r in rows)
     for name in USAGE_FIELDS:
@@ -113,15 +118,4 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     body = [[str(r[key]) for _, key in _COLUMNS] for r in rows]
     total_line = [str(totals[key]) for _, key in _COLUMNS]
     headers = [header for header, _ in _COLUMNS]
-    widths = [
-        max(len(cell) for cell in column) for column in zip(headers, *body, total_line, strict=True)
-    ]
-
-    def line(cells: Sequence[str]) -> str:
-        out = []
-        for (_, key), cell, width in zip(_COLUMNS, cells, widths, strict=True):
-            out.append(cell.ljust(width) if key in _TEXT_COLUMNS else cell.rjust(width))
-        return "  ".join(out).rstrip() + "\n"
-
-    rule = "  ".join("-" * w for w in widths) + "\n"
-    return line(headers) + rule + "".join(line(b) for b in body) + rule + line(total_line)
+    return _output.format_table(headers, body, right=_RIGHT, footer=[total_line], ruled=True)

@@ -1,12 +1,21 @@
-"""`streamtally worker`: run the stream processors until SIGTERM or Ctrl-C."""
+"""`streamtally worker`: run the stream processors until SIGTERM or Ctrl-C.
+
+Logging: faust's worker configures logging when it starts; it is given this
+command's configuration (`streamtally.cli._logging.dict_config`:
+``--log-format`` text or JSON lines on stderr, at ``--loglevel``), so faust's,
+mode's, aiokafka's and streamtally's records all go through one handler
+and one formatter.  faust then points stdout and stderr at a logger, so a
+stray print becomes a record too.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import sys
+import logging
 from typing import Any, NoReturn
 
+from streamtally.cli._logging import STATUS_LOGGER, dict_config
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
@@ -22,7 +31,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "Consume the raw topics, write chunks, completed Tokens, billing events and "
             "dead letters to their topics and Tokens and usage rows to Redis. Settings come "
             "from the environment: KAFKA_BOOTSTRAP_SERVERS, REDIS_URL, STREAMTALLY_PRICES, "
-            "STREAMTALLY_REQUEST_TIMEOUT (seconds), STREAMTALLY_BATCH_SIZE."
+            "STREAMTALLY_REQUEST_TIMEOUT (seconds), STREAMTALLY_BATCH_SIZE. Log records go to "
+            "stderr, as text lines or (--log-format json) one JSON object per line."
         ),
     )
     parser.add_argument("--loglevel", default="warning", choices=("debug", "info", "warning"))
@@ -37,7 +47,15 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
 
     topics = Topics.in_namespace(settings.namespace)
-    asyncio.run(ensure_topics(settings.bootstrap_servers, topics.all))
+    # Kafka down before the start: the error raised says so in one line, without
+    # aiokafka's own record of each failed attempt; once running, aiokafka logs as set.
+    aiokafka = logging.getLogger("aiokafka")
+    aiokafka_level = aiokafka.level
+    aiokafka.setLevel(logging.CRITICAL)
+    try:
+        asyncio.run(ensure_topics(settings.bootstrap_servers, topics.all))
+    finally:
+        aiokafka.setLevel(aiokafka_level)
 
     def make_sinks(app: Any) -> Sinks:
         redis_outputs = RedisOutputs(aioredis.from_url(settings.redis_url))
@@ -46,12 +64,19 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         return Sinks(kafka, redis_outputs, lookup=redis_outputs.lookup)
 
     pipeline = create_app(settings, make_sinks)
-    print(
-        f"streamtally worker: kafka {settings.bootstrap_servers}, redis {settings.redis_url}, "
-        f"prices {settings.prices_path or '(packaged)'}",
-        file=sys.stderr,
+    logging.getLogger(STATUS_LOGGER).info(
+        "streamtally worker: kafka %s, redis %s, prices %s",
+        settings.bootstrap_servers,
+        settings.redis_url,
+        settings.prices_path or "(packaged)",
     )
-    worker = faust.Worker(pipeline.app, loglevel=args.loglevel.upper(), quiet=True)
+    level = args.loglevel.upper()
+    worker = faust.Worker(
+        pipeline.app,
+        loglevel=level,
+        quiet=True,
+        logging_config=dict_config(args.log_format, level),
+    )
     # faust's terminal spinner sets the root logger to DEBUG, so every debug line of
     # aiokafka (one per message sent) would be formatted: a fifth of the worker's CPU.
     worker.spinner = None

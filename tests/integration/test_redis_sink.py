@@ -590,9 +590,7 @@ async def test_a_close_decision_is_written_once_and_a_different_one_is_reported(
     # the same decision again (a replay): nothing to report
     assert await own_store.mark_closing({"r-1": "41 timeout"}) == {}
     # another owner decides differently: reported, and the first decision stands
-    assert await own_store.mark_closing({"r-1": "57 end", "r-3": "9 end"}) == {
-        "r-1": "41 timeout"
-    }
+    assert await own_store.mark_closing({"r-1": "57 end", "r-3": "9 end"}) == {"r-1": "41 timeout"}
     markers = await own_store.closed_markers(["r-1", "r-2", "r-3"])
     assert {rid: marker for rid, (marker, _) in markers.items()} == {
         "r-1": "41 timeout",
