@@ -19,7 +19,7 @@ import argparse
 import asyncio
 import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,8 +38,11 @@ __all__ = ["Export", "add_parser", "event_json", "read_billing_events"]
 _EPILOG = """\
 output: one JSON object per line with --json (cost as an exact decimal string,
         event_time ISO-8601 with offset), else a short table.
-exit status: 0 exported, 1 some records did not decode (reported on stderr),
-             2 Kafka unreachable, topic missing or a bad argument
+        Byte-identical replays (same event_id, same event) are dropped unless
+        --keep-replays; two DIFFERENT events with one event_id are a conflict:
+        both are printed and each conflict is reported on stderr.
+exit status: 0 exported, 1 some records did not decode or conflict (reported
+             on stderr), 2 Kafka unreachable, topic missing or a bad argument
 """
 
 
@@ -50,8 +53,10 @@ class Export:
     events: list[BillingEvent] = field(default_factory=list)
     #: (partition, offset, reason) of every record that did not decode.
     bad: list[tuple[int, int, str]] = field(default_factory=list)
-    #: Records dropped because their event_id was already seen.
+    #: Records dropped because their event_id was already seen (byte-identical replays).
     replays: int = 0
+    #: Events whose event_id was seen with ANOTHER content: (the first, the other).
+    conflicts: list[tuple[BillingEvent, BillingEvent]] = field(default_factory=list)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -102,7 +107,14 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
         say(f"streamtally billing: dropped {result.replays} replayed events (same event_id)")
     for partition, offset, reason in result.bad:
         say(f"streamtally billing: {topic}[{partition}]@{offset} is not a billing event: {reason}")
-    return 1 if result.bad else 0
+    for first, other in result.conflicts:
+        say(
+            f"streamtally billing: CONFLICT: two different billing events {first.event_id} for "
+            f"request {first.request_id} (tenant {first.tenant}): "
+            f"{first.finish_reason.value} {format(scaled_cost(first.cost), 'f')} vs "
+            f"{other.finish_reason.value} {format(scaled_cost(other.cost), 'f')}; both printed"
+        )
+    return 1 if result.bad or result.conflicts else 0
 
 
 def event_json(event: BillingEvent) -> dict[str, Any]:
@@ -116,6 +128,7 @@ def event_json(event: BillingEvent) -> dict[str, Any]:
         "finish_reason": event.finish_reason.value,
         **event.usage_counts(),
         "cost": format(scaled_cost(event.cost), "f"),
+        "priced": event.priced,
         "currency": event.currency,
         "price_table_version": event.price_table_version,
         "event_time": event.event_time.isoformat(),
@@ -141,10 +154,31 @@ def format_table(events: Sequence[BillingEvent]) -> str:
     return (_output.format_table(headers, rows, right={4, 5, 6}) + count) if rows else count
 
 
+def collect(events: Iterable[BillingEvent], export: Export, *, keep_replays: bool) -> None:
+    """Add `events` to `export`: replays dropped (unless kept), conflicts kept and noted.
+
+    A replay is a byte-identical copy (same event_id, same event): the
+    pipeline writes at least once.  Two DIFFERENT events with one event_id
+    are a conflict, never hidden as a replay: both stay, and the conflict is
+    reported.
+    """
+    seen: dict[str, BillingEvent] = {}
+    for event in events:
+        first = seen.get(event.event_id)
+        if first is not None and first != event:
+            export.conflicts.append((first, event))
+            export.events.append(event)
+            continue
+        if first is not None and not keep_replays:
+            export.replays += 1
+            continue
+        seen.setdefault(event.event_id, event)
+        export.events.append(event)
+
+
 async def read_billing_events(servers: str, topic: str, *, keep_replays: bool = False) -> Export:
     """Every billing event of `topic` up to its end offsets at the time of the call."""
     export = Export()
-    seen: set[str] = set()
     reading = read_decoded(
         servers,
         topic,
@@ -156,10 +190,5 @@ async def read_billing_events(servers: str, topic: str, *, keep_replays: bool = 
         ),
     )
     async with contextlib.aclosing(reading) as events:
-        async for event in events:
-            if event.event_id in seen and not keep_replays:
-                export.replays += 1
-                continue
-            seen.add(event.event_id)
-            export.events.append(event)
+        collect([event async for event in events], export, keep_replays=keep_replays)
     return export

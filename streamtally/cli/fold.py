@@ -73,7 +73,6 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    del settings  # the fold reads no setting: it needs neither Kafka nor Redis
     data = _read(args.file)
     options = AdapterOptions(vllm_output_kind=args.vllm_output_kind)
     stream: IO[bytes] = io.BytesIO(data)
@@ -86,6 +85,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         fallback_request_id=fallback_request_id(data),
         on_invalid=lambda number, exc: skipped.append(f"event {number}: {exc}"),
         model=args.model,
+        max_text_bytes=settings.max_text_bytes,  # the processors' limit: the same Tokens
     )
     for warning in skipped:
         say(f"streamtally fold: skipped {warning}")

@@ -28,6 +28,7 @@ _COLUMNS = (
     ("TENANT", "tenant"),
     ("MODEL", "model"),
     ("REQUESTS", "requests"),
+    ("UNPRICED", "unpriced_requests"),
     ("INPUT", "input_tokens"),
     ("CACHED", "cached_tokens"),
     ("CACHE_WRITE", "cache_write_tokens"),
@@ -112,10 +113,11 @@ def format_table(rows: Sequence[dict[str, Any]]) -> str:
     """
     totals: dict[str, Any] = {"day": "TOTAL", "tenant": "", "model": ""}
     totals["requests"] = sum(int(r["requests"]) for r in rows)
+    totals["unpriced_requests"] = sum(int(r.get("unpriced_requests", 0)) for r in rows)
     for name in USAGE_FIELDS:
         totals[name] = sum(int(r[name]) for r in rows)
     totals["cost"] = _total_cost([str(r["cost"]) for r in rows])
-    body = [[str(r[key]) for _, key in _COLUMNS] for r in rows]
+    body = [[str(r.get(key, 0)) for _, key in _COLUMNS] for r in rows]
     total_line = [str(totals[key]) for _, key in _COLUMNS]
     headers = [header for header, _ in _COLUMNS]
     return _output.format_table(headers, body, right=_RIGHT, footer=[total_line], ruled=True)
