@@ -562,13 +562,16 @@ def test_cli_usage_json_and_table(
     assert main(["usage", "--tenant", tenant, "--day", DAY, "--redis-url", redis_url]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == [
-        "DAY", "TENANT", "MODEL", "REQUESTS", "INPUT", "CACHED", "CACHE_WRITE", "OUTPUT",
-        "REASONING", "COST",
+        "DAY", "TENANT", "MODEL", "REQUESTS", "UNPRICED", "INPUT", "CACHED", "CACHE_WRITE",
+        "OUTPUT", "REASONING", "COST",
     ]  # fmt: skip
     assert lines[2].split() == [
-        DAY, tenant, "gpt-4o-2024-08-06", "2", "2000", "800", "0", "400", "0", "1.004000000001",
+        DAY, tenant, "gpt-4o-2024-08-06", "2", "0", "2000", "800", "0", "400", "0",
+        "1.004000000001",
     ]  # fmt: skip
-    assert lines[-1].split() == ["TOTAL", "2", "2000", "800", "0", "400", "0", "1.004000000001"]
+    assert lines[-1].split() == [
+        "TOTAL", "2", "0", "2000", "800", "0", "400", "0", "1.004000000001",
+    ]  # fmt: skip
     assert len({len(line) for line in lines[:3]}) == 1  # aligned
 
 
