@@ -52,6 +52,10 @@ class _Partition:
     frozen: bool = False
 
 
+#: Wall time is counted in steps of at least this (seconds).
+_STEP_S = 0.001
+
+
 def _always() -> bool:
     return True
 
@@ -76,9 +80,13 @@ class InputClock:
 
     def _advance(self) -> float:
         now = self._clock()
-        elapsed, self._last = now - self._last, now
-        if elapsed > 0 and self.healthy():
-            self._healthy_total += elapsed
+        elapsed = now - self._last
+        # Counted in steps of a millisecond or more: records of a batch come microseconds
+        # apart, and the step's time is kept (not lost) until it is counted.
+        if elapsed >= _STEP_S:
+            self._last = now
+            if self.healthy():
+                self._healthy_total += elapsed
         return self._healthy_total
 
     @staticmethod

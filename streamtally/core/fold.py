@@ -80,7 +80,9 @@ class Fold:
     """Accumulates one request's chunks; `result()` gives its `Tokens`."""
 
     __slots__ = (
+        "_bound",
         "_choices",
+        "_limit",
         "_room",
         "chunks",
         "error",
@@ -101,23 +103,42 @@ class Fold:
         self.error: str | None = None
         self.chunks = 0
         self.truncated = False
-        #: UTF-8 bytes of text, reasoning and tool arguments still to be kept.
-        self._room = max_text_bytes
+        #: UTF-8 bytes of text, reasoning and tool arguments a request may keep.
+        self._limit = max_text_bytes
+        #: An upper bound of the bytes kept (4 per character) while far from the limit.
+        self._bound = 0
+        #: Exact bytes still to be kept, once near the limit (-1: not counted yet).
+        self._room = -1
         self._choices: dict[int, _Choice] = {0: _Choice()}
 
     def _keep(self, delta: str) -> str:
-        """What of `delta` fits the request's text limit (all of it, a prefix, or nothing)."""
-        room = self._room
-        if len(delta) * 4 <= room:  # fits whatever its characters (fast path)
-            self._room = room - len(delta.encode("utf-8"))
+        """What of `delta` fits the request's text limit (all of it, a prefix, or nothing).
+
+        Far from the limit a character counts as 4 bytes (its most in UTF-8), so
+        nothing is encoded; near it the bytes are counted exactly.
+        """
+        bound = self._bound + 4 * len(delta)
+        if bound <= self._limit:
+            self._bound = bound
             return delta
+        if self._room < 0:  # first time near the limit: count what is kept exactly
+            self._room = self._limit - self._kept_bytes()
         data = delta.encode("utf-8")
-        if len(data) <= room:
-            self._room = room - len(data)
+        if len(data) <= self._room:
+            self._room -= len(data)
             return delta
         self.truncated = True
+        kept = data[: self._room].decode("utf-8", errors="ignore")  # never half a character
         self._room = 0
-        return data[:room].decode("utf-8", errors="ignore")  # never half a character
+        return kept
+
+    def _kept_bytes(self) -> int:
+        return sum(
+            len(part.encode("utf-8"))
+            for choice in self._choices.values()
+            for parts in (choice.text, choice.reasoning, *(t.args for t in choice.tools.values()))
+            for part in parts
+        )
 
     def add(self, chunk: Chunk) -> None:
         self.chunks += 1
