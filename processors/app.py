@@ -118,12 +118,7 @@ def create_app(
     processor = RequestProcessor(
         PriceTable.load_or_default(settings.prices_path),
         timeout=settings.request_timeout,
-        limits=Limits(
-            records_per_request=settings.max_records_per_request,
-            open_requests=settings.max_open_requests,
-            open_per_tenant=settings.max_open_per_tenant,
-            text_bytes=settings.max_text_bytes,
-        ),
+        limits=Limits.from_settings(settings),
     )
     pipeline = Pipeline(app=app, processor=processor, agents={})
     # Wall time counts towards a request's quiet time only while writes succeed.

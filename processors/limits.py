@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from streamtally.core.fold import MAX_TEXT_BYTES
 from streamtally.errors import InputError
+from streamtally.settings import Settings
 
 __all__ = ["MAX_RECORD_BYTES", "PERMANENT_ERRORS", "TOMBSTONE", "Limits", "refused_at_the_edge"]
 
@@ -30,23 +30,39 @@ PERMANENT_ERRORS: tuple[type[Exception], ...] = (
 )
 
 
+def _default(field: str) -> int:
+    value = Settings.model_fields[field].default
+    if not isinstance(value, int):
+        raise TypeError(f"Settings.{field} has no integer default")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     """What one worker holds at most; each limit dead-letters what passes it, with the reason.
 
-    Defaults are safe for a worker of a few GiB; the settings
-    (`STREAMTALLY_MAX_RECORDS_PER_REQUEST`, `STREAMTALLY_MAX_OPEN_REQUESTS`,
-    `STREAMTALLY_MAX_OPEN_PER_TENANT`, `STREAMTALLY_MAX_TEXT_BYTES`) change them.
+    The defaults are the settings' own (`STREAMTALLY_MAX_RECORDS_PER_REQUEST`,
+    `STREAMTALLY_MAX_OPEN_REQUESTS`, `STREAMTALLY_MAX_OPEN_PER_TENANT`,
+    `STREAMTALLY_MAX_TEXT_BYTES`: see `streamtally.settings`).
     """
 
     #: Records one request may have (its end marker is always taken, so it still closes).
-    records_per_request: int = 100_000
+    records_per_request: int = _default("max_records_per_request")
     #: Requests open at once in this worker: a new one past it is refused.
-    open_requests: int = 100_000
+    open_requests: int = _default("max_open_requests")
     #: Requests open at once for one tenant: one tenant cannot take every slot.
-    open_per_tenant: int = 20_000
+    open_per_tenant: int = _default("max_open_per_tenant")
     #: UTF-8 bytes of text, reasoning and tool arguments one request keeps (a prefix beyond).
-    text_bytes: int = MAX_TEXT_BYTES
+    text_bytes: int = _default("max_text_bytes")
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> Limits:
+        return cls(
+            records_per_request=settings.max_records_per_request,
+            open_requests=settings.max_open_requests,
+            open_per_tenant=settings.max_open_per_tenant,
+            text_bytes=settings.max_text_bytes,
+        )
 
 
 TOMBSTONE = InputError("a tombstone (a record with no value) on a raw topic")

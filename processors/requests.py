@@ -53,7 +53,7 @@ from streamtally.core.normalize import Normalizer
 from streamtally.core.pricing import PriceTable
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
-from streamtally.processors.clock import SKEW_S, InputClock
+from streamtally.processors.clock import InputClock, input_time
 from streamtally.processors.limits import (
     PERMANENT_ERRORS,
     TOMBSTONE,
@@ -312,12 +312,10 @@ class RequestProcessor:
             )
             self._dead(out, reason, key, value, position, source=source, request_id=request_id)
             return
-        received = record.received_at.timestamp()
-        appended = position.timestamp  # the broker's time caps what a producer claims
         self.input_clock.saw(
             (position.topic, position.partition),
             position.offset,
-            received if appended is None or received <= appended + SKEW_S else appended + SKEW_S,
+            input_time(record.received_at.timestamp(), position.timestamp),
         )
         closed = self._closed.get(request_id)
         if closed is not None:

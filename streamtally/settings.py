@@ -213,24 +213,20 @@ class Settings(BaseSettings):
         return base / "streamtally"
 
 
+def _variables() -> dict[str, str]:
+    """Environment variable -> field, from each field's `_env` alias (its one spelling)."""
+    found: dict[str, str] = {}
+    for field, info in Settings.model_fields.items():
+        alias = info.validation_alias
+        if isinstance(alias, AliasChoices):
+            name = alias.choices[1]
+            if isinstance(name, str):
+                found[name] = field
+    return found
+
+
 #: Environment variable -> field, for `Settings.load`.
-_VARIABLES: Final = {
-    "KAFKA_BOOTSTRAP_SERVERS": "kafka_bootstrap_servers",
-    "REDIS_URL": "redis_url_setting",
-    "STREAMTALLY_NAMESPACE": "namespace",
-    "STREAMTALLY_PRICES": "prices_path",
-    "STREAMTALLY_REQUEST_TIMEOUT": "request_timeout",
-    "STREAMTALLY_BATCH_SIZE": "batch_size",
-    "STREAMTALLY_MAX_RECORDS_PER_REQUEST": "max_records_per_request",
-    "STREAMTALLY_MAX_OPEN_REQUESTS": "max_open_requests",
-    "STREAMTALLY_MAX_OPEN_PER_TENANT": "max_open_per_tenant",
-    "STREAMTALLY_MAX_TEXT_BYTES": "max_text_bytes",
-    "STREAMTALLY_STATE_DIR": "state_dir_setting",
-    "STREAMTALLY_KAFKA_PORT": "kafka_port",
-    "STREAMTALLY_CONTROLLER_PORT": "controller_port",
-    "STREAMTALLY_REDIS_PORT": "redis_port",
-    "XDG_STATE_HOME": "xdg_state_home",
-}
+_VARIABLES: Final = _variables()
 _FIELDS: Final = {field: name for name, field in _VARIABLES.items()}
 #: Every environment variable `Settings.load` reads.
 VARIABLES: Final = tuple(_VARIABLES)

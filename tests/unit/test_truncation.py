@@ -84,3 +84,10 @@ def test_endless_deltas_to_one_request_keep_its_memory_bounded() -> None:
     assert done.tokens.truncated
     assert len(done.tokens.text) == 64 << 10
     assert done.tokens.chunks == 2000  # every chunk still counted and sent
+
+
+def test_the_fold_and_the_worker_default_to_the_same_limit() -> None:
+    from streamtally.core.fold import MAX_TEXT_BYTES
+    from streamtally.settings import Settings
+
+    assert Limits().text_bytes == Settings().max_text_bytes == MAX_TEXT_BYTES
