@@ -15,14 +15,12 @@ import asyncio
 import io
 import os
 import time
-import uuid
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
 from streamtally.core.models import USAGE_FIELDS, Source
 from streamtally.core.normalize import fold_stream, read_events
@@ -32,8 +30,7 @@ from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
-from streamtally.topics import Topics
-from streamtally.wire.kafka import ensure_topics
+from tests.integration.worker import own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -77,43 +74,20 @@ class Request:
 @pytest.fixture
 def scene(tmp_path: Path) -> Iterator[tuple[StackConfig, Settings, WorkerProcess, str]]:
     cfg = _local_stack()
-    run = uuid.uuid4().hex[:8]
-    namespace = f"outage-{run}"
-    url = cfg.local_redis_url().rsplit("/", 1)[0] + f"/{DB}"
-    settings = Settings.load(
-        {
-            "KAFKA_BOOTSTRAP_SERVERS": cfg.local_bootstrap_servers(),
-            "REDIS_URL": url,
-            "STREAMTALLY_NAMESPACE": namespace,
-        }
-    )
-    asyncio.run(_flush(url))
-    asyncio.run(ensure_topics(settings.bootstrap_servers, Topics.in_namespace(namespace).all))
-    env = dict(os.environ)
-    env.update(
-        KAFKA_BOOTSTRAP_SERVERS=settings.bootstrap_servers,
-        REDIS_URL=url,
-        STREAMTALLY_NAMESPACE=namespace,
-        STREAMTALLY_REQUEST_TIMEOUT=str(TIMEOUT),
-    )
-    worker = WorkerProcess(tmp_path / "worker.log", env, cwd=REPO).start()
     try:
-        worker.wait_until_ready(60)
-        yield cfg, settings, worker, run
+        with own_worker(
+            cfg.local_bootstrap_servers(),
+            cfg.local_redis_url(),
+            prefix="outage",
+            db=DB,
+            log=tmp_path / "worker.log",
+            request_timeout=TIMEOUT,
+        ) as (settings, worker):
+            yield cfg, settings, worker, settings.namespace.removeprefix("outage-")
     finally:
         # whatever happened, the stack is left running for the tests after this one
         kafka.up(cfg, print)
         redis.up(cfg, print)
-        worker.stop(timeout=30)
-        asyncio.run(_flush(url))
-
-
-async def _flush(url: str) -> None:
-    client = aioredis.from_url(url)
-    try:
-        await client.flushdb()  # this test's own database
-    finally:
-        await client.aclose()
 
 
 async def _send(settings: Settings, parts: list[tuple[Request, slice]]) -> None:

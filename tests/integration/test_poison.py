@@ -17,24 +17,19 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
-from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
-from streamtally.topics import Topics
-from streamtally.wire.kafka import ensure_topics
+from tests.integration.worker import own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -66,42 +61,16 @@ POISON = {
 
 @pytest.fixture
 def scene(stack_endpoints: Any, tmp_path: Path) -> Iterator[tuple[Settings, str]]:
-    del stack_endpoints  # the stack is up (started or found by the session fixture)
-    base = Settings.load()
-    namespace = f"poison-{uuid.uuid4().hex[:8]}"
-    url = base.redis_url.rsplit("/", 1)[0] + f"/{DB}"
-    settings = Settings.load(
-        {
-            "KAFKA_BOOTSTRAP_SERVERS": base.bootstrap_servers,
-            "REDIS_URL": url,
-            "STREAMTALLY_NAMESPACE": namespace,
-        }
-    )
-    asyncio.run(_flush(url))
-    asyncio.run(ensure_topics(settings.bootstrap_servers, Topics.in_namespace(namespace).all))
-    env = dict(os.environ)
-    env.update(
-        KAFKA_BOOTSTRAP_SERVERS=settings.bootstrap_servers,
-        REDIS_URL=url,
-        STREAMTALLY_NAMESPACE=namespace,
-        STREAMTALLY_REQUEST_TIMEOUT="30",
-    )
-    worker = WorkerProcess(tmp_path / "worker.log", env, cwd=REPO).start()
-    try:
-        worker.wait_until_ready(60)
+    with own_worker(
+        stack_endpoints.bootstrap_servers,
+        stack_endpoints.redis_url,
+        prefix="poison",
+        db=DB,
+        log=tmp_path / "worker.log",
+        request_timeout=30,
+    ) as (settings, worker):
         yield settings, worker.describe()
         worker.check()  # it never died on a poison record
-    finally:
-        worker.stop(timeout=30)
-        asyncio.run(_flush(url))
-
-
-async def _flush(url: str) -> None:
-    client = aioredis.from_url(url)
-    try:
-        await client.flushdb()
-    finally:
-        await client.aclose()
 
 
 async def _send(settings: Settings, batches: list[tuple[str, list[bytes]]]) -> None:

@@ -21,14 +21,17 @@ import os
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
 from streamtally.ops import worker_process
-from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL
+from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from streamtally.store import RedisStore
+from streamtally.topics import Topics
+from streamtally.wire.kafka import ensure_topics
 
 REPO: Final = Path(__file__).resolve().parents[2]
 SAMPLES: Final = REPO / "samples"
@@ -327,3 +330,56 @@ def forget_usage(redis_url: str, tenants: Iterable[str]) -> None:
             await store.aclose()
 
     asyncio.run(forget())
+
+
+# --------------------------------------------------------------------------- isolated runs
+
+
+def flush_db(url: str) -> None:
+    """Empty the Redis database `url` names (a test's own)."""
+    import redis as redis_sync
+
+    client = redis_sync.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+@contextlib.contextmanager
+def own_worker(
+    bootstrap_servers: str,
+    redis_url: str,
+    *,
+    prefix: str,
+    db: int,
+    log: Path,
+    request_timeout: float,
+) -> Iterator[tuple[Settings, worker_process.WorkerProcess]]:
+    """A ready worker in a topic namespace and Redis database of its own (emptied before
+    and after), and the settings a test's producers and reads use with it."""
+    namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
+    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
+    settings = Settings.load(
+        {
+            "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+            "REDIS_URL": url,
+            "STREAMTALLY_NAMESPACE": namespace,
+        }
+    )
+    flush_db(url)
+    asyncio.run(ensure_topics(bootstrap_servers, Topics.in_namespace(namespace).all))
+    env = dict(os.environ)
+    env.update(
+        KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
+        REDIS_URL=url,
+        STREAMTALLY_NAMESPACE=namespace,
+        STREAMTALLY_REQUEST_TIMEOUT=str(request_timeout),
+    )
+    worker = worker_process.WorkerProcess(log, env, cwd=REPO).start()
+    try:
+        worker.wait_until_ready(60)
+        yield settings, worker
+    finally:
+        worker.stop(timeout=30)
+        flush_db(url)
