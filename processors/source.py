@@ -130,9 +130,6 @@ class RawSource:
     async def stop(self) -> None:
         await self._consumer.stop()
 
-    def assignment(self) -> set[TopicPartition]:
-        return set(self._consumer.assignment())
-
     def is_live(self, tp: Hashable, next_offset: int) -> bool:
         """Whether partition `tp` ((topic, partition)) is caught up and its broker answering.
 
