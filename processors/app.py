@@ -151,21 +151,16 @@ def create_app(
             for request_id, closed in found.items():
                 processor.learn_closed(request_id, closed)
 
+    tps: dict[tuple[str, int], TopicPartition] = {}
+    sse_topic = topics.raw_sse.name
+    for_sse, for_engine = processor.handle_sse, processor.handle_engine
+
     async def process(stream: Any) -> None:
-        tps: dict[tuple[str, int], TopicPartition] = {}
-        sse_topic = topics.raw_sse.name
-        for_sse, for_engine = processor.handle_sse, processor.handle_engine
         async for fetched in stream:
             async with pipeline.batch_lock:  # a revoke waits for the batch in flight
-                await apply(fetched, for_sse, for_engine, sse_topic, tps)
+                await apply(fetched)
 
-    async def apply(
-        fetched: FetchedBatch | Sequence[RawMessage],
-        for_sse: Any,
-        for_engine: Any,
-        sse_topic: str,
-        tps: dict[tuple[str, int], TopicPartition],
-    ) -> None:
+    async def apply(fetched: FetchedBatch | Sequence[RawMessage]) -> None:
         batch: Sequence[RawMessage]
         if isinstance(fetched, FetchedBatch):
             fence, generation = pipeline.revocations, fetched.generation
