@@ -25,7 +25,7 @@ REDIS_URL):
 
 Readability in Redis is observed through keyspace notifications
 (`notify-keyspace-events` gets `K$` for the run and its old value back after)
-on `__keyspace@<db>__:st:tokens:bench-<run>-*`, timestamped with
+on `__keyspace@<db>__:st:tokens:bench:bench-<run>-*` (tenant `bench`), timestamped with
 `time.perf_counter()` in this process, like the producer side.
 
 The worker runs in a namespace of its own (`STREAMTALLY_NAMESPACE`, default
@@ -36,7 +36,10 @@ requests; set STREAMTALLY_NAMESPACE=streamtally to measure on the shared topics.
 
 The benchmark writes real records: Tokens keys, usage rows of tenant `bench`,
 chunks and billing events, and the scratch topic `streamtally.bench.passthrough`.
-Nothing is deleted.
+Nothing is deleted.  Its Redis is REDIS_URL's database (the local stack's db 0
+by default): empty, or of layout version 2 (``st:layout``), which the run
+claims on an empty database as its worker does; it stops before anything is
+timed on data of an older layout (``streamtally migrate``, or another database).
 
 This module runs the steps in order (`run`); the parts are, by concern:
 `pipeline_workload` (settings, namespace, requests), `pipeline_worker` (the
@@ -65,7 +68,13 @@ from benchmarks.pipeline_phases import (
     measure_throughput,
     warm_up,
 )
-from benchmarks.pipeline_redis import TokensWatcher, as_text, keyspace_flags, redis_client
+from benchmarks.pipeline_redis import (
+    TokensWatcher,
+    as_text,
+    check_layout,
+    keyspace_flags,
+    redis_client,
+)
 from benchmarks.pipeline_report import (
     TARGET_EVENTS_PER_SECOND,
     TARGET_P99_MS,
@@ -124,7 +133,7 @@ async def _bench(
     kafka = KafkaProbe(settings.bootstrap_servers, names)
     old_flags: str | None = None
     sampler: asyncio.Task[None] | None = None
-    watcher = TokensWatcher(client, db, workload.prefix())
+    watcher = TokensWatcher(client, db, TENANT, workload.prefix())
     try:
         await kafka.start()
         config = await client.config_get("notify-keyspace-events")
@@ -193,6 +202,7 @@ def run(
         f"encoded in {workload.encode_seconds:.1f} s"
     )
     progress(f"worker namespace {names.namespace!r} (its topics and consumer group)")
+    asyncio.run(check_layout(settings.redis_url))  # the worker would refuse another layout
     asyncio.run(ensure_topics(settings.bootstrap_servers, names.topics.all))
     asyncio.run(passthrough.ensure_passthrough_topic(settings.bootstrap_servers))
     log = StackConfig.from_settings(app_settings).state_dir / "logs" / "bench-worker.log"

@@ -26,6 +26,7 @@ from benchmarks.pipeline_redis import TokensWatcher
 from benchmarks.pipeline_report import WINDOW_SECONDS, Ceiling, Latency, Throughput
 from benchmarks.pipeline_worker import BenchWorker
 from benchmarks.pipeline_workload import (
+    TENANT,
     BenchRequest,
     Names,
     PipelineSettings,
@@ -33,8 +34,9 @@ from benchmarks.pipeline_workload import (
     Send,
     interleave,
 )
+from streamtally.core.identity import RequestRef
 from streamtally.errors import StackError
-from streamtally.topics import encode_key
+from streamtally.topics import output_key
 from streamtally.wire.kafka import idempotent_producer
 
 __all__ = [
@@ -138,7 +140,7 @@ async def measure_throughput(
     raw_end = await ctx.kafka.end_offsets(raw_tps)
     # Billing events are produced (and acked) before the Redis write of the same batch.
     billing_end = await ctx.kafka.end_offsets(billing_tps)
-    keys = {encode_key(r) for r in ids}
+    keys = {output_key(RequestRef(TENANT, r)) for r in ids}  # the billing topic's keys
     billing, billed = await ctx.kafka.count_keys(
         ctx.names.topics.billing.name, billing_start, billing_end, keys
     )
@@ -148,7 +150,7 @@ async def measure_throughput(
         )
     if billing != billed:
         ctx.notes.append(
-            f"throughput: {billing - billed} duplicate billing records (same request id) for "
+            f"throughput: {billing - billed} duplicate billing records (same request) for "
             f"{billed} requests, from one worker process that ran throughout"
         )
     result = Throughput(

@@ -1,10 +1,12 @@
 """Redis for the pipeline benchmark: when each request's Tokens became readable.
 
-`TokensWatcher` timestamps the first SET of every ``st:tokens:bench-<run>-*``
-key through keyspace notifications (`keyspace_flags`: what
+`TokensWatcher` timestamps the first SET of every ``st:tokens:bench:bench-<run>-*``
+key (the Tokens of tenant ``bench``'s requests ``bench-<run>-*``, keyed by
+`RequestRef.text`) through keyspace notifications (`keyspace_flags`: what
 ``notify-keyspace-events`` needs for it), with `time.perf_counter()` in this
 process, like the producer side; `redis_client` connects and reads the
-server's version.
+server's version; `check_layout` refuses, before the worker starts, a Redis
+the worker would refuse (data of another layout version).
 """
 
 from __future__ import annotations
@@ -21,21 +23,23 @@ from redis.exceptions import RedisError
 from benchmarks.pipeline_worker import BenchWorker
 from benchmarks.pipeline_workload import Progress
 from streamtally.errors import StackError
-from streamtally.store import TOKENS_PREFIX, tokens_pattern
+from streamtally.store import LayoutError, RedisStore, parse_tokens_key, tokens_pattern
 
-__all__ = ["TokensWatcher", "as_text", "keyspace_flags", "redis_client"]
+__all__ = ["TokensWatcher", "as_text", "check_layout", "keyspace_flags", "redis_client"]
 
 #: Give up waiting when no request completed for this long.
 _STALL_SECONDS: Final = 90.0
 
 
 class TokensWatcher:
-    """Timestamps the first SET of every `st:tokens:<prefix>*` key (keyspace notifications)."""
+    """Timestamps the first SET of the Tokens key of every request of `tenant` whose id
+    starts with `prefix` (keyspace notifications); `seen` is by request id."""
 
-    def __init__(self, client: aioredis.Redis, db: int, prefix: str) -> None:
+    def __init__(self, client: aioredis.Redis, db: int, tenant: str, prefix: str) -> None:
         self._client = client
-        self._channel_prefix = f"__keyspace@{db}__:{TOKENS_PREFIX}".encode()
-        self.pattern = f"__keyspace@{db}__:{tokens_pattern(prefix)}"
+        self._tenant = tenant
+        self._channel_prefix = f"__keyspace@{db}__:".encode()
+        self.pattern = f"__keyspace@{db}__:{tokens_pattern(tenant, prefix)}"
         self.seen: dict[str, float] = {}
         self._pending: set[str] = set()
         self._all_seen = asyncio.Event()
@@ -60,7 +64,10 @@ class TokensWatcher:
             now = time.perf_counter()
             if message["type"] != "pmessage" or message["data"] != b"set":
                 continue
-            request_id = bytes(message["channel"][cut:]).decode()
+            ref = parse_tokens_key(bytes(message["channel"][cut:]))
+            if ref.tenant != self._tenant:
+                continue  # the pattern matches only its keys; never count another tenant's
+            request_id = ref.request_id
             if request_id not in self.seen:
                 self.seen[request_id] = now
                 self._pending.discard(request_id)
@@ -145,3 +152,25 @@ async def redis_client(url: str) -> tuple[aioredis.Redis, int, str | None]:
     db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
     version = info.get("redis_version")
     return client, db, None if version is None else str(version)
+
+
+async def check_layout(url: str) -> None:
+    """Claim layout 2 on an empty Redis, as the worker does; `StackError` on another layout.
+
+    The benchmark's worker writes to `url` (REDIS_URL): on data of an older
+    layout it would refuse to start, so say why before anything is timed.
+    """
+    store = RedisStore.from_url(url, connect_timeout=5)
+    try:
+        await store.ensure_layout()
+    except LayoutError as exc:
+        raise StackError(
+            f"the benchmark's worker cannot write to Redis at {url}: {exc} "
+            "(or set REDIS_URL to an empty database, e.g. redis://127.0.0.1:6379/15)"
+        ) from exc
+    except (RedisError, OSError) as exc:
+        raise StackError(
+            f"cannot reach Redis at {url}: start it with `streamtally stack up` or set REDIS_URL"
+        ) from exc
+    finally:
+        await store.aclose()

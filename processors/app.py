@@ -4,10 +4,11 @@
 
 - a task runs `RawSource`, which reads the raw topics in bulk and sends each
   batch of records to an in-memory channel;
-- the agent `process-raw` takes one batch at a time: it asks the sinks'
-  lookup about request ids it has not seen (closed by an earlier run?), hands
-  each record to `RequestProcessor`, writes the outputs through the sinks,
-  and commits what `CommitGate` releases;
+- the agent `process-raw` takes one batch at a time: it decodes the records
+  (each names its request: tenant and request id), asks the sinks' lookup
+  about requests it has not seen (closed by an earlier run?), hands each
+  record to `RequestProcessor`, writes the outputs through the sinks, and
+  commits what `CommitGate` releases;
 - a timer closes requests that went quiet.
 
 Committing is what makes a crash harmless: a record is committed only when its
@@ -28,6 +29,7 @@ import faust
 from aiokafka import TopicPartition
 from faust.app.base import BootStrategy
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.requests import Limits, Outputs, Position, RequestProcessor
@@ -139,21 +141,20 @@ def create_app(
         written = await sinks().write(outputs)
         # A request whose close another owner decided first keeps its records held:
         # they are not committed here (that owner, or the next, accounts for them).
-        gate.finished(done.tokens.request_id for done in written.completed)
+        gate.finished(done.ref for done in written.completed)
         if gate.release() and pipeline.source is not None:
             await pipeline.source.commit(gate.committable())
 
-    async def learn(batch: Sequence[RawMessage]) -> None:
-        ids = {r for m in batch if (r := processor.request_id_of(m.key))}
-        unknown = sorted(processor.unknown(ids))
+    async def learn(refs: set[RequestRef]) -> None:
+        unknown = sorted(processor.unknown(refs))
         if unknown:
             found = await sinks().find_closed(unknown)
-            for request_id, closed in found.items():
-                processor.learn_closed(request_id, closed)
+            for ref, closed in found.items():
+                processor.learn_closed(ref, closed)
 
     tps: dict[tuple[str, int], TopicPartition] = {}
     sse_topic = topics.raw_sse.name
-    for_sse, for_engine = processor.handle_sse, processor.handle_engine
+    read_sse, read_engine = processor.read_sse, processor.read_engine
 
     async def process(stream: Any) -> None:
         async for fetched in stream:
@@ -170,20 +171,24 @@ def create_app(
             ]
         else:  # handed over directly (agent tests): nothing to fence
             batch = fetched
-        await learn(batch)
         outputs = Outputs()
-        for m in batch:
-            handle = for_sse if m.topic == sse_topic else for_engine
-            handle(m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), outputs)
-            request_id = processor.request_id_of(m.key)
+        # Decoded first: a record's request is (tenant, request id), known only from its body.
+        raws = [
+            (read_sse if m.topic == sse_topic else read_engine)(
+                m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), outputs
+            )
+            for m in batch
+        ]
+        await learn({raw.ref for raw in raws if raw is not None})
+        for m, raw in zip(batch, raws, strict=True):
+            ref = None
+            if raw is not None:
+                processor.arrive(outputs, raw)
+                ref = raw.ref
             tp = tps.get((m.topic, m.partition))
             if tp is None:
                 tp = tps[(m.topic, m.partition)] = TopicPartition(m.topic, m.partition)
-            gate.hold(
-                tp,
-                m.offset,
-                request_id if request_id is not None and processor.is_open(request_id) else None,
-            )
+            gate.hold(tp, m.offset, ref if ref is not None and processor.is_open(ref) else None)
         await finish(outputs)
 
     pipeline.agents["process-raw"] = app.agent(batches, name="process-raw")(process)

@@ -4,13 +4,17 @@ Kafka keeps one committed offset per partition: everything below it is never
 read again.  So a raw record may be committed only when its request is closed
 and its outputs are durable, *and* every earlier record of its partition is
 too.  `CommitGate` holds every record (just its offset) in partition order and
-hands out, per partition, the offset up to which everything is done.
+hands out, per partition, the offset up to which everything is done.  A record
+waits on its request by the request's identity (`RequestRef`: tenant and
+request id), the same key the processor folds it under.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Hashable, Iterable
+
+from streamtally.core.identity import RequestRef
 
 __all__ = ["CommitGate"]
 
@@ -28,24 +32,24 @@ class CommitGate:
 
     def __init__(self) -> None:
         self._queues: defaultdict[Hashable, deque[_Held]] = defaultdict(deque)
-        self._open: defaultdict[str, list[_Held]] = defaultdict(list)
+        self._open: defaultdict[RequestRef, list[_Held]] = defaultdict(list)
         self._ready: dict[Hashable, int] = {}
 
     def __len__(self) -> int:
         """Records held, done or not."""
         return sum(len(q) for q in self._queues.values())
 
-    def hold(self, tp: Hashable, offset: int, request_id: str | None) -> None:
-        """Hold the record at `offset`; it is done now unless `request_id` is still open."""
-        held = _Held(offset, done=request_id is None)
+    def hold(self, tp: Hashable, offset: int, request: RequestRef | None) -> None:
+        """Hold the record at `offset`; it is done now unless `request` is still open."""
+        held = _Held(offset, done=request is None)
         self._queues[tp].append(held)
-        if request_id is not None:
-            self._open[request_id].append(held)
+        if request is not None:
+            self._open[request].append(held)
 
-    def finished(self, request_ids: Iterable[str]) -> None:
+    def finished(self, requests: Iterable[RequestRef]) -> None:
         """These requests are closed and their outputs durable: their records are done."""
-        for request_id in request_ids:
-            for held in self._open.pop(request_id, ()):
+        for request in requests:
+            for held in self._open.pop(request, ()):
                 held.done = True
 
     def release(self) -> dict[Hashable, int]:
@@ -63,10 +67,10 @@ class CommitGate:
         """Every partition's offset to commit, as of the last `release`."""
         return dict(self._ready)
 
-    def drop(self, tps: Iterable[Hashable], request_ids: Iterable[str]) -> None:
+    def drop(self, tps: Iterable[Hashable], requests: Iterable[RequestRef]) -> None:
         """A rebalance took these partitions: forget their records (the next owner re-reads)."""
         for tp in tps:
             self._queues.pop(tp, None)
             self._ready.pop(tp, None)
-        for request_id in request_ids:
-            self._open.pop(request_id, None)
+        for request in requests:
+            self._open.pop(request, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, Tokens
 from streamtally.wire.records import BillingEvent, DeadLetter
 
@@ -66,27 +67,36 @@ class Completed:
     tokens_value: bytes = b""
     billing_value: bytes = b""
 
+    @property
+    def ref(self) -> RequestRef:
+        """The request: its tenant (the billing event's) and its request id."""
+        return RequestRef(self.billing.tenant, self.tokens.request_id)
+
 
 @dataclass(slots=True)
 class Outputs:
     chunks: list[Chunk] = field(default_factory=list)
     #: Each chunk's Avro value, in `chunks` order (encoded once, when it was made).
     chunk_values: list[bytes] = field(default_factory=list)
+    #: Each chunk's request (a chunk names its request id, not its tenant), in `chunks` order.
+    chunk_refs: list[RequestRef] = field(default_factory=list)
     completed: list[Completed] = field(default_factory=list)
     dead_letters: list[DeadLetter] = field(default_factory=list)
 
     def extend(self, other: Outputs) -> None:
         self.chunks.extend(other.chunks)
         self.chunk_values.extend(other.chunk_values)
+        self.chunk_refs.extend(other.chunk_refs)
         self.completed.extend(other.completed)
         self.dead_letters.extend(other.dead_letters)
 
-    def without(self, request_ids: set[str]) -> Outputs:
-        """These outputs less the completions of `request_ids` (their chunks stay)."""
+    def without(self, refs: set[RequestRef]) -> Outputs:
+        """These outputs less the completions of the requests `refs` (their chunks stay)."""
         return Outputs(
             chunks=self.chunks,
             chunk_values=self.chunk_values,
-            completed=[c for c in self.completed if c.tokens.request_id not in request_ids],
+            chunk_refs=self.chunk_refs,
+            completed=[c for c in self.completed if c.ref not in refs],
             dead_letters=self.dead_letters,
         )
 

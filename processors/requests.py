@@ -1,7 +1,10 @@
 """The stream-processing logic, free of Kafka and Redis: raw records in, outputs out.
 
 `RequestProcessor` keeps one `_Open` state per request in flight (its
-`Normalizer` and its `Fold`), applies each raw record in sequence order, and
+`Normalizer` and its `Fold`), keyed by the request's identity, `RequestRef`
+(tenant and request id: two tenants that reuse one provider id are two
+requests, neither can close or bill the other), applies each raw record in
+sequence order, and
 closes a request at its end-of-stream marker or when it has been quiet for
 longer than the timeout.  The faust agents (`processors.app`) only move
 bytes between topics, Redis and this class; `streamtally fold` runs the same
@@ -11,8 +14,9 @@ Replays.  The worker acknowledges a request's raw records only once the
 request is closed and its outputs are durable, so after a crash Kafka
 redelivers every record of every request that was still open.  What the
 processor cannot know by itself is which requests an earlier run already
-closed: the agent asks Redis for every request id it has not seen yet and
-hands the answers to `learn_closed` before the batch is applied.  A record of
+closed: the agent `read`s a batch first (decoding tells each record's
+request), asks Redis about every request it has not seen yet and hands the
+answers to `learn_closed`, then lets each record `arrive`.  A record of
 a closed request at or before its closing offset is a replay (dropped, it was
 counted when the request closed); after it, a late event (dead-lettered).  A
 request an earlier run decided to close but did not finish writing is closed
@@ -48,6 +52,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from streamtally.core.fold import NO_FINISH, Fold
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Tokens
 from streamtally.core.normalize import Normalizer
 from streamtally.core.pricing import PriceTable
@@ -105,6 +110,8 @@ class _Raw:
     position: Position
     key: bytes | None
     value: bytes
+    #: The request the record belongs to: (tenant, request id).
+    ref: RequestRef
 
 
 @dataclass(slots=True)
@@ -159,9 +166,9 @@ class RequestProcessor:
         #: Whether a partition is caught up and answering (the worker wires its consumer in;
         #: None: every partition is, as in a test or a replay with no consumer to ask).
         self.live: Callable[[Hashable, int], bool] | None = None
-        self._open: dict[str, _Open] = {}
-        self._closed: OrderedDict[str, Closed] = OrderedDict()
-        self._pending_close: dict[str, Closed] = {}
+        self._open: dict[RequestRef, _Open] = {}
+        self._closed: OrderedDict[RequestRef, Closed] = OrderedDict()
+        self._pending_close: dict[RequestRef, Closed] = {}
 
     @property
     def open_requests(self) -> int:
@@ -169,35 +176,41 @@ class RequestProcessor:
 
     # -- what the agent asks Redis about ------------------------------------------------
 
-    def unknown(self, request_ids: Iterable[str]) -> set[str]:
-        """Request ids this process knows nothing of: ask Redis whether they closed."""
+    def unknown(self, refs: Iterable[RequestRef]) -> set[RequestRef]:
+        """Requests this process knows nothing of: ask Redis whether they closed."""
         return {
             r
-            for r in request_ids
+            for r in refs
             if r not in self._open and r not in self._closed and r not in self._pending_close
         }
 
-    def is_open(self, request_id: str) -> bool:
-        return request_id in self._open
+    def is_open(self, ref: RequestRef) -> bool:
+        return ref in self._open
 
-    def learn_closed(self, request_id: str, closed: Closed) -> None:
-        """An earlier run closed `request_id` (applied) or decided to (not yet applied)."""
+    def learn_closed(self, ref: RequestRef, closed: Closed) -> None:
+        """An earlier run closed `ref` (applied) or decided to (not yet applied)."""
         if closed.applied:
-            self._remember(request_id, closed)
+            self._remember(ref, closed)
         else:
-            self._pending_close[request_id] = closed
+            self._pending_close[ref] = closed
 
     # -- records ------------------------------------------------------------------------
+    #
+    # A message is first `read` (refused at the edge, or decoded: a `_Raw` whose `ref`
+    # says which request it belongs to), then, once the agent has asked Redis about
+    # the batch's unknown requests, `arrive`d.  `handle_sse` and `handle_engine` do both.
 
-    @staticmethod
-    def request_id_of(key: bytes | None) -> str | None:
-        """The request id a message key names (None when there is no usable key)."""
-        if not key:
-            return None
-        try:
-            return key.decode()
-        except UnicodeDecodeError:
-            return None
+    def read_sse(
+        self, key: bytes | None, value: bytes | None, position: Position, out: Outputs
+    ) -> _Raw | None:
+        """Decode one message of the raw SSE topic; None when it was dead-lettered into `out`."""
+        return self._read(avro.decode_raw_sse_event, key, value, position, out)
+
+    def read_engine(
+        self, key: bytes | None, value: bytes | None, position: Position, out: Outputs
+    ) -> _Raw | None:
+        """Decode one message of the raw engine topic; None when it was dead-lettered."""
+        return self._read(avro.decode_raw_engine_output, key, value, position, out)
 
     def handle_sse(
         self,
@@ -207,7 +220,11 @@ class RequestProcessor:
         out: Outputs | None = None,
     ) -> Outputs:
         """One message of the raw SSE topic; its outputs are added to `out` (or a new one)."""
-        return self._handle(avro.decode_raw_sse_event, key, value, position, out)
+        out = Outputs() if out is None else out
+        raw = self.read_sse(key, value, position, out)
+        if raw is not None:
+            self.arrive(out, raw)
+        return out
 
     def handle_engine(
         self,
@@ -217,7 +234,11 @@ class RequestProcessor:
         out: Outputs | None = None,
     ) -> Outputs:
         """One message of the raw engine-output topic; its outputs are added to `out`."""
-        return self._handle(avro.decode_raw_engine_output, key, value, position, out)
+        out = Outputs() if out is None else out
+        raw = self.read_engine(key, value, position, out)
+        if raw is not None:
+            self.arrive(out, raw)
+        return out
 
     def expire(self) -> Outputs:
         """Close every request that has been quiet for longer than the timeout."""
@@ -226,14 +247,14 @@ class RequestProcessor:
         clock.tick(self.live)
         timeout = self.timeout
         quiet = []
-        for request_id, state in self._open.items():
+        for ref, state in self._open.items():
             now = clock.now(state.topic_partition)
             if now is not None and now - state.last_input > timeout:
-                quiet.append(request_id)
-        for request_id in quiet:
-            state = self._open[request_id]
+                quiet.append(ref)
+        for ref in quiet:
+            state = self._open[ref]
             reason = CloseReason.GAP if state.waiting else CloseReason.TIMEOUT
-            self._finish(out, request_id, state, reason)
+            self._finish(out, ref, state, reason)
             self.counters.requests_timed_out += 1
         return out
 
@@ -258,19 +279,15 @@ class RequestProcessor:
         else:
             del self._open_by_tenant[tenant]
 
-    def _input_now(self, position: Position) -> float:
-        now = self.input_clock.now((position.topic, position.partition))
-        return 0.0 if now is None else now
-
-    def drop_partitions(self, topic_partitions: set[tuple[str, int]]) -> list[str]:
+    def drop_partitions(self, topic_partitions: set[tuple[str, int]]) -> list[RequestRef]:
         """Forget the open requests of partitions this worker no longer owns (a rebalance).
 
         Their records were not acknowledged, so the partition's next owner
         receives them all again.
         """
         dropped = [r for r, s in self._open.items() if s.topic_partition in topic_partitions]
-        for request_id in dropped:
-            state = self._open.pop(request_id)
+        for ref in dropped:
+            state = self._open.pop(ref)
             self._release(state.tenant)
             self.counters.revoked += len(state.waiting)
         self.input_clock.forget(topic_partitions)
@@ -278,58 +295,65 @@ class RequestProcessor:
 
     # -- internals: each adds what it produces to `out` ----------------------------------
 
-    def _handle(
+    def _read(
         self,
         decode: Callable[[bytes], RawRecord],
         key: bytes | None,
         value: bytes | None,
         position: Position,
-        out: Outputs | None,
-    ) -> Outputs:
-        out = Outputs() if out is None else out
+        out: Outputs,
+    ) -> _Raw | None:
         self.counters.received += 1
         refused = refused_at_the_edge(key, value)
         if refused is not None or value is None:  # dead-lettered, so the counts reconcile
             self.input_clock.saw((position.topic, position.partition), position.offset)
             self._dead(out, refused or TOMBSTONE, key, value or b"", position)
-            return out
+            return None
         try:
             record = decode(value)
         except PERMANENT_ERRORS as exc:
             self.input_clock.saw((position.topic, position.partition), position.offset)
             self._dead(out, exc, key, value, position)
-            return out
-        self._arrive(out, _Raw(record, position, key, value))
-        return out
+            return None
+        if key != record.request_id.encode():
+            self.input_clock.saw((position.topic, position.partition), position.offset)
+            reason = InputError(
+                f"message key {key!r} is not the record's request id {record.request_id!r}"
+            )
+            self._dead(
+                out,
+                reason,
+                key,
+                value,
+                position,
+                source=record.source.value,
+                request_id=record.request_id,
+            )
+            return None
+        return _Raw(record, position, key, value, RequestRef(record.tenant, record.request_id))
 
-    def _arrive(self, out: Outputs, raw: _Raw) -> None:
-        record, key, value, position = raw.record, raw.key, raw.value, raw.position
+    def arrive(self, out: Outputs, raw: _Raw) -> None:
+        """Apply a record `read` returned (in partition order), adding its outputs to `out`."""
+        record, key, value, position, ref = raw.record, raw.key, raw.value, raw.position, raw.ref
         request_id = record.request_id
         source = record.source.value
-        if key != request_id.encode():
-            reason = InputError(
-                f"message key {key!r} is not the record's request id {request_id!r}"
-            )
-            self._dead(out, reason, key, value, position, source=source, request_id=request_id)
-            return
-        self.input_clock.saw(
-            (position.topic, position.partition),
-            position.offset,
-            input_time(record.received_at.timestamp(), position.timestamp),
+        tp = (position.topic, position.partition)
+        input_now = self.input_clock.saw(
+            tp, position.offset, input_time(record.received_at.timestamp(), position.timestamp)
         )
-        closed = self._closed.get(request_id)
+        closed = self._closed.get(ref)
         if closed is not None:
             if position.offset <= closed.offset:
                 self.counters.replayed += 1
                 return
-            late = InputError(f"event for request {request_id!r}, which is already closed")
+            late = InputError(f"event for request {ref}, which is already closed")
             self._dead(out, late, key, value, position, source=source, request_id=request_id)
             return
-        state = self._open.get(request_id)
+        state = self._open.get(ref)
         if state is None and record.kind is EventKind.END and record.seq == 0:
             # An end marker that is a request's first record: no event to bill (a phantom
             # 0-cost request otherwise).  (A later END ahead of its events waits for them.)
-            lone = InputError(f"end marker of request {request_id!r}, which has no events")
+            lone = InputError(f"end marker of request {ref}, which has no events")
             self._dead(out, lone, key, value, position, source=source, request_id=request_id)
             return
         if state is None:
@@ -338,7 +362,7 @@ class RequestProcessor:
                 self._dead(out, refused, key, value, position, source=source, request_id=request_id)
                 return
             self._open_by_tenant[record.tenant] += 1
-            state = self._open[request_id] = _Open(
+            state = self._open[ref] = _Open(
                 normalizer=Normalizer(
                     record.source,
                     request_id,
@@ -349,15 +373,14 @@ class RequestProcessor:
                 source=source,
                 next_seq=0,
                 last_time=record.received_at,
-                last_input=self._input_now(position),
+                last_input=0.0 if input_now is None else input_now,
                 max_offset=position.offset,
-                topic_partition=(position.topic, position.partition),
-                close_at=self._pending_close.pop(request_id, None),
+                topic_partition=tp,
+                close_at=self._pending_close.pop(ref, None),
             )
-        elif source != state.source or record.tenant != state.tenant:
+        elif source != state.source:
             mixed = InputError(
-                f"request {request_id!r} changed source or tenant mid-stream "
-                f"({state.source}/{state.tenant} → {source}/{record.tenant})"
+                f"request {ref} changed source mid-stream ({state.source} → {source})"
             )
             self._dead(out, mixed, key, value, position, source=source, request_id=request_id)
             return
@@ -366,14 +389,14 @@ class RequestProcessor:
             # Closed here with what it has (deterministic: a replay closes it at this very
             # record again); its later records are late.  Memory stays bounded.
             many = InputError(
-                f"request {request_id!r} has {held} records, the limit "
+                f"request {ref} has {held} records, the limit "
                 f"(STREAMTALLY_MAX_RECORDS_PER_REQUEST={self.limits.records_per_request})"
             )
             self._dead(out, many, key, value, position, source=source, request_id=request_id)
             state.max_offset = max(state.max_offset, position.offset)
-            self._finish(out, request_id, state, CloseReason.LIMIT)
+            self._finish(out, ref, state, CloseReason.LIMIT)
             return
-        state.last_input = self._input_now(position)
+        state.last_input = 0.0 if input_now is None else input_now
         state.max_offset = max(state.max_offset, position.offset)
         if record.seq < state.next_seq or record.seq in state.waiting:
             self.counters.duplicates += 1
@@ -381,16 +404,16 @@ class RequestProcessor:
         elif record.seq > state.next_seq:
             state.waiting[record.seq] = raw  # wait for the gap
         else:
-            self._apply(out, request_id, state, raw)
-            while request_id in self._open and state.next_seq in state.waiting:
-                self._apply(out, request_id, state, state.waiting.pop(state.next_seq))
+            self._apply(out, ref, state, raw)
+            while ref in self._open and state.next_seq in state.waiting:
+                self._apply(out, ref, state, state.waiting.pop(state.next_seq))
         planned = state.close_at
-        if request_id in self._open and planned is not None and position.offset >= planned.offset:
+        if planned is not None and ref in self._open and position.offset >= planned.offset:
             # An earlier run closed this request here: close it the same way again.
-            self._finish(out, request_id, state, planned.reason)
+            self._finish(out, ref, state, planned.reason)
 
     def _apply(
-        self, out: Outputs, request_id: str, state: _Open, raw: _Raw, *, closing: bool = False
+        self, out: Outputs, ref: RequestRef, state: _Open, raw: _Raw, *, closing: bool = False
     ) -> None:
         """Apply the next record of a request; an END closes it unless it is `closing` already."""
         record, position = raw.record, raw.position
@@ -400,7 +423,7 @@ class RequestProcessor:
             state.records += 1
             self.counters.applied += 1
             if not closing:
-                self._finish(out, request_id, state, CloseReason.END)
+                self._finish(out, ref, state, CloseReason.END)
             return
         event: Any = (
             SseEvent(record.data, record.event, record.sse_id)
@@ -412,7 +435,13 @@ class RequestProcessor:
             values = [avro.encode_chunk(chunk) for chunk in chunks]
         except PERMANENT_ERRORS as exc:
             self._dead(
-                out, exc, raw.key, raw.value, position, source=state.source, request_id=request_id
+                out,
+                exc,
+                raw.key,
+                raw.value,
+                position,
+                source=state.source,
+                request_id=ref.request_id,
             )
             return
         state.records += 1
@@ -421,16 +450,17 @@ class RequestProcessor:
             state.fold.add(chunk)
         out.chunks.extend(chunks)
         out.chunk_values.extend(values)
+        out.chunk_refs.extend([ref] * len(chunks))
 
-    def _finish(self, out: Outputs, request_id: str, state: _Open, reason: CloseReason) -> None:
+    def _finish(self, out: Outputs, ref: RequestRef, state: _Open, reason: CloseReason) -> None:
         """Close a request: at its END, by timeout, or over a gap (see `CloseReason`)."""
-        del self._open[request_id]
+        del self._open[ref]
         self._release(state.tenant)
         message = NO_FINISH
         if reason is CloseReason.GAP:
             first_missing = state.next_seq
             for seq in sorted(state.waiting):
-                self._apply(out, request_id, state, state.waiting.pop(seq), closing=True)
+                self._apply(out, ref, state, state.waiting.pop(seq), closing=True)
             state.fold.fail(
                 f"raw events missing from seq {first_missing}: closed after "
                 f"{self.timeout:g}s without them"
@@ -443,7 +473,7 @@ class RequestProcessor:
             )
         for seq in sorted(state.waiting):  # after the END marker: too late to belong
             waiting = state.waiting.pop(seq)
-            late = InputError(f"event seq {seq} of request {request_id!r} after its end marker")
+            late = InputError(f"event seq {seq} of request {ref} after its end marker")
             self._dead(
                 out,
                 late,
@@ -451,25 +481,26 @@ class RequestProcessor:
                 waiting.value,
                 waiting.position,
                 source=state.source,
-                request_id=request_id,
+                request_id=ref.request_id,
             )
-        self._close(out, request_id, state, message, Closed(state.max_offset, reason, False))
+        self._close(out, ref, state, message, Closed(state.max_offset, reason, False))
 
     def _close(
-        self, out: Outputs, request_id: str, state: _Open, reason: str, closed: Closed
+        self, out: Outputs, ref: RequestRef, state: _Open, reason: str, closed: Closed
     ) -> None:
         when = state.last_time
-        chunks = state.normalizer.end(when, fallback_request_id=request_id)
+        chunks = state.normalizer.end(when, fallback_request_id=ref.request_id)
         values = [avro.encode_chunk(chunk) for chunk in chunks]
         for chunk in chunks:
             state.fold.add(chunk)
         tokens = state.fold.result(ended=True, reason=reason)
         tokens_value = avro.encode_tokens(tokens)
         billing, billing_value = self._bill(tokens, state.tenant, when)
-        self._remember(request_id, Closed(closed.offset, closed.reason, applied=True))
+        self._remember(ref, Closed(closed.offset, closed.reason, applied=True))
         self.counters.requests_completed += 1
         out.chunks.extend(chunks)
         out.chunk_values.extend(values)
+        out.chunk_refs.extend([ref] * len(chunks))
         out.completed.append(
             Completed(
                 tokens,
@@ -508,9 +539,9 @@ class RequestProcessor:
             self.counters.unpriced += 1
         return billing, value
 
-    def _remember(self, request_id: str, closed: Closed) -> None:
-        self._closed[request_id] = closed
-        self._closed.move_to_end(request_id)
+    def _remember(self, ref: RequestRef, closed: Closed) -> None:
+        self._closed[ref] = closed
+        self._closed.move_to_end(ref)
         if len(self._closed) > CLOSED_MEMORY:
             self._closed.popitem(last=False)
 

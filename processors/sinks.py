@@ -28,9 +28,10 @@ from aiokafka.errors import KafkaError, ProducerClosed
 from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
+from streamtally.core.identity import RequestRef
 from streamtally.processors.requests import Closed, Outputs
 from streamtally.store import RedisSink, RedisStore
-from streamtally.topics import Topics, encode_key
+from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.kafka import idempotent_producer
 
@@ -40,8 +41,8 @@ log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
-    async def begin(self, outputs: Outputs) -> set[str] | None:
-        """Record what must be known before any output leaves; return the request ids whose
+    async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
+        """Record what must be known before any output leaves; return the requests whose
         close was decided otherwise already (their outputs are then not written)."""
 
     def add(self, outputs: Outputs) -> None: ...
@@ -55,7 +56,8 @@ class KafkaSink:
     It sends whole record batches per partition (`create_batch` / `send_batch`)
     with its own idempotent producer: one call per partition and flush instead of
     one per message. Partitions are chosen as the default partitioner does
-    (murmur2 of the key), so a request keeps its partition number on every topic.
+    (murmur2 of the request id, `encode_key`), so a request keeps its partition number
+    on every topic; the outputs' keys are the request's identity (`output_key`).
     """
 
     def __init__(self, bootstrap_servers: str, topics: Topics) -> None:
@@ -64,9 +66,10 @@ class KafkaSink:
         self._started = False
         self._partitioner = DefaultPartitioner()
         self._partitions = {t.name: list(range(t.partitions)) for t in topics.all}
-        self._pending: list[tuple[str, bytes | None, bytes]] = []
+        #: (topic, key, value, what to partition by) of every record to send.
+        self._pending: list[tuple[str, bytes | None, bytes, bytes | None]] = []
 
-    async def begin(self, outputs: Outputs) -> set[str] | None:
+    async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
         del outputs  # nothing to record before sending
         return None
 
@@ -74,14 +77,18 @@ class KafkaSink:
         # Values were encoded by the processor as each output was made (a record that
         # cannot be encoded is dead-lettered there), so nothing here can fail on content.
         pending, topics = self._pending, self._topics
-        for chunk, value in zip(outputs.chunks, outputs.chunk_values, strict=True):
-            pending.append((topics.chunks.name, encode_key(chunk.request_id), value))
+        chunks = zip(outputs.chunks, outputs.chunk_values, outputs.chunk_refs, strict=True)
+        for chunk, value, ref in chunks:
+            pending.append(
+                (topics.chunks.name, output_key(ref), value, encode_key(chunk.request_id))
+            )
         for done in outputs.completed:
-            key = encode_key(done.tokens.request_id)
-            pending.append((topics.tokens.name, key, done.tokens_value))
-            pending.append((topics.billing.name, key, done.billing_value))
+            key, by = output_key(done.ref), encode_key(done.tokens.request_id)
+            pending.append((topics.tokens.name, key, done.tokens_value, by))
+            pending.append((topics.billing.name, key, done.billing_value, by))
         for letter in outputs.dead_letters:
-            pending.append((topics.deadletter.name, letter.key, avro.encode_dead_letter(letter)))
+            value = avro.encode_dead_letter(letter)
+            pending.append((topics.deadletter.name, letter.key, value, letter.key))
 
     async def flush(self) -> None:
         """Send everything added and wait for the broker; on failure nothing is dropped."""
@@ -91,9 +98,9 @@ class KafkaSink:
             await self._producer.start()
             self._started = True
         by_partition: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
-        for topic, key, value in self._pending:
+        for topic, key, value, by in self._pending:
             partitions = self._partitions[topic]
-            partition = self._partitioner(key, partitions, partitions)
+            partition = self._partitioner(by, partitions, partitions)
             by_partition.setdefault((topic, partition), []).append((key, value))
         futures = []
         for (topic, partition), messages in by_partition.items():
@@ -126,15 +133,16 @@ class RedisOutputs:
         self._sink = RedisSink(self.store)
         self._dead: list[str] = []
 
-    async def begin(self, outputs: Outputs) -> set[str] | None:
+    async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
         conflicts = await self.store.mark_closing(
-            {done.tokens.request_id: done.closed.marker() for done in outputs.completed}
+            {done.ref: done.closed.marker() for done in outputs.completed}
         )
-        for request_id, marker in conflicts.items():
+        for ref, marker in conflicts.items():
             log.warning(
-                "request %s was closed as %r already (by the partition's other owner): "
-                "its close here is not written",
-                ascii(request_id),
+                "request %s of tenant %s was closed as %r already (by the partition's other "
+                "owner): its close here is not written",
+                ascii(ref.request_id),
+                ascii(ref.tenant),
                 marker,
             )
         return set(conflicts)
@@ -165,13 +173,13 @@ class RedisOutputs:
     async def stop(self) -> None:
         await self.store.aclose()
 
-    async def lookup(self, request_ids: list[str]) -> dict[str, Closed]:
-        found = await self.store.closed_markers(request_ids)
+    async def lookup(self, refs: list[RequestRef]) -> dict[RequestRef, Closed]:
+        found = await self.store.closed_markers(refs)
         return {r: Closed.from_marker(m, applied=a) for r, (m, a) in found.items()}
 
 
-async def _no_lookup(request_ids: list[str]) -> dict[str, Closed]:
-    del request_ids  # no memory beyond this process
+async def _no_lookup(refs: list[RequestRef]) -> dict[RequestRef, Closed]:
+    del refs  # no memory beyond this process
     return {}
 
 
@@ -204,7 +212,7 @@ class Sinks:
         if not outputs:
             return outputs
         async with self._lock:
-            decided_otherwise: set[str] = set()
+            decided_otherwise: set[RequestRef] = set()
             for sink in self._sinks:
                 found = await retry(
                     functools.partial(sink.begin, outputs), type(sink).__name__, self._health
@@ -218,10 +226,10 @@ class Sinks:
                 await retry(sink.flush, type(sink).__name__, self._health)
         return outputs
 
-    async def find_closed(self, request_ids: list[str]) -> dict[str, Closed]:
+    async def find_closed(self, refs: list[RequestRef]) -> dict[RequestRef, Closed]:
         """The lookup of closed requests, retried as the writes are."""
-        found: dict[str, Closed] = await retry(
-            lambda: self.lookup(request_ids), "closed-request lookup", self._health
+        found: dict[RequestRef, Closed] = await retry(
+            lambda: self.lookup(refs), "closed-request lookup", self._health
         )
         return found
 

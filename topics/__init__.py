@@ -1,13 +1,18 @@
 """The Kafka topics of streamtally, declared as frozen data.
 
-Keys: every record on every topic is keyed by its request id, encoded as the
-UTF-8 bytes of the string (no Avro, no length prefix, no framing):
-`encode_key("chatcmpl-1") == b"chatcmpl-1"`.  Keying by request id puts all
-of a request's records on one partition, in order, and since every topic
-uses the default partitioner over the same key, topics with the same number
-of partitions are co-partitioned (a request lands on the same partition
-number everywhere).  The dead-letter topic keeps the key of the record it
-holds.
+Keys: a raw record is keyed by its request id, encoded as the UTF-8 bytes of
+the string (no Avro, no length prefix, no framing):
+`encode_key("chatcmpl-1") == b"chatcmpl-1"`.  The outputs (chunks, Tokens,
+billing events) are keyed by the request's identity, tenant and request id
+(`output_key`: the UTF-8 bytes of `RequestRef.text`, ``acme:chatcmpl-1``), so
+that two tenants reusing one provider id stay two requests, also on the
+compacted Tokens topic.  Every record is partitioned by the murmur2 of its
+request id (the default partitioner over `encode_key`; `partition_key`), so
+all of a request's records are on one partition, in order, and topics with
+the same number of partitions are co-partitioned (a request lands on the
+same partition number everywhere).  The dead-letter topic keeps the key of
+the record it holds.  Output records written by earlier versions, before keys
+carried the tenant, are keyed by the request id alone.
 
 Values: Avro single-object encoding of the topic's `value_schema` (see
 `streamtally.wire.avro` and docs/avro-framing.md).
@@ -25,6 +30,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Final, Literal
 
+from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
 
 __all__ = [
@@ -38,6 +44,7 @@ __all__ = [
     "decode_key",
     "encode_key",
     "kafka_config",
+    "output_key",
 ]
 
 #: Prefix of every topic name (and of the worker's consumer group) unless the settings name another.
@@ -61,7 +68,8 @@ class Topic:
     replication_factor: int = 1
     retention_ms: int
     cleanup_policy: CleanupPolicy = "delete"
-    #: What the key is: always the request id as UTF-8 string bytes (`encode_key`).
+    #: What the key is: the request id as UTF-8 string bytes (`encode_key`), or on the
+    #: output topics the request's identity (`OUTPUT_KEY`, `output_key`).
     key: str = "request_id (UTF-8 string bytes)"
     #: The Avro record (schemas/<value_schema>.avsc) of every value.
     value_schema: str
@@ -120,10 +128,14 @@ _RAW_ENGINE: Final = Topic(
     ),
 )
 
+#: The key of the output topics (`output_key`).
+OUTPUT_KEY: Final = "tenant:request_id (RequestRef.text as UTF-8 bytes; partitioned by request_id)"
+
 _CHUNKS: Final = Topic(
     name="chunks",
     partitions=6,
     retention_ms=7 * DAY_MS,
+    key=OUTPUT_KEY,
     value_schema="Chunk",
     description="One normalised Chunk per raw event that carried anything, in request order.",
 )
@@ -133,10 +145,11 @@ _TOKENS: Final = Topic(
     partitions=6,
     retention_ms=FOREVER,
     cleanup_policy="compact",
+    key=OUTPUT_KEY,
     value_schema="Tokens",
     description=(
-        "The final Tokens record of each request. Compacted: the latest record per request id "
-        "is kept forever; a tombstone (null value) deletes a request."
+        "The final Tokens record of each request. Compacted: the latest record per request "
+        "(tenant and request id) is kept forever; a tombstone (null value) deletes a request."
     ),
     max_message_bytes=8 * MIB,
 )
@@ -145,6 +158,7 @@ _BILLING: Final = Topic(
     name="billing",
     partitions=6,
     retention_ms=FOREVER,
+    key=OUTPUT_KEY,
     value_schema="BillingEvent",
     description=(
         "One priced BillingEvent per finished request; kept forever. Consumers drop "
@@ -234,6 +248,16 @@ def encode_key(request_id: str) -> bytes:
     if not request_id:
         raise ValueError("a request id must not be empty")
     return request_id.encode("utf-8")
+
+
+def output_key(ref: RequestRef) -> bytes:
+    """The Kafka key of a request's outputs: its identity (`RequestRef.text`) as UTF-8 bytes.
+
+    Partition them by `encode_key` of the request id, as the raw records are.
+    """
+    if not ref.request_id:
+        raise ValueError("a request id must not be empty")
+    return ref.text.encode("utf-8")
 
 
 def decode_key(key: bytes | None) -> str:

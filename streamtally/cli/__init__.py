@@ -34,6 +34,7 @@ COMMANDS = (
     "billing",
     "deadletter",
     "rebuild",
+    "migrate",
     "demo",
     "bench",
     "stack",

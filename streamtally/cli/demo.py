@@ -18,6 +18,7 @@ from redis.exceptions import RedisError
 
 from streamtally.cli._output import say
 from streamtally.cli.produce import ManifestEntry, check_entries, prepare, read_manifest
+from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError, StackError
 from streamtally.ops.stack.config import StackConfig
 from streamtally.ops.worker_process import WorkerProcess, worker_command
@@ -99,12 +100,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         worker.stop(timeout=30)  # SIGKILL after 30 s
     if waiting:
         raise StackError(
-            f"{len(waiting)} requests never reached Redis (e.g. {sorted(waiting)[0]}): see {log}"
+            f"{len(waiting)} requests never reached Redis (e.g. {min(waiting)}): see {log}"
         )
-    shown = [e.request_id for e in entries if e.request_id][:3]
-    for request_id in shown:
-        _step(f"streamtally tokens get {request_id}")
-        _streamtally("tokens", "get", request_id)
+    shown = [(e.request_id, e.tenant) for e in entries if e.request_id][:3]
+    for request_id, tenant in shown:
+        _step(f"streamtally tokens get {request_id} --tenant {tenant}")
+        _streamtally("tokens", "get", request_id, "--tenant", tenant)
     _step("streamtally usage")
     _streamtally("usage")
     _step("streamtally billing export")
@@ -119,18 +120,19 @@ async def _produce_and_wait(
     namespace: str,
     entries: list[ManifestEntry],
     timeout: float,
-) -> set[str]:
+) -> set[RequestRef]:
     store = RedisStore.from_url(url)
     try:
-        ids: set[str] = set()
+        ids: set[RequestRef] = set()
         async with RawProducer(servers, namespace=namespace) as producer:
             for entry in entries:
-                if entry.request_id and await store.has_tokens(entry.request_id):
-                    ids.add(entry.request_id)
+                known = RequestRef(entry.tenant, entry.request_id or "")
+                if entry.request_id and await store.has_tokens(known):
+                    ids.add(known)
                     continue  # already processed by an earlier run: nothing to redo
                 request_id, records = prepare(entry)
                 await producer.send_records(entry.source, request_id, records)
-                ids.add(request_id)
+                ids.add(RequestRef(entry.tenant, request_id))
         _step(f"produced {len(entries)} requests; waiting for their Tokens in Redis")
         deadline = time.monotonic() + timeout
         waiting = set(ids)

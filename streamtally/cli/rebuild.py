@@ -1,10 +1,14 @@
 """`streamtally rebuild`: rebuild lost Redis state from the Tokens and billing topics.
 
 The logic (join, read, apply) is `streamtally.ops.rebuild`, whose docstring says
-what is rebuilt and what is not.  This command checks Redis first: when it
-already holds Tokens it refuses unless ``--yes`` (the requests there would be
-left untouched, so going on is safe; the check is against pointing the
-command at the wrong Redis).
+how requests (tenant and request id) are joined and what is rebuilt and what
+is not.  This command checks Redis first: it must be of the layout this
+streamtally writes (`RedisStore.ensure_layout`, which claims an empty Redis;
+Redis of layout version 1 is refused with how to migrate it, exit 2), and when
+it already holds Tokens the command refuses unless ``--yes`` (the requests
+there would be left untouched, so going on is safe; the check is against
+pointing the command at the wrong Redis).  Skipped requests are listed with
+their tenant, when known.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from streamtally.store import (
     DEAD_SEEN_KEY,
     RAW_RECORD_STATS,
     STATS_KEY,
+    RedisStore,
     tokens_pattern,
 )
 from streamtally.topics import Topics
@@ -40,11 +45,16 @@ rebuilt: {tokens_pattern()}, the usage rows and {STATS_KEY} requests, exactly as
          "{rebuild.CLOSED_MARKER}".
 not restored: the raw-record counts ({STATS_KEY} records, duplicates,
          dead_lettered, {DEAD_SEEN_KEY}): the topics do not hold them.
+a request is its tenant and its request id: Tokens records written before
+keys carried the tenant (keyed by the request id alone) join the billing
+event of the one tenant billed for that id, and are skipped when several
+tenants were.
 requests whose Tokens are already in Redis are left untouched, so running
 it again, or next to a running worker, is safe.
 exit status: 0 rebuilt (skipped requests are listed), 1 refused (Redis holds
-             Tokens and no --yes), 2 Kafka or Redis unreachable, a topic
-             missing or a bad argument
+             Tokens and no --yes), 2 Kafka or Redis unreachable, Redis of
+             another layout version (migrate it first), a topic missing or
+             a bad argument
 """
 
 
@@ -64,8 +74,8 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="rebuild Redis (Tokens, usage rows) from the Tokens and billing topics",
         description=(
             "Read the tokens topic (latest Tokens per request) and the billing topic (tenant, "
-            "event time, cost), join them by request id and write every request that Redis "
-            "lacks through the worker's idempotent sink."
+            "event time, cost), join them by request (tenant and request id) and write every "
+            "request that Redis lacks through the worker's idempotent sink."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -102,12 +112,18 @@ def _say(text: str) -> None:
     say(f"streamtally rebuild: {text}")
 
 
+async def _check_redis(store: RedisStore) -> int:
+    """How many requests' Tokens Redis holds, once it is of our layout (else `LayoutError`)."""
+    await store.ensure_layout()
+    return await store.tokens_count()
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     servers: str = args.bootstrap_servers or settings.bootstrap_servers
     url: str = args.redis_url or settings.redis_url
-    present = run_redis(url, lambda store: store.tokens_count())
+    present = run_redis(url, _check_redis)
     if present and not args.yes:
         _say(
             f"Redis at {url} already holds the Tokens of {present} "
@@ -163,12 +179,23 @@ def _summary_json(
         "applied": result.applied,
         "already_present": result.present,
         "skipped": [
-            {"request_id": s.request_id, "reason": s.reason.value, "detail": s.detail}
+            {
+                "tenant": s.tenant,
+                "request_id": s.request_id,
+                "reason": s.reason.value,
+                "detail": s.detail,
+            }
             for s in skipped
         ],
         "closed_marker": rebuild.CLOSED_MARKER,
         "not_restored": [f"{STATS_KEY} {name}" for name in RAW_RECORD_STATS],
     }
+
+
+def _who(skipped: rebuild.Skipped) -> str:
+    """The skipped request for the text summary: its id and tenant, as much as is known."""
+    request_id = skipped.request_id or "?"
+    return request_id if skipped.tenant is None else f"{request_id} (tenant {skipped.tenant})"
 
 
 def _summary_text(
@@ -191,7 +218,7 @@ def _summary_text(
             out += f"  {n:>6}  {reason.value}\n"
         for s in skipped[:SHOWN_SKIPPED]:
             detail = f": {s.detail}" if s.detail else ""
-            out += escape(f"  skipped {s.request_id or '?'}: {s.reason.value}{detail}") + "\n"
+            out += escape(f"  skipped {_who(s)}: {s.reason.value}{detail}") + "\n"
         if len(skipped) > SHOWN_SKIPPED:
             out += f"  ... and {len(skipped) - SHOWN_SKIPPED} more (--json lists all)\n"
     out += (

@@ -1,4 +1,4 @@
-"""`streamtally tokens get REQUEST_ID`: a finished request's Tokens JSON, from Redis.
+"""`streamtally tokens get REQUEST_ID [--tenant T]`: a finished request's Tokens JSON, from Redis.
 
 Also home of the small Redis helpers the read commands share (`add_redis_url`,
 `run_redis`).
@@ -17,7 +17,8 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from streamtally.cli._output import safe_json
+from streamtally.cli._output import escape, safe_json
+from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError, StackError
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
@@ -27,8 +28,11 @@ __all__ = ["add_parser", "add_redis_url", "run_redis"]
 T = TypeVar("T")
 
 _EPILOG = """\
+A request is its tenant and its request id: two tenants may use one id.
+Without --tenant the id must belong to one tenant only (found by SCAN).
 exit status: 0 printed, 2 not found (unknown request, or still streaming),
-             Redis unreachable or a bad argument (message on stderr)
+             the id held by several tenants and no --tenant, Redis
+             unreachable or a bad argument (message on stderr)
 """
 
 
@@ -88,6 +92,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     get.add_argument("request_id", metavar="REQUEST_ID", help="the request id")
+    get.add_argument(
+        "--tenant",
+        metavar="TENANT",
+        help="the request's tenant (needed when several tenants used REQUEST_ID)",
+    )
     add_redis_url(get)
     get.set_defaults(func=run_get)
 
@@ -96,11 +105,24 @@ def run_get(args: argparse.Namespace, settings: Settings) -> int:
     request_id: str = args.request_id
     if not request_id:
         raise InputError("REQUEST_ID must not be empty")
-    text = run_redis(
-        args.redis_url or settings.redis_url, lambda store: store.tokens_text(request_id)
-    )
+    tenant: str | None = args.tenant
+
+    async def lookup(store: RedisStore) -> str | None:
+        if tenant is not None:
+            return await store.tokens_text(RequestRef(tenant, request_id))
+        tenants = await store.tenants_of(request_id)
+        if len(tenants) > 1:
+            listed = ", ".join(escape(t) for t in tenants[:10])
+            raise InputError(
+                f"{escape(request_id)} is a request of {len(tenants)} tenants ({listed}"
+                f"{', ...' if len(tenants) > 10 else ''}): pass --tenant"
+            )
+        return await store.tokens_text(RequestRef(tenants[0], request_id)) if tenants else None
+
+    text = run_redis(args.redis_url or settings.redis_url, lookup)
     if text is None:
-        raise InputError(f"{request_id} not found (unknown, or still streaming)")
+        whose = "" if tenant is None else f" of tenant {escape(tenant)}"
+        raise InputError(f"{escape(request_id)}{whose} not found (unknown, or still streaming)")
     # The stored JSON, whatever the locale; the characters a line reader or a terminal
     # would act on are written as the \uXXXX escapes `fold` prints (the same value).
     try:

@@ -16,11 +16,43 @@ import logging
 from typing import Any, NoReturn
 
 from streamtally.cli._logging import STATUS_LOGGER, dict_config
+from streamtally.errors import StackError
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["add_parser"]
+
+#: How long the worker waits at start for a Redis that does not answer (seconds).
+REDIS_START_WAIT_S = 30.0
+
+
+async def _check_layout(url: str) -> None:
+    """Refuse to start on Redis data of another layout; wait a while for a Redis starting up."""
+    from redis.exceptions import ConnectionError as RedisConnectionError
+    from redis.exceptions import TimeoutError as RedisTimeoutError
+
+    from streamtally.store import RedisStore
+
+    store = RedisStore.from_url(url, connect_timeout=5, timeout=30)
+    deadline = asyncio.get_running_loop().time() + REDIS_START_WAIT_S
+    try:
+        while True:
+            try:
+                await store.ensure_layout()  # LayoutError: another layout, say what to do
+                return
+            except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise StackError(
+                        f"cannot reach Redis at {url} ({exc}): start the stack "
+                        "(`streamtally stack up`) or set REDIS_URL"
+                    ) from exc
+                logging.getLogger(STATUS_LOGGER).warning(
+                    "Redis at %s does not answer (%s); waiting", url, exc
+                )
+                await asyncio.sleep(1.0)
+    finally:
+        await store.aclose()
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -56,6 +88,7 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         asyncio.run(ensure_topics(settings.bootstrap_servers, topics.all))
     finally:
         aiokafka.setLevel(aiokafka_level)
+    asyncio.run(_check_layout(settings.redis_url))
 
     def make_sinks(app: Any) -> Sinks:
         redis_outputs = RedisOutputs(aioredis.from_url(settings.redis_url))

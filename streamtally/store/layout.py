@@ -6,10 +6,21 @@ receive them as KEYS and ARGV, and the reads (`streamtally.store.RedisStore`)
 use them.  The layout is a contract with the data already in Redis: change
 nothing here without a migration (``tests/unit/test_store_layout.py`` pins it).
 
-Redis layout
-============
+Redis layout (version 2)
+========================
 
-``st:tokens:{request_id}`` (string)
+A request is its tenant and its request id together (`RequestRef`); ``{ref}``
+below is `RequestRef.text`: the tenant with ``%`` and ``:`` percent-escaped, a
+``:``, the request id as is (``acme:chatcmpl-1``).
+
+``st:layout`` (string)
+    The layout version of the data, ``"2"``.  A worker claims it on an empty
+    Redis and refuses to start on data of another version: Redis written by a
+    version before 2 (no ``st:layout``, Tokens keyed by request id alone) is
+    migrated by ``streamtally migrate`` (`streamtally.ops.migrate`), which
+    sets ``"1>2"`` while it runs.
+
+``st:tokens:{ref}`` (string)
     The request's Tokens JSON, exactly
     ``json.dumps(tokens.to_json_dict(), ensure_ascii=False, separators=(",", ":"))``
     (UTF-8).  It is also the idempotency marker of the request: never give it
@@ -50,8 +61,8 @@ Redis layout
     without SCAN and without parsing keys.
 
 ``st:closed`` (hash)
-    request id -> ``"offset reason"``, the close decision of every closed (or
-    closing) request, written before its outputs leave.
+    ``{ref}`` -> ``"offset reason"``, the close decision of every closed (or
+    closing) request, written once (HSETNX) before its outputs leave.
 
 ``st:stats`` (hash)
     Raw-record counts: ``records``, ``duplicates``, ``requests``, ``dead_lettered``.
@@ -67,12 +78,16 @@ import json
 from datetime import datetime
 from typing import Final
 
+from streamtally.core.identity import RequestRef, tenant_part
 from streamtally.core.models import USAGE_FIELDS, Tokens
 
 __all__ = [
     "CLOSED_KEY",
     "COST_FIELDS",
     "DEAD_SEEN_KEY",
+    "LAYOUT_KEY",
+    "LAYOUT_VERSION",
+    "MIGRATING",
     "PREFIX",
     "RAW_RECORD_STATS",
     "ROWS_KEY",
@@ -82,8 +97,10 @@ __all__ = [
     "TOKENS_PREFIX",
     "UNKNOWN_MODEL",
     "UNPRICED_FIELD",
+    "closed_field",
     "day_of",
     "parse_row_member",
+    "parse_tokens_key",
     "position_of",
     "row_member",
     "tokens_json",
@@ -93,11 +110,17 @@ __all__ = [
 ]
 
 PREFIX: Final = "st:"
-#: The prefix of every Tokens key; the request id follows it as is.
+#: The layout version of the data (a string key).
+LAYOUT_KEY: Final = f"{PREFIX}layout"
+#: The version this code reads and writes.
+LAYOUT_VERSION: Final = "2"
+#: `LAYOUT_KEY` while ``streamtally migrate`` moves version-1 data to version 2.
+MIGRATING: Final = "1>2"
+#: The prefix of every Tokens key; the request's `RequestRef.text` follows it.
 TOKENS_PREFIX: Final = f"{PREFIX}tokens:"
 #: Set of every usage row, as `row_member` texts.
 ROWS_KEY: Final = f"{PREFIX}usage:rows"
-#: Hash request_id -> "offset reason" of every closed (or closing) request.
+#: Hash `closed_field` -> "offset reason" of every closed (or closing) request.
 CLOSED_KEY: Final = f"{PREFIX}closed"
 #: Hash of raw-record counts (`STATS_FIELDS`).
 STATS_KEY: Final = f"{PREFIX}stats"
@@ -118,21 +141,40 @@ STATS_FIELDS: Final = ("records", "duplicates", "dead_lettered", "requests")
 RAW_RECORD_STATS: Final = ("records", "duplicates", "dead_lettered")
 
 
-def tokens_key(request_id: str) -> str:
-    """``st:tokens:{request_id}``."""
-    if not request_id:
+def tokens_key(ref: RequestRef) -> str:
+    """``st:tokens:{ref}``."""
+    if not ref.request_id:
         raise ValueError("request_id must not be empty")
-    return f"{TOKENS_PREFIX}{request_id}"
+    return f"{TOKENS_PREFIX}{ref.text}"
 
 
-def tokens_pattern(id_prefix: str = "") -> str:
-    """The glob of every Tokens key whose request id starts with `id_prefix` (not escaped)."""
-    return f"{TOKENS_PREFIX}{id_prefix}*"
+def parse_tokens_key(key: bytes | str) -> RequestRef:
+    """The request a Tokens key names; ValueError when `key` is not one."""
+    text = key.decode("utf-8") if isinstance(key, bytes) else key
+    if not text.startswith(TOKENS_PREFIX):
+        raise ValueError(f"not a Tokens key: {text!r}")
+    return RequestRef.parse(text[len(TOKENS_PREFIX) :])
 
 
-def _tenant_part(tenant: str) -> str:
-    """The tenant as a key component: ``%`` → ``%25`` and ``:`` → ``%3A``, nothing else."""
-    return tenant.replace("%", "%25").replace(":", "%3A")
+def closed_field(ref: RequestRef) -> str:
+    """The field of `CLOSED_KEY` holding the close decision of `ref`."""
+    if not ref.request_id:
+        raise ValueError("request_id must not be empty")
+    return ref.text
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+def tokens_pattern(tenant: str | None = None, id_prefix: str = "") -> str:
+    """The SCAN glob of the Tokens keys of `tenant` (None: every tenant) whose ids start so.
+
+    `id_prefix` applies only with a tenant; both are matched literally.
+    """
+    if tenant is None:
+        return f"{TOKENS_PREFIX}*"
+    return f"{TOKENS_PREFIX}{_glob_escape(tenant_part(tenant))}:{_glob_escape(id_prefix)}*"
 
 
 def usage_key(day: str, tenant: str, model: str) -> str:
@@ -144,7 +186,7 @@ def usage_key(day: str, tenant: str, model: str) -> str:
     The model is written as is (model names often hold ``:`` and ``/``); the
     key is unambiguous because the day has a fixed form and the tenant no ``:``.
     """
-    return f"{PREFIX}usage:{day}:{_tenant_part(tenant)}:{model}"
+    return f"{PREFIX}usage:{day}:{tenant_part(tenant)}:{model}"
 
 
 def row_member(day: str, tenant: str, model: str) -> str:

@@ -18,15 +18,22 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from streamtally.core.identity import RequestRef
+from streamtally.errors import StreamtallyError
 from streamtally.store import layout
 from streamtally.store.layout import (
     CLOSED_KEY,
     DEAD_SEEN_KEY,
+    LAYOUT_KEY,
+    LAYOUT_VERSION,
+    MIGRATING,
     ROW_FIELDS,
     ROWS_KEY,
     STATS_FIELDS,
     STATS_KEY,
+    closed_field,
     parse_row_member,
+    parse_tokens_key,
     tokens_key,
     tokens_pattern,
     usage_key,
@@ -37,11 +44,16 @@ from streamtally.store.scripts import (
     DEAD_LETTER_SCRIPT,
     FLUSH_SCRIPT,
     FinishedRequest,
+    close_once_call,
     dead_letter_call,
     flush_call,
 )
 
-__all__ = ["RedisStore"]
+__all__ = ["LayoutError", "RedisStore"]
+
+
+class LayoutError(StreamtallyError):
+    """Redis holds data of another layout version: migrate it (the message says how)."""
 
 
 class RedisStore:
@@ -86,10 +98,54 @@ class RedisStore:
         """How `count_dead_letters` names a raw record: ``topic:partition:offset``."""
         return layout.position_of(topic, partition, offset)
 
+    # ------------------------------------------------------------------ layout
+
+    async def layout_version(self) -> str | None:
+        """The data's layout version (``st:layout``); None when it is not set."""
+        raw: bytes | str | None = await self._client.get(LAYOUT_KEY)
+        return None if raw is None else reply_text(raw)
+
+    async def holds_data(self) -> bool:
+        """Whether Redis holds any streamtally data besides ``st:layout``."""
+        if await self._client.exists(CLOSED_KEY, STATS_KEY, ROWS_KEY, DEAD_SEEN_KEY):
+            return True
+        async for _ in self._client.scan_iter(match=tokens_pattern(), count=1000):
+            return True
+        return False
+
+    async def ensure_layout(self) -> None:
+        """Claim layout `LAYOUT_VERSION` on an empty Redis; raise `LayoutError` on another one.
+
+        Redis with data but no ``st:layout`` was written by a version before 2
+        (Tokens keyed by request id alone): reading it as version 2 would count
+        replayed requests again, so nothing may write before it is migrated.
+        """
+        version = await self.layout_version()
+        if version is None and not await self.holds_data():
+            await self._client.set(LAYOUT_KEY, LAYOUT_VERSION, nx=True)
+            version = await self.layout_version()
+        if version == LAYOUT_VERSION:
+            return
+        if version is None:
+            raise LayoutError(
+                "Redis holds streamtally data of layout version 1 (requests keyed by id "
+                "alone); run `streamtally migrate` once (it needs the billing topic), then "
+                "start again"
+            )
+        if version == MIGRATING:
+            raise LayoutError(
+                "a `streamtally migrate` of this Redis is in progress or was interrupted; "
+                "run it (again) to the end, then start again"
+            )
+        raise LayoutError(
+            f"Redis holds layout version {version!r}; this streamtally reads and writes "
+            f"version {LAYOUT_VERSION} (a newer streamtally wrote it?)"
+        )
+
     # ------------------------------------------------------------------ writes
 
-    async def mark_closing(self, markers: Mapping[str, str]) -> dict[str, str]:
-        """Record close decisions (request id -> "offset reason") before their outputs are sent.
+    async def mark_closing(self, markers: Mapping[RequestRef, str]) -> dict[RequestRef, str]:
+        """Record close decisions (request -> "offset reason") before their outputs are sent.
 
         Write-once: a decision already there is never overwritten.  Returns the
         requests decided before with another marker (and that marker): their
@@ -100,10 +156,11 @@ class RedisStore:
         """
         if not markers:
             return {}
-        args = [part for pair in markers.items() for part in pair]
-        flat = await self._close_once(keys=[CLOSED_KEY], args=args)
+        by_field = {closed_field(ref): ref for ref in markers}
+        keys, args = close_once_call({closed_field(ref): m for ref, m in markers.items()})
+        flat = await self._close_once(keys=keys, args=args)
         texts = [reply_text(item) for item in flat]
-        return dict(zip(texts[::2], texts[1::2], strict=True))
+        return {by_field[f]: m for f, m in zip(texts[::2], texts[1::2], strict=True)}
 
     async def apply_requests(self, batch: Sequence[FinishedRequest]) -> list[bool]:
         """Apply finished requests in ONE atomic, idempotent script call.
@@ -145,44 +202,60 @@ class RedisStore:
 
     # ------------------------------------------------------------------ Tokens
 
-    async def tokens_text(self, request_id: str) -> str | None:
-        """The stored Tokens JSON text of `request_id`, exactly as written; None if absent."""
-        raw: bytes | str | None = await self._client.get(tokens_key(request_id))
+    async def tokens_text(self, ref: RequestRef) -> str | None:
+        """The stored Tokens JSON text of `ref`, exactly as written; None if absent."""
+        raw: bytes | str | None = await self._client.get(tokens_key(ref))
         return None if raw is None else reply_text(raw)
 
-    async def tokens(self, request_id: str) -> dict[str, Any] | None:
-        """The stored Tokens of `request_id` as a JSON dict; None if absent (or still streaming)."""
-        stored = await self.tokens_text(request_id)
+    async def tokens(self, ref: RequestRef) -> dict[str, Any] | None:
+        """The stored Tokens of `ref` as a JSON dict; None if absent (or still streaming)."""
+        stored = await self.tokens_text(ref)
         if stored is None:
             return None
         parsed = json.loads(stored)
         if not isinstance(parsed, dict):
-            raise ValueError(f"{tokens_key(request_id)} does not hold a JSON object")
+            raise ValueError(f"{tokens_key(ref)} does not hold a JSON object")
         return parsed
 
-    async def tokens_texts(self, request_ids: Sequence[str]) -> list[str | None]:
-        """`tokens_text` of each id, in order, in one round trip."""
-        if not request_ids:
+    async def tokens_texts(self, refs: Sequence[RequestRef]) -> list[str | None]:
+        """`tokens_text` of each request, in order, in one round trip."""
+        if not refs:
             return []
         async with self._client.pipeline(transaction=False) as pipe:
-            for request_id in request_ids:
-                pipe.get(tokens_key(request_id))
+            for ref in refs:
+                pipe.get(tokens_key(ref))
             replies: list[bytes | str | None] = await pipe.execute()
         return [None if raw is None else reply_text(raw) for raw in replies]
 
-    async def has_tokens(self, request_id: str) -> bool:
-        """Whether the Tokens of `request_id` are stored (the request is counted)."""
-        return bool(await self._client.exists(tokens_key(request_id)))
+    async def has_tokens(self, ref: RequestRef) -> bool:
+        """Whether the Tokens of `ref` are stored (the request is counted)."""
+        return bool(await self._client.exists(tokens_key(ref)))
 
-    async def missing_tokens(self, request_ids: Sequence[str]) -> list[str]:
-        """The ids of `request_ids` (in order) whose Tokens are not stored; one round trip."""
-        if not request_ids:
+    async def missing_tokens(self, refs: Sequence[RequestRef]) -> list[RequestRef]:
+        """The requests of `refs` (in order) whose Tokens are not stored; one round trip."""
+        if not refs:
             return []
         async with self._client.pipeline(transaction=False) as pipe:
-            for request_id in request_ids:
-                pipe.exists(tokens_key(request_id))
+            for ref in refs:
+                pipe.exists(tokens_key(ref))
             found = await pipe.execute()
-        return [r for r, exists in zip(request_ids, found, strict=True) if not exists]
+        return [r for r, exists in zip(refs, found, strict=True) if not exists]
+
+    async def tenants_of(self, request_id: str) -> list[str]:
+        """The tenants holding Tokens of a request with this id, sorted (by SCAN)."""
+        suffix = ":" + request_id
+        tenants = set()
+        async for key in self._client.scan_iter(match=tokens_pattern(), count=1000):
+            text = reply_text(key)
+            if not text.endswith(suffix):
+                continue
+            try:
+                ref = parse_tokens_key(text)
+            except ValueError:
+                continue
+            if ref.request_id == request_id:
+                tenants.add(ref.tenant)
+        return sorted(tenants)
 
     async def tokens_count(self) -> int:
         """How many requests' Tokens are stored (by SCAN)."""
@@ -231,20 +304,22 @@ class RedisStore:
 
     # ------------------------------------------------------------------ markers and counts
 
-    async def closed_markers(self, request_ids: Sequence[str]) -> dict[str, tuple[str, bool]]:
-        """For each id that closed (or was deciding to): its marker and whether it was applied."""
-        if not request_ids:
+    async def closed_markers(
+        self, refs: Sequence[RequestRef]
+    ) -> dict[RequestRef, tuple[str, bool]]:
+        """For each request that closed (or was deciding to): its marker and if it was applied."""
+        if not refs:
             return {}
         async with self._client.pipeline(transaction=False) as pipe:
-            pipe.hmget(CLOSED_KEY, list(request_ids))
-            for request_id in request_ids:
-                pipe.exists(tokens_key(request_id))
+            pipe.hmget(CLOSED_KEY, [closed_field(ref) for ref in refs])
+            for ref in refs:
+                pipe.exists(tokens_key(ref))
             replies = await pipe.execute()
         markers, applied = replies[0], replies[1:]
-        found: dict[str, tuple[str, bool]] = {}
-        for request_id, marker, exists in zip(request_ids, markers, applied, strict=True):
+        found: dict[RequestRef, tuple[str, bool]] = {}
+        for ref, marker, exists in zip(refs, markers, applied, strict=True):
             if marker is not None:
-                found[request_id] = (reply_text(marker), bool(exists))
+                found[ref] = (reply_text(marker), bool(exists))
         return found
 
     async def closed_count(self) -> int:

@@ -5,9 +5,13 @@ call; `DEAD_LETTER_SCRIPT` counts dead-lettered raw records once per source
 position.  The texts are a contract too: a script's SHA1 names it in Redis's
 script cache, and the argument order below is what the texts read.
 
+`FLUSH_SCRIPT` and `CLOSE_ONCE_SCRIPT` write only into data of the layout
+version they are given (``st:layout``, `streamtally.store.layout.LAYOUT_VERSION`):
+a Redis not yet migrated, or being migrated, gets an error and no write (a
+writer calls `RedisStore.ensure_layout` first, which claims an empty Redis).
 `FLUSH_SCRIPT` first checks every key it will touch (types, integer fields)
 and fails before writing anything if one is wrong; then, request by request in
-batch order: if ``st:tokens:{request_id}`` exists it changes nothing and
+batch order: if ``st:tokens:{ref}`` exists it changes nothing and
 reports 0 (already applied, by an earlier call or earlier in the same batch:
 the first Tokens written wins), else it records the close marker and the
 raw-record counts, writes the Tokens, HINCRBYs the row (and its
@@ -21,11 +25,18 @@ script's KEYS and ARGV.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from streamtally.store.layout import CLOSED_KEY, DEAD_SEEN_KEY, ROWS_KEY, STATS_KEY
+from streamtally.store.layout import (
+    CLOSED_KEY,
+    DEAD_SEEN_KEY,
+    LAYOUT_KEY,
+    LAYOUT_VERSION,
+    ROWS_KEY,
+    STATS_KEY,
+)
 
 __all__ = [
     "ARGS_PER_REQUEST",
@@ -33,18 +44,21 @@ __all__ = [
     "DEAD_LETTER_SCRIPT",
     "FLUSH_SCRIPT",
     "FinishedRequest",
+    "close_once_call",
     "dead_letter_call",
     "flush_call",
 ]
 
 FLUSH_SCRIPT: Final = """
 -- KEYS[1]            st:usage:rows
--- KEYS[2]            st:closed   (request_id -> "offset reason")
+-- KEYS[2]            st:closed   ({ref} -> "offset reason")
 -- KEYS[3]            st:stats    (records, duplicates, requests, dead_lettered)
--- KEYS[2i+2], KEYS[2i+3] (i = 1..n)  st:tokens:{request_id}, st:usage:{day}:{tenant}:{model}
+-- KEYS[4]            st:layout   (must be ARGV[2]: nothing is written to another layout)
+-- KEYS[2i+3], KEYS[2i+4] (i = 1..n)  st:tokens:{ref}, st:usage:{day}:{tenant}:{model}
 -- ARGV[1]            n
--- ARGV[2 + 14(i-1) ..] tokens_json, row_member, input, output, reasoning, cached,
---                     cache_write, cost_units, cost_pico, request_id, closed marker,
+-- ARGV[2]            the layout version these keys are of
+-- ARGV[3 + 14(i-1) ..] tokens_json, row_member, input, output, reasoning, cached,
+--                     cache_write, cost_units, cost_pico, {ref}, closed marker,
 --                     records, duplicates, unpriced (1 if billed unpriced, else 0)
 --                     (integers as decimal strings)
 local PICO = 1000000000000
@@ -61,6 +75,11 @@ local function kind(key)
 end
 
 -- 1. check everything, write nothing
+local layout = redis.call('GET', KEYS[4])
+if layout ~= ARGV[2] then
+  return redis.error_reply('streamtally: ' .. KEYS[4] .. ' is ' .. tostring(layout) ..
+                           ', not ' .. ARGV[2] .. ': see `streamtally migrate --help`')
+end
 local rows_type = kind(KEYS[1])
 if rows_type ~= 'none' and rows_type ~= 'set' then
   return redis.error_reply('streamtally: ' .. KEYS[1] .. ' is a ' .. rows_type .. ', not a set')
@@ -72,7 +91,7 @@ for _, k in ipairs({KEYS[2], KEYS[3]}) do
   end
 end
 for i = 1, n do
-  local tk, uk = KEYS[2 * i + 2], KEYS[2 * i + 3]
+  local tk, uk = KEYS[2 * i + 3], KEYS[2 * i + 4]
   local tt = kind(tk)
   if tt ~= 'none' and tt ~= 'string' then
     return redis.error_reply('streamtally: ' .. tk .. ' is a ' .. tt .. ', not a string')
@@ -98,8 +117,8 @@ end
 -- 2. apply, request by request
 local applied = {}
 for i = 1, n do
-  local tk, uk = KEYS[2 * i + 2], KEYS[2 * i + 3]
-  local a = 2 + 14 * (i - 1)
+  local tk, uk = KEYS[2 * i + 3], KEYS[2 * i + 4]
+  local a = 3 + 14 * (i - 1)
   if redis.call('EXISTS', tk) == 1 then
     applied[i] = 0
   else
@@ -148,12 +167,18 @@ return new
 """
 
 CLOSE_ONCE_SCRIPT: Final = """
--- KEYS[1] st:closed (request_id -> "offset reason")
--- ARGV: request_id, marker, request_id, marker, ...
+-- KEYS[1] st:closed ({ref} -> "offset reason"), KEYS[2] st:layout
+-- ARGV[1]: the layout version the fields are of (must be st:layout's: else nothing is written)
+-- ARGV[2..]: ref, marker, ref, marker, ...
 -- Each close decision is written once and never overwritten; returns, flat, every
--- request_id decided before with ANOTHER marker, and that marker.
+-- ref decided before with ANOTHER marker, and that marker.
+local layout = redis.call('GET', KEYS[2])
+if layout ~= ARGV[1] then
+  return redis.error_reply('streamtally: ' .. KEYS[2] .. ' is ' .. tostring(layout) ..
+                           ', not ' .. ARGV[1] .. ': see `streamtally migrate --help`')
+end
 local conflicts = {}
-for i = 1, #ARGV, 2 do
+for i = 2, #ARGV, 2 do
   if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 0 then
     local current = redis.call('HGET', KEYS[1], ARGV[i])
     if current ~= ARGV[i + 1] then
@@ -177,8 +202,9 @@ class FinishedRequest:
     (every counter fits a signed 64-bit HINCRBY, the cost parts are exact).
     """
 
-    request_id: str
-    #: ``st:tokens:{request_id}`` and the usage row's key (`streamtally.store.layout`).
+    #: The request's field of ``st:closed`` (`streamtally.store.layout.closed_field`).
+    closed_field: str
+    #: ``st:tokens:{ref}`` and the usage row's key (`streamtally.store.layout`).
     tokens_key: str
     usage_key: str
     #: The stored Tokens text and the row's member of ``st:usage:rows``.
@@ -197,7 +223,7 @@ class FinishedRequest:
     priced: bool
 
     def keys(self) -> tuple[str, str]:
-        """KEYS[2i+2], KEYS[2i+3] of request i."""
+        """KEYS[2i+3], KEYS[2i+4] of request i."""
         return self.tokens_key, self.usage_key
 
     def argv(self) -> tuple[str, ...]:
@@ -208,7 +234,7 @@ class FinishedRequest:
             *(str(count) for count in self.usage),
             str(self.cost_units),
             str(self.cost_pico),
-            self.request_id,
+            self.closed_field,
             self.closed,
             str(self.records),
             str(self.duplicates),
@@ -218,8 +244,8 @@ class FinishedRequest:
 
 def flush_call(batch: Sequence[FinishedRequest]) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of one `FLUSH_SCRIPT` call applying `batch`, in order."""
-    keys: list[str] = [ROWS_KEY, CLOSED_KEY, STATS_KEY]
-    argv: list[str] = [str(len(batch))]
+    keys: list[str] = [ROWS_KEY, CLOSED_KEY, STATS_KEY, LAYOUT_KEY]
+    argv: list[str] = [str(len(batch)), LAYOUT_VERSION]
     for request in batch:
         keys += request.keys()
         argv += request.argv()
@@ -229,3 +255,8 @@ def flush_call(batch: Sequence[FinishedRequest]) -> tuple[list[str], list[str]]:
 def dead_letter_call(positions: Sequence[str]) -> tuple[list[str], list[str]]:
     """KEYS and ARGV of one `DEAD_LETTER_SCRIPT` call counting `positions`."""
     return [DEAD_SEEN_KEY, STATS_KEY], list(positions)
+
+
+def close_once_call(fields: Mapping[str, str]) -> tuple[list[str], list[str]]:
+    """KEYS and ARGV of one `CLOSE_ONCE_SCRIPT` call recording `fields` (field -> marker)."""
+    return [CLOSED_KEY, LAYOUT_KEY], [LAYOUT_VERSION, *(p for kv in fields.items() for p in kv)]

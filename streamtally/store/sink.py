@@ -15,10 +15,12 @@ from __future__ import annotations
 
 from typing import Final
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Tokens
 from streamtally.core.money import cost_parts
 from streamtally.store.layout import (
     UNKNOWN_MODEL,
+    closed_field,
     day_of,
     row_member,
     tokens_json,
@@ -50,8 +52,8 @@ def finished_request(
 ) -> FinishedRequest:
     """What the flush script takes for one finished request.
 
-    An unpriced billing event (``priced`` False) is counted in its row's
-    ``unpriced_requests``.
+    The request is (billing event's tenant, request id).  An unpriced billing
+    event (``priced`` False) is counted in its row's ``unpriced_requests``.
 
     Raises ValueError when `billing` is not the billing event of `tokens`
     (another request id, model or usage) or a value cannot be counted.
@@ -74,9 +76,10 @@ def finished_request(
     if abs(units) > _INT64_MAX:
         raise ValueError(f"{tokens.request_id}: cost {billing.cost} is too large to count")
     usage = tokens.usage
+    ref = RequestRef(billing.tenant, tokens.request_id)
     return FinishedRequest(
-        request_id=tokens.request_id,
-        tokens_key=tokens_key(tokens.request_id),
+        closed_field=closed_field(ref),
+        tokens_key=tokens_key(ref),
         usage_key=usage_key(day, billing.tenant, model),
         tokens_json=tokens_json(tokens),
         row_member=row_member(day, billing.tenant, model),

@@ -4,9 +4,10 @@ One billing event goes out per finished request, whatever its finish
 reason: requests that ended in an error or were cancelled are billed for
 the usage the provider reported (often 0 tokens, so a cost of 0).
 
-`event_id` is the idempotency key of the event: a function of the request id
-alone, so replaying a request (after a crash, or a re-run of the pipeline)
-produces the same id and downstream consumers drop the duplicate.
+`event_id` is the idempotency key of the event: a function of the request's
+identity (tenant and request id) alone, so replaying a request (after a crash,
+or a re-run of the pipeline) produces the same id and downstream consumers
+drop the duplicate, while two tenants that reuse one provider id get two ids.
 
 Unpriced requests are still billed, with cost ``Decimal(0)`` and
 ``BillingEvent.priced`` False, so their usage is never lost and never hidden:
@@ -28,6 +29,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Final
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Tokens
 from streamtally.core.money import COST_SCALE, scaled_cost
 from streamtally.core.pricing import PriceTable, Quote
@@ -38,20 +40,23 @@ __all__ = ["EVENT_ID_PREFIX", "Billed", "bill", "event_id", "price_request"]
 log = logging.getLogger("streamtally.wire.billing")
 
 #: Versioned namespace of `event_id`; changing it changes every id (never do it lightly).
-EVENT_ID_PREFIX: Final = b"streamtally.billing.v1\x00"
+#: v1 hashed the request id alone; v2 hashes the request's identity (`RequestRef.text`).
+EVENT_ID_PREFIX: Final = b"streamtally.billing.v2\x00"
 
 #: The cost of an unpriced request, at the Avro scale.
 _ZERO: Final = Decimal((0, (0,), -COST_SCALE))
 
 
-def event_id(request_id: str) -> str:
+def event_id(tenant: str, request_id: str) -> str:
     """The deterministic id of a request's billing event: 32 hex chars of a sha256.
 
-    ``sha256(b"streamtally.billing.v1\\x00" + request_id.encode("utf-8"))[:32 hex]``.
+    ``sha256(b"streamtally.billing.v2\\x00" + RequestRef(tenant, request_id).text
+    .encode("utf-8"))[:32 hex]``: the escaped tenant, ``:``, the request id.
     """
     if not request_id:
         raise ValueError("request_id must not be empty")
-    return hashlib.sha256(EVENT_ID_PREFIX + request_id.encode("utf-8")).hexdigest()[:32]
+    text = RequestRef(tenant, request_id).text
+    return hashlib.sha256(EVENT_ID_PREFIX + text.encode("utf-8")).hexdigest()[:32]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +106,7 @@ def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: Pri
             prices.version,
         )
     event = BillingEvent(
-        event_id=event_id(tokens.request_id),
+        event_id=event_id(tenant, tokens.request_id),
         request_id=tokens.request_id,
         tenant=tenant,
         model=tokens.model,

@@ -15,6 +15,7 @@ from typing import Any
 import faust
 import pytest
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.processors.app import Pipeline, create_app
@@ -243,7 +244,7 @@ async def test_a_batch_fetched_before_its_partition_was_revoked_is_never_applied
     async with pipeline.agents["process-raw"].test_context() as agent:
         await agent.put(first)
         await agent.put(rest)
-    assert not pipeline.processor.is_open("fenced-1")  # nothing of partition 0 applied
+    assert not pipeline.processor.is_open(RequestRef("acme", "fenced-1"))  # nothing of p. 0
     assert pipeline.processor.counters.received == 1  # only the record of partition 1
     assert recording.outputs.chunks == []  # other-1's record has the wrong key: dead letter
     assert len(recording.outputs.dead_letters) == 1

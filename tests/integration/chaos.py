@@ -8,8 +8,10 @@ without touching anybody else's data.  It prints one JSON report; the test
 
 What happens:
 1. thousands of requests, built from our own sample transcripts under fresh
-   ids and four tenants, are produced interleaved (many open at once), some
-   raw records delivered twice (a retrying producer);
+   ids and four tenants, each id used by two tenants for two different
+   transcripts (two requests: a request is its tenant and its id), are
+   produced interleaved (many open at once), some raw records delivered
+   twice (a retrying producer);
 2. meanwhile the worker is killed with SIGKILL several times (and restarted)
    and the broker is stopped and started once;
 3. then every request's Tokens in Redis is compared with `streamtally fold`
@@ -30,7 +32,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -57,9 +59,10 @@ def _requests(run: str, count: int) -> list[dict[str, Any]]:
         e for e in read_manifest(SAMPLES / "manifest.jsonl") if "long_text_bench" not in e.file.name
     ]
     tenants = ["acme", "globex", "initech", "umbrella"]
+    # requests 2k and 2k+1 share an id: two tenants, two different transcripts
     return [
         {
-            "request_id": f"chaos-{run}-{i}",
+            "request_id": f"chaos-{run}-{i // 2}",
             "source": entries[i % len(entries)].source,
             "file": entries[i % len(entries)].file,
             "tenant": tenants[i % len(tenants)],
@@ -119,9 +122,16 @@ async def _produce(
     return sent, duplicates
 
 
-async def _wait_all(store: Any, ids: list[str], timeout: float) -> list[str]:
+def _ref(req: dict[str, Any]) -> Any:
+    """The request's `RequestRef` (tenant, request id)."""
+    from streamtally.core.identity import RequestRef
+
+    return RequestRef(req["tenant"], req["request_id"])
+
+
+async def _wait_all(store: Any, refs: list[Any], timeout: float) -> list[Any]:
     deadline = time.monotonic() + timeout
-    waiting = list(ids)
+    waiting = list(refs)
     while waiting and time.monotonic() < deadline:
         waiting = await store.missing_tokens(waiting)
         if waiting:
@@ -141,6 +151,7 @@ async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes
 
 
 async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, Any]:
+    from streamtally.core.identity import RequestRef
     from streamtally.core.models import USAGE_FIELDS
     from streamtally.core.normalize import fold_stream, read_events
     from streamtally.core.pricing import PriceTable
@@ -154,17 +165,17 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
     prices = PriceTable.default()
     store = RedisStore.from_url(redis_url)
     mismatched: list[str] = []
-    per_request: dict[str, dict[str, Any]] = {}
+    per_request: dict[RequestRef, dict[str, Any]] = {}
     truth: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
     try:
-        stored = await store.tokens_texts([req["request_id"] for req in requests])
+        stored = await store.tokens_texts([_ref(req) for req in requests])
         for req, text in zip(requests, stored, strict=True):
             with req["file"].open("rb") as stream:
                 tokens = fold_stream(
                     req["source"], read_events(req["source"], stream), request_id=req["request_id"]
                 )
             if text is None or json.loads(text) != tokens.to_json_dict():
-                mismatched.append(req["request_id"])
+                mismatched.append(_ref(req).text)
             row = truth[req["tenant"]]
             row["requests"] += 1
             for name, count in zip(USAGE_FIELDS, tokens.usage.counts(), strict=True):
@@ -172,7 +183,7 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
             # the cost the pipeline should have charged (the event time only sets the day)
             cost = bill(tokens, req["tenant"], _EPOCH, prices).cost
             row["cost"] += cost
-            per_request[req["request_id"]] = {
+            per_request[_ref(req)] = {
                 "tenant": req["tenant"],
                 "model": tokens.model,
                 "finish_reason": tokens.finish_reason.value,
@@ -193,25 +204,25 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
             for t in set(truth) | set(got)
             if dict(truth[t]) != dict(got[t])
         }
-        exported: dict[str, list[dict[str, Any]]] = defaultdict(list)
+        exported: dict[RequestRef, list[dict[str, Any]]] = defaultdict(list)
         for line in _command("billing", "export", "--json", "--keep-replays").splitlines():
             event = json.loads(line)
-            exported[event["request_id"]].append(event)
+            exported[RequestRef(event["tenant"], event["request_id"])].append(event)
         billing_mismatch = [
-            rid
-            for rid, expected in per_request.items()
-            if [_billing_fields(e) for e in exported.get(rid, [])][:1] != [expected]
-            or any(e != exported[rid][0] for e in exported[rid])
+            ref.text
+            for ref, expected in per_request.items()
+            if [_billing_fields(e) for e in exported.get(ref, [])][:1] != [expected]
+            or any(e != exported[ref][0] for e in exported[ref])
         ]
         counts = await store.stats()
     finally:
         await store.aclose()
     billing = await _topic_records(topics.billing.name)
-    by_request: dict[str, set[bytes]] = defaultdict(set)
+    by_request: dict[RequestRef, set[bytes]] = defaultdict(set)
     for _, _, _, value in billing:
         event = avro.decode_billing_event(value)
-        by_request[event.request_id].add(value)
-    ids = {r["request_id"] for r in requests}
+        by_request[RequestRef(event.tenant, event.request_id)].add(value)
+    refs = {_ref(r) for r in requests}
     raw_in = len(await _topic_records(topics.raw_sse.name))
     raw_in += len(await _topic_records(topics.raw_engine.name))
     dead = {(p, o) for p, o, _, _ in await _topic_records(topics.deadletter.name)}
@@ -222,9 +233,12 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
         "billing_export_mismatch_count": len(billing_mismatch),
         "billing_events_delivered": len(billing),
         "billing_requests": len(by_request),
-        "requests_without_billing": sorted(ids - set(by_request))[:5],
+        "requests_without_billing": [r.text for r in sorted(refs - set(by_request))[:5]],
         "requests_with_two_different_billing_events": sorted(
-            r for r, values in by_request.items() if len(values) != 1
+            r.text for r, values in by_request.items() if len(values) != 1
+        ),
+        "request_ids_of_two_tenants": sum(
+            n == 2 for n in Counter(r["request_id"] for r in requests).values()
         ),
         "raw_records_in": raw_in,
         "stats": counts,
@@ -270,7 +284,7 @@ async def _restart_broker(say: Any) -> float:
     return time.monotonic() - start
 
 
-async def _wait_busy(url: str, ids: list[str], timeout: float = 60.0) -> None:
+async def _wait_busy(url: str, requests: int, timeout: float = 60.0) -> None:
     """Return once the worker is writing requests to Redis (or all are there)."""
     from streamtally.store import RedisStore
 
@@ -280,7 +294,7 @@ async def _wait_busy(url: str, ids: list[str], timeout: float = 60.0) -> None:
         first: int | None = None
         while time.monotonic() < deadline:
             count = await store.closed_count()
-            if count >= len(ids) or (first is not None and count >= first + 20):
+            if count >= requests or (first is not None and count >= first + 20):
                 return
             first = count if first is None else first
             await asyncio.sleep(0.1)
@@ -357,14 +371,14 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
         await task
     if restart_broker_at:
         # once the worker is busy draining the backlog: its Redis writes must wait and retry
-        await _wait_busy(url, [r["request_id"] for r in requests])
+        await _wait_busy(url, len(requests))
         events.append("restarting Redis while the worker drains the backlog")
         await _restart_redis(say)
         redis_restarts = 1
     produced_in = time.monotonic() - started
     store = RedisStore.from_url(url)
     print(f"produced {messages} messages in {time.monotonic() - started:.1f}s", file=sys.stderr)
-    waiting = await _wait_all(store, [r["request_id"] for r in requests], timeout=240)
+    waiting = await _wait_all(store, [_ref(r) for r in requests], timeout=240)
     print(f"{len(waiting)} requests not in Redis", file=sys.stderr)
     await store.aclose()
     drained_in = time.monotonic() - started
@@ -379,7 +393,7 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
         broker_restarts=broker_restarts,
         redis_restarts=redis_restarts,
         worker_retries_logged=sum("retrying in" in line for line in log.read_text().splitlines()),
-        never_finished=waiting[:5],
+        never_finished=[ref.text for ref in waiting[:5]],
         never_finished_count=len(waiting),
         worker_exit_code=exit_code,
         seconds_producing=round(produced_in, 1),

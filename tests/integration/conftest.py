@@ -8,8 +8,13 @@
    variables so that every streamtally subprocess uses them too;
 3. else the local stack: ``streamtally stack up`` (idempotent, left running).
 
-`redis_url` and `bootstrap_servers` are its addresses.  Every test marked
-``integration`` gets the stack selected before it runs.  When the local stack
+`redis_url` and `bootstrap_servers` are its addresses (the local stack's and
+a container's Redis URL name database 0).  That database must be empty or of
+Redis layout version 2 (``st:layout``): a worker claims an empty one and
+refuses to start on data of an older layout (``streamtally migrate``).  Tests
+that need a database of their own use another number (`own_worker`).
+
+Every test marked ``integration`` gets the stack selected before it runs.  When the local stack
 cannot start, the test is skipped (fails instead on CI).  `redis_client` skips
 the test when Redis does not answer (fails instead on CI).
 

@@ -51,6 +51,8 @@ def test_chaos_run_loses_nothing_and_counts_nothing_twice(redis_url: str) -> Non
     assert report["billing_requests"] == requests
     assert report["requests_without_billing"] == []
     assert report["requests_with_two_different_billing_events"] == []
+    # every request id was sent by two tenants: two requests, each billed once
+    assert report["request_ids_of_two_tenants"] == requests // 2
     stats = report["stats"]
     assert stats["requests"] == requests
     # every raw record is applied once, dropped as a re-sent duplicate, or dead-lettered

@@ -31,7 +31,16 @@ import redis
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
-from streamtally.store import CLOSED_KEY, DEAD_SEEN_KEY, STATS_KEY, RedisStore
+from streamtally.core.identity import RequestRef
+from streamtally.store import (
+    CLOSED_KEY,
+    DEAD_SEEN_KEY,
+    LAYOUT_KEY,
+    STATS_KEY,
+    TOKENS_PREFIX,
+    RedisStore,
+    tokens_key,
+)
 from streamtally.wire.avro import decode_dead_letter
 from streamtally.wire.kafka import read_topic
 from tests.integration.worker import (
@@ -75,7 +84,8 @@ class Run:
     namespace: str
     env: dict[str, str]
     redis_url: str
-    request_ids: list[str]
+    #: The requests produced (tenant and request id).
+    refs: list[RequestRef]
     garbage: list[Garbage]
     #: (original topic, partition, offset) of the dead letter sent twice.
     resent: tuple[str, int, int]
@@ -174,11 +184,11 @@ def run(
             for line in (SAMPLES / "manifest.jsonl").read_text().splitlines()
             if line.strip()
         ][::MANIFEST_STEP]
-        request_ids = []
+        refs = []
         for row in rows:
             row["file"] = str(SAMPLES / row["file"])
             row["request_id"] = f"{row['request_id']}-{tag}"
-            request_ids.append(row["request_id"])
+            refs.append(RequestRef(row["tenant"], row["request_id"]))
         manifest = write_manifest(directory / "manifest.jsonl", rows)
         produced = run_streamtally("produce", "--manifest", str(manifest), env=env, timeout=120)
         assert produced.returncode == 0, produced.stderr.decode(errors="replace")
@@ -197,7 +207,7 @@ def run(
                 ],
             )
         )
-        missing = wait_for_tokens(url, request_ids, PIPELINE_TIMEOUT_S, worker)
+        missing = wait_for_tokens(url, refs, PIPELINE_TIMEOUT_S, worker)
         assert not missing, f"never reached Redis: {sorted(missing)}\n{worker.describe()}"
         seen = _wait_for_dead_letters(url, len(garbage), PIPELINE_TIMEOUT_S)
         assert seen == len(garbage), f"{seen} dead letters counted\n{worker.describe()}"
@@ -207,7 +217,7 @@ def run(
             asyncio.run(_resend_first_dead_letter(bootstrap_servers, f"{namespace}.deadletter"))
         )
         resent = (letter.topic, letter.partition, letter.offset)
-        yield Run(namespace, env, url, request_ids, garbage, resent)
+        yield Run(namespace, env, url, refs, garbage, resent)
     finally:
         worker.kill()
         with contextlib.suppress(Exception):
@@ -303,16 +313,27 @@ def _snapshot(url: str) -> dict[str, Any]:
         client.close()
 
 
-def _read_state(run: Run) -> tuple[bytes, dict[str, bytes]]:
+def _read_state(run: Run) -> tuple[bytes, dict[RequestRef, bytes]]:
     """`streamtally usage --json` and `tokens get` of every request: what a user sees."""
     usage = cli("usage", "--json", "--redis-url", run.redis_url)
     assert usage.code == 0, usage.err
-    tokens: dict[str, bytes] = {}
-    for request_id in run.request_ids:
-        got = cli("tokens", "get", request_id, "--redis-url", run.redis_url)
+    tokens: dict[RequestRef, bytes] = {}
+    for ref in run.refs:
+        got = cli(
+            "tokens", "get", ref.request_id, "--tenant", ref.tenant, "--redis-url", run.redis_url
+        )
         assert got.code == 0, got.err
-        tokens[request_id] = got.out
+        tokens[ref] = got.out
     return usage.out, tokens
+
+
+def _flush(url: str) -> None:
+    """Empty this module's own Redis database."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=5)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
 
 
 def _rebuild(run: Run, *args: str) -> dict[str, Any]:
@@ -325,30 +346,44 @@ def _rebuild(run: Run, *args: str) -> dict[str, Any]:
 def test_rebuild_restores_usage_and_tokens_and_is_idempotent(run: Run) -> None:
     usage, tokens = _read_state(run)
     rows = json.loads(usage)
-    assert sum(row["requests"] for row in rows) == len(run.request_ids)
+    assert sum(row["requests"] for row in rows) == len(run.refs)
     # a subprocess prints the same bytes as the in-process command
-    code, out, err = run.streamtally("tokens", "get", run.request_ids[0])
-    assert (code, out) == (0, tokens[run.request_ids[0]]), err
+    first_ref = run.refs[0]
+    code, out, err = run.streamtally("tokens", "get", first_ref.request_id)
+    assert (code, out) == (0, tokens[first_ref]), err
     before = _snapshot(run.redis_url)
+    assert before[LAYOUT_KEY] == "2"
+    assert {tokens_key(ref) for ref in run.refs} <= before.keys()
 
     # Redis holds Tokens: refused without --yes, and nothing written
     code, out, err = run.streamtally("rebuild")
     assert code == 1
-    assert f"Tokens of {len(run.request_ids)} requests" in err
+    assert f"Tokens of {len(run.refs)} requests" in err
     assert "--yes" in err
     assert _snapshot(run.redis_url) == before
 
+    # Redis of layout version 1 (Tokens keyed by request id alone, no st:layout): refused
+    _flush(run.redis_url)
     client = redis.Redis.from_url(run.redis_url, socket_connect_timeout=5)
     try:
-        client.flushdb()
+        client.set(TOKENS_PREFIX + first_ref.request_id, tokens[first_ref].strip())
     finally:
         client.close()
+    v1 = _snapshot(run.redis_url)
+    code, out, err = run.streamtally("rebuild", "--yes")
+    assert (code, out) == (2, b""), err
+    assert len(err.strip().splitlines()) == 1, err
+    assert "layout version 1" in err
+    assert "streamtally migrate" in err
+    assert _snapshot(run.redis_url) == v1
+
+    _flush(run.redis_url)
     emptied = cli("usage", "--json", "--redis-url", run.redis_url)
     assert (emptied.code, json.loads(emptied.out)) == (0, [])
-    assert cli("tokens", "get", run.request_ids[0], "--redis-url", run.redis_url).code == 2
+    assert cli("tokens", "get", first_ref.request_id, "--redis-url", run.redis_url).code == 2
 
     first = _rebuild(run, "--yes", "--batch-size", "5", "--progress-every", "4")
-    assert first["applied"] == len(run.request_ids)
+    assert first["applied"] == len(run.refs)
     assert first["already_present"] == 0
     assert first["skipped"] == []
     assert _read_state(run) == (usage, tokens)
@@ -359,14 +394,15 @@ def test_rebuild_restores_usage_and_tokens_and_is_idempotent(run: Run) -> None:
         k: v for k, v in before.items() if k not in (CLOSED_KEY, STATS_KEY, *lost)
     }
     assert rebuilt[CLOSED_KEY] == dict.fromkeys(before[CLOSED_KEY], "0 end")
+    assert set(rebuilt[CLOSED_KEY]) == {ref.text for ref in run.refs}
     assert rebuilt[STATS_KEY] == {
-        "requests": str(len(run.request_ids)),
+        "requests": str(len(run.refs)),
         "records": "0",
         "duplicates": "0",
     }
 
     second = _rebuild(run, "--yes")
-    assert (second["applied"], second["already_present"]) == (0, len(run.request_ids))
+    assert (second["applied"], second["already_present"]) == (0, len(run.refs))
     assert second["skipped"] == []
     assert _snapshot(run.redis_url) == rebuilt
     assert _read_state(run) == (usage, tokens)
@@ -377,7 +413,7 @@ def test_rebuild_progress_is_reported_on_stderr(run: Run) -> None:
         "rebuild", "--yes", "--batch-size", "2", "--progress-every", "2"
     )
     assert code == 0, err
-    total = len(run.request_ids)
+    total = len(run.refs)
     progress = [line for line in err.splitlines() if "requests (" in line]
     assert progress, err
     assert progress[-1].startswith(f"streamtally rebuild: {total}/{total} requests (0 applied")

@@ -141,7 +141,7 @@ def test_worker_runs_outside_the_clone_with_the_default_prices(
         tokens = None
         while time.monotonic() < deadline and tokens is None:
             proc = subprocess.run(
-                [bin_dir / "streamtally", "tokens", "get", request_id],
+                [bin_dir / "streamtally", "tokens", "get", request_id, "--tenant", "wheel"],
                 cwd=work,
                 env=env,
                 capture_output=True,

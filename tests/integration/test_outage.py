@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.ops.stack import kafka, redis
@@ -60,6 +61,7 @@ class Request:
         file, self.source, self.model = FILES[i % len(FILES)]
         self.request_id = f"outage-{run}-{i}"
         self.tenant = tenant
+        self.ref = RequestRef(tenant, self.request_id)
         self.data = (SAMPLES / file).read_bytes()
         _, self.records = raw_records(
             self.source, self.data, tenant=tenant, request_id=self.request_id, model=self.model
@@ -96,15 +98,17 @@ async def _send(settings: Settings, parts: list[tuple[Request, slice]]) -> None:
             await producer.send_records(request.source, request.request_id, request.records[part])
 
 
-async def _wait_tokens(settings: Settings, ids: list[str], timeout: float) -> dict[str, Any]:
+async def _wait_tokens(
+    settings: Settings, refs: list[RequestRef], timeout: float
+) -> dict[RequestRef, Any]:
     store = RedisStore.from_url(settings.redis_url)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if not await store.missing_tokens(ids):
-                return {rid: await store.tokens(rid) for rid in ids}
+            if not await store.missing_tokens(refs):
+                return {ref: await store.tokens(ref) for ref in refs}
             await asyncio.sleep(0.2)
-        missing = await store.missing_tokens(ids)
+        missing = await store.missing_tokens(refs)
         raise AssertionError(f"{len(missing)} requests never reached Redis: {missing[:5]}")
     finally:
         await store.aclose()
@@ -125,12 +129,11 @@ async def _usage(settings: Settings, tenant: str) -> dict[str, int]:
 
 
 def _check(settings: Settings, requests: list[Request], tenant: str, worker: WorkerProcess) -> None:
-    ids = [r.request_id for r in requests]
-    stored = asyncio.run(_wait_tokens(settings, ids, 60))
-    timed_out = [rid for rid, t in stored.items() if "timed out" in ((t or {}).get("error") or "")]
+    stored = asyncio.run(_wait_tokens(settings, [r.ref for r in requests], 60))
+    timed_out = [ref for ref, t in stored.items() if "timed out" in ((t or {}).get("error") or "")]
     assert timed_out == [], worker.describe()
     for request in requests:
-        assert stored[request.request_id] == request.folded(), request.request_id
+        assert stored[request.ref] == request.folded(), request.ref
     expected: dict[str, int] = defaultdict(int)
     for request in requests:
         expected["requests"] += 1

@@ -3,7 +3,8 @@
 One worker runs for the module.  The `run` fixture produces, with ``streamtally
 produce``, every public transcript (``../shared/fixtures/providers``, 68) and
 every own sample (``samples/manifest.jsonl``, 44) under request ids and tenants
-unique to this run, and waits for their Tokens in Redis.  The tests then
+unique to this run, and two namesakes (one transcript under ONE request id of
+two tenants: two requests), and waits for their Tokens in Redis.  The tests then
 compare what the read commands print with what ``streamtally fold`` prints for
 the same file: Tokens, usage rows and billing events; and a garbage message
 must end on the dead-letter topic without stopping the worker.
@@ -37,13 +38,14 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source, Tokens
 from streamtally.core.pricing import PriceTable
 from streamtally.producers import RawProducer
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.avro import AvroDecodeError, decode_dead_letter
-from streamtally.wire.billing import bill
+from streamtally.wire.billing import bill, event_id
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import DeadLetter
 from tests.conftest import PROVIDER_FIXTURES, require_public_transcripts
@@ -160,13 +162,17 @@ class Req:
     request_id: str
     tenant: str
 
+    @property
+    def ref(self) -> RequestRef:
+        return RequestRef(self.tenant, self.request_id)
+
 
 def fold_argv(req: Req) -> tuple[str, ...]:
     return ("fold", "--source", req.source, "--request-id", req.request_id, str(req.path))
 
 
 def tokens_argv(req: Req, redis_url: str) -> tuple[str, ...]:
-    return ("tokens", "get", req.request_id, "--redis-url", redis_url)
+    return ("tokens", "get", req.request_id, "--tenant", req.tenant, "--redis-url", redis_url)
 
 
 @dataclass
@@ -176,21 +182,23 @@ class Run:
     worker: WorkerProcess
     public: list[Req]
     samples: list[Req]
-    #: Request ids whose Tokens never reached Redis.
-    missing: set[str]
+    #: One transcript under one request id of two tenants (two requests).
+    namesakes: list[Req]
+    #: Requests whose Tokens never reached Redis.
+    missing: set[RequestRef]
     #: Tenants whose usage rows to delete once the worker has stopped.
     tenants: set[str] = field(default_factory=set)
-    _folds: dict[str, CliResult] = field(default_factory=dict)
+    _folds: dict[RequestRef, CliResult] = field(default_factory=dict)
 
     @property
     def requests(self) -> list[Req]:
-        return self.public + self.samples
+        return self.public + self.samples + self.namesakes
 
     def fold_result(self, req: Req) -> CliResult:
         """What ``streamtally fold`` prints for the request (cached)."""
-        if req.request_id not in self._folds:
-            self._folds[req.request_id] = cli(*fold_argv(req))
-        return self._folds[req.request_id]
+        if req.ref not in self._folds:
+            self._folds[req.ref] = cli(*fold_argv(req))
+        return self._folds[req.ref]
 
     def fold(self, req: Req) -> dict[str, Any]:
         """The fold of the request as JSON."""
@@ -242,6 +250,14 @@ def _sample_requests(tag: str) -> list[Req]:
     return out
 
 
+def _namesake_requests(tag: str) -> list[Req]:
+    """The probe transcript under one request id of two tenants, one of them with a ``:``."""
+    return [
+        Req(f"namesake of {tenant}", PROBE_FILE, PROBE_SOURCE, f"twin-{tag}", tenant)
+        for tenant in (f"twin-{tag}", f"twin:{tag}")
+    ]
+
+
 @pytest.fixture(scope="module")
 def forget_after(stack_endpoints: Endpoints) -> Iterator[dict[str, Run]]:
     """Set up before the worker, torn down after it stopped: the run's usage rows go."""
@@ -261,7 +277,15 @@ def run(
 ) -> Run:
     """All public and sample transcripts produced under fresh ids, waited for in Redis."""
     tag = uuid.uuid4().hex
-    result = Run(tag, stack_endpoints, worker, _public_requests(tag), _sample_requests(tag), set())
+    result = Run(
+        tag,
+        stack_endpoints,
+        worker,
+        _public_requests(tag),
+        _sample_requests(tag),
+        _namesake_requests(tag),
+        set(),
+    )
     forget_after["run"] = result
     result.remember(*result.requests)
     manifest = write_manifest(
@@ -278,8 +302,8 @@ def run(
     )
     produced = run_streamtally("produce", "--manifest", str(manifest), env=stack_endpoints.env())
     assert produced.returncode == 0, produced.stderr.decode(errors="replace")
-    ids = [r.request_id for r in result.requests]
-    result.missing = wait_for_tokens(stack_endpoints.redis_url, ids, PIPELINE_TIMEOUT_S, worker)
+    refs = [r.ref for r in result.requests]
+    result.missing = wait_for_tokens(stack_endpoints.redis_url, refs, PIPELINE_TIMEOUT_S, worker)
     return result
 
 
@@ -292,7 +316,7 @@ def _compare_tokens(run: Run, reqs: Iterable[Req]) -> list[str]:
     """Every way the stored Tokens of `reqs` differ from their fold (empty: none)."""
     problems = []
     for req in reqs:
-        if req.request_id in run.missing:
+        if req.ref in run.missing:
             problems.append(f"{req.label}: not in Redis (waited up to {PIPELINE_TIMEOUT_S:g} s)")
             continue
         folded = run.fold_result(req)
@@ -359,7 +383,7 @@ def test_every_sample_ends_in_redis_as_fold_prints_it(run: Run) -> None:
 def test_the_commands_as_processes_print_the_same_bytes(run: Run) -> None:
     """One request per source: `fold` and `tokens get` as real processes, as in-process."""
     chosen = list({r.source: r for r in reversed(run.requests)}.values())
-    chosen = [r for r in chosen if r.request_id not in run.missing]
+    chosen = [r for r in chosen if r.ref not in run.missing]
     assert len(chosen) >= 7, f"{len(chosen)} sources reached Redis"
     url, env = run.endpoints.redis_url, run.endpoints.env()
     jobs = [argv for r in chosen for argv in (fold_argv(r), tokens_argv(r, url))]
@@ -381,20 +405,42 @@ def test_the_commands_as_processes_print_the_same_bytes(run: Run) -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.integration
+def test_one_request_id_of_two_tenants_is_two_requests(run: Run) -> None:
+    """Both namesakes are stored (as fold prints them); `tokens get` needs --tenant for them."""
+    first, second = run.namesakes
+    assert first.request_id == second.request_id
+    assert first.tenant != second.tenant
+    problems = _compare_tokens(run, run.namesakes)  # each read with its --tenant
+    assert not problems, _report(run, problems, len(run.namesakes))
+    url = run.endpoints.redis_url
+    ambiguous = cli("tokens", "get", first.request_id, "--redis-url", url)
+    assert ambiguous.code == 2, ambiguous
+    assert ambiguous.out == b""
+    assert "2 tenants" in ambiguous.err, ambiguous.err
+    assert "pass --tenant" in ambiguous.err, ambiguous.err
+    other = cli(
+        "tokens", "get", first.request_id, "--tenant", f"none-{run.tag}", "--redis-url", url
+    )
+    assert other.code == 2, other  # the id of a tenant that never sent it is unknown
+    assert event_id(first.tenant, first.request_id) != event_id(second.tenant, second.request_id)
+
+
 # --------------------------------------------------------------------------- usage and billing
 
 
 @pytest.fixture(scope="module")
-def billing_events(run: Run) -> dict[str, list[dict[str, Any]]]:
-    """``streamtally billing export --json``: the run's events, by request id."""
+def billing_events(run: Run) -> dict[RequestRef, list[dict[str, Any]]]:
+    """``streamtally billing export --json``: the run's events, by request (tenant, id)."""
     exported = run_streamtally("billing", "export", "--json", env=run.endpoints.env())
     assert exported.returncode == 0, exported.stderr.decode(errors="replace")[-4000:]
-    ids = {r.request_id for r in run.requests}
-    events: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    refs = {r.ref for r in run.requests}
+    events: dict[RequestRef, list[dict[str, Any]]] = defaultdict(list)
     for line in exported.stdout.decode().splitlines():
         event = json.loads(line)
-        if event["request_id"] in ids:
-            events[event["request_id"]].append(event)
+        ref = RequestRef(event["tenant"], event["request_id"])
+        if ref in refs:
+            events[ref].append(event)
     return events
 
 
@@ -408,18 +454,19 @@ def _prices() -> PriceTable:
 
 @pytest.mark.integration
 def test_billing_export_has_one_right_event_per_request(
-    run: Run, billing_events: dict[str, list[dict[str, Any]]]
+    run: Run, billing_events: dict[RequestRef, list[dict[str, Any]]]
 ) -> None:
     prices = _prices()
     problems = []
     for req in run.requests:
-        events = billing_events.get(req.request_id, [])
+        events = billing_events.get(req.ref, [])
         if len(events) != 1:
             problems.append(f"{req.label}: {len(events)} billing events")
             continue
         [event] = events
         folded = run.fold(req)
         expected = {
+            "event_id": event_id(req.tenant, req.request_id),
             "tenant": req.tenant,
             "model": folded["model"],
             "source": folded["source"],
@@ -445,20 +492,20 @@ def test_billing_export_has_one_right_event_per_request(
 
 @pytest.mark.integration
 def test_usage_rows_sum_the_folds_and_the_billed_costs(
-    run: Run, billing_events: dict[str, list[dict[str, Any]]]
+    run: Run, billing_events: dict[RequestRef, list[dict[str, Any]]]
 ) -> None:
     by_tenant: dict[str, list[Req]] = defaultdict(list)
     for req in run.requests:
         by_tenant[req.tenant].append(req)
     assert len(by_tenant) >= 3
-    unbilled = [r.label for r in run.requests if len(billing_events.get(r.request_id, [])) != 1]
+    unbilled = [r.label for r in run.requests if len(billing_events.get(r.ref, [])) != 1]
     if unbilled:
         pytest.fail(f"{len(unbilled)} requests without exactly one billing event: {unbilled}")
     expected: dict[str, list[dict[str, Any]]] = {}
     for tenant, reqs in by_tenant.items():
         rows: dict[tuple[str, str], dict[str, Any]] = {}
         for req in reqs:
-            [event] = billing_events[req.request_id]
+            [event] = billing_events[req.ref]
             folded = run.fold(req)
             key = (_day(event), folded["model"] or "unknown")
             row = rows.setdefault(
@@ -581,7 +628,7 @@ def test_garbage_is_dead_lettered_and_the_worker_goes_on(run: Run) -> None:
     assert letter.reason.strip(), letter
     assert letter.error_type, letter
 
-    run.missing |= wait_for_tokens(run.endpoints.redis_url, [follower.request_id], 30, run.worker)
+    run.missing |= wait_for_tokens(run.endpoints.redis_url, [follower.ref], 30, run.worker)
     assert run.worker.returncode is None, run.worker.describe()
     problems = _compare_tokens(run, [follower])
     assert not problems, _report(run, problems, 1)

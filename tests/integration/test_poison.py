@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.producers import RawProducer, raw_records
@@ -85,7 +86,7 @@ async def _send(settings: Settings, batches: list[tuple[str, list[bytes]]]) -> N
         await asyncio.gather(*futures)
 
 
-async def _outcome(settings: Settings, good: list[str], letters: int) -> dict[str, Any]:
+async def _outcome(settings: Settings, good: list[RequestRef], letters: int) -> dict[str, Any]:
     store = RedisStore.from_url(settings.redis_url)
     try:
         deadline = time.monotonic() + 90
@@ -95,7 +96,7 @@ async def _outcome(settings: Settings, good: list[str], letters: int) -> dict[st
                 break
             await asyncio.sleep(0.2)
         return {
-            "tokens": {rid: await store.tokens(rid) for rid in good},
+            "tokens": {ref: await store.tokens(ref) for ref in good},
             "stats": await store.stats(),
         }
     finally:
@@ -106,9 +107,15 @@ def test_poison_records_touch_only_themselves(
     scene: tuple[Settings, str],
 ) -> None:
     settings, _ = scene
-    good = [f"good-{i}" for i in range(6)]
+    good = [RequestRef("acme", f"good-{i}") for i in range(6)]
+    # a good request of another tenant under a poison request's id is another request
+    good.append(RequestRef("other", "lone-surrogate"))
     batches: list[tuple[str, list[bytes]]] = [
-        (rid, raw_records(Source.OPENAI, SAMPLE, tenant="acme", request_id=rid)[1]) for rid in good
+        (
+            ref.request_id,
+            raw_records(Source.OPENAI, SAMPLE, tenant=ref.tenant, request_id=ref.request_id)[1],
+        )
+        for ref in good
     ]
     for name, (transcript, _) in POISON.items():
         batches.append(
@@ -121,8 +128,8 @@ def test_poison_records_touch_only_themselves(
     expected = fold_stream(
         Source.OPENAI, read_events(Source.OPENAI, io.BytesIO(SAMPLE)), request_id="x"
     ).to_json_dict()
-    for rid in good:
-        assert outcome["tokens"][rid] == {**expected, "request_id": rid}, rid
+    for ref in good:
+        assert outcome["tokens"][ref] == {**expected, "request_id": ref.request_id}, ref
     stats = outcome["stats"]
     # one dead letter per poison record, nothing else
     assert stats["dead_lettered"] == len(POISON)

@@ -1,7 +1,11 @@
 """The Redis store against a real Redis: the sink's layout, idempotency, exact cost carry, reads.
 
-Every test writes only keys of its own (a unique request id prefix and
-tenants) and deletes them afterwards, so it can run against the shared stack.
+Every test on the shared database writes only keys of its own (a unique
+request id prefix and tenants) and deletes them afterwards, so it can run
+against the shared stack; that database must hold layout version 2 (the
+`store` fixture claims it when it is empty, and fails with `LayoutError` on
+older data: ``streamtally migrate``).  The tests of the layout itself and of
+the global counts use a database of their own (`STORE_DB`), flushed around them.
 """
 
 from __future__ import annotations
@@ -9,24 +13,35 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from datetime import UTC, datetime
 from decimal import Decimal
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from streamtally.cli import main
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.ops.rebuild import TokensRecord, apply, join
 from streamtally.store import (
+    CLOSED_KEY,
+    LAYOUT_KEY,
+    LAYOUT_VERSION,
+    MIGRATING,
     ROWS_KEY,
+    STATS_KEY,
+    TOKENS_PREFIX,
     UNPRICED_FIELD,
+    LayoutError,
     RedisSink,
     RedisStore,
+    closed_field,
     row_member,
     tokens_json,
     tokens_key,
@@ -67,8 +82,15 @@ class Scope:
         return tenant
 
     async def cleanup(self, client: aioredis.Redis) -> None:
-        async for key in client.scan_iter(match=tokens_pattern(f"it-{self.tag}-")):
-            await client.delete(key)
+        """Delete the Tokens keys, close markers and usage rows of this scope's tenants."""
+        for tenant in self.tenants:
+            pattern = tokens_pattern(tenant, f"it-{self.tag}-")
+            async for key in client.scan_iter(match=pattern):
+                await client.delete(key)
+            # the same glob, over the fields of st:closed ({ref}, as in the Tokens key)
+            fields = pattern.removeprefix(TOKENS_PREFIX)
+            async for field, _ in client.hscan_iter(CLOSED_KEY, match=fields):
+                await client.hdel(CLOSED_KEY, field)
         await RedisStore(client).delete_usage(self.tenants)
 
 
@@ -80,9 +102,11 @@ async def scope(redis_client: aioredis.Redis) -> AsyncIterator[Scope]:
 
 
 @pytest.fixture
-def store(redis_client: aioredis.Redis) -> RedisStore:
-    """A store on the test's client (which the `redis_client` fixture closes)."""
-    return RedisStore(redis_client)
+async def store(redis_client: aioredis.Redis) -> RedisStore:
+    """A store on the test's client (which the `redis_client` fixture closes), layout 2."""
+    store = RedisStore(redis_client)
+    await store.ensure_layout()
+    return store
 
 
 def make_tokens(
@@ -130,11 +154,16 @@ async def test_apply_writes_tokens_row_and_index(
     assert await sink.flush() == [True]
     assert len(sink) == 0
 
-    stored = await redis_client.get(tokens_key(tokens.request_id))
+    ref = RequestRef(tenant, tokens.request_id)
+    stored = await redis_client.get(tokens_key(ref))
     expected = json.dumps(tokens.to_json_dict(), ensure_ascii=False, separators=(",", ":"))
     assert stored == expected.encode("utf-8")
-    assert await store.tokens_text(tokens.request_id) == expected
-    assert await store.tokens(tokens.request_id) == tokens.to_json_dict()
+    assert tokens_key(ref) == f"{TOKENS_PREFIX}{tenant}:{tokens.request_id}"
+    assert await store.tokens_text(ref) == expected
+    assert await store.tokens(ref) == tokens.to_json_dict()
+    # keyed by (tenant, request id): the same id of another tenant is not this request
+    assert await store.tokens(RequestRef(scope.tenant("other"), tokens.request_id)) is None
+    assert await redis_client.hget(CLOSED_KEY, f"{tenant}:{tokens.request_id}") == b"0 end"
 
     # (600 * 2.50 + 400 * 1.25 + 200 * 10) / 1e6 = 0.004
     assert await hash_of(redis_client, usage_key(DAY, tenant, "gpt-4o-2024-08-06")) == {
@@ -167,7 +196,7 @@ async def test_reapplying_is_a_no_op(
     replay.add(tokens, billed(tokens, tenant))
     assert await replay.flush() == [False, False]
     assert await hash_of(redis_client, row) == before
-    assert await store.tokens(tokens.request_id) == tokens.to_json_dict()
+    assert await store.tokens(RequestRef(tenant, tokens.request_id)) == tokens.to_json_dict()
 
 
 async def test_duplicate_within_one_batch_counts_once(
@@ -195,7 +224,10 @@ async def test_a_bad_key_fails_the_whole_batch_before_any_write(
     sink.add(second, billed(second, bad))
     with pytest.raises(ResponseError, match="not a hash"):
         await sink.flush()
-    assert not await redis_client.exists(tokens_key(first.request_id))
+    assert not await redis_client.exists(tokens_key(RequestRef(good, first.request_id)))
+    assert not await redis_client.hexists(
+        CLOSED_KEY, closed_field(RequestRef(good, first.request_id))
+    )
     assert not await redis_client.exists(usage_key(DAY, good, "gpt-4o-2024-08-06"))
     assert len(sink) == 2  # still queued for a retry
 
@@ -277,7 +309,7 @@ async def test_a_row_written_before_the_field_reads_0_and_counts_on(
 ) -> None:
     tenant = scope.tenant()
     row = usage_key(DAY, tenant, "mystery-1")
-    old = {  # what the previous flush script wrote: no unpriced_requests
+    old: dict[Any, str] = {  # what the previous flush script wrote: no unpriced_requests
         "requests": "3",
         "input_tokens": "30",
         "output_tokens": "6",
@@ -396,17 +428,28 @@ def _db_url(url: str, db: int) -> str:
 
 
 @pytest.fixture
-async def own_store(redis_client: aioredis.Redis, redis_url: str) -> AsyncIterator[RedisStore]:
-    """A store on database `STORE_DB`, empty: the global counts are this test's alone."""
+async def own_client(redis_client: aioredis.Redis, redis_url: str) -> AsyncIterator[aioredis.Redis]:
+    """A client of database `STORE_DB`, emptied before and after the test."""
     del redis_client  # it skips the test when Redis does not answer
     client = aioredis.from_url(_db_url(redis_url, STORE_DB), socket_connect_timeout=3)
     await client.flushdb()
-    store = RedisStore(client)
     try:
-        yield store
+        yield client
     finally:
         await client.flushdb()
-        await store.aclose()
+        await client.aclose()
+
+
+@pytest.fixture
+async def own_store(own_client: aioredis.Redis) -> RedisStore:
+    """A store on database `STORE_DB`, empty but for its layout (claimed): the counts are
+    this test's alone."""
+    store = RedisStore(own_client)
+    await store.ensure_layout()
+    return store
+
+
+A, B, C = RequestRef("acme", "a"), RequestRef("acme", "b"), RequestRef("acme", "c")
 
 
 async def test_store_writes_and_reads_markers_tokens_and_counts(own_store: RedisStore) -> None:
@@ -414,25 +457,27 @@ async def test_store_writes_and_reads_markers_tokens_and_counts(own_store: Redis
     assert await store.stats() == {"records": 0, "duplicates": 0, "dead_lettered": 0, "requests": 0}
     assert (await store.tokens_count(), await store.closed_count()) == (0, 0)
     assert (await store.dead_letter_count(), await store.usage_rows()) == (0, [])
-    assert await store.missing_tokens(["a", "b"]) == ["a", "b"]
-    assert await store.closed_markers(["a"]) == {}
+    assert await store.missing_tokens([A, B]) == [A, B]
+    assert await store.closed_markers([A]) == {}
 
-    await store.mark_closing({"a": "5 end", "b": "7 timeout"})
+    await store.mark_closing({A: "5 end", B: "7 timeout"})
     assert await store.closed_count() == 2
-    assert await store.closed_markers(["a", "b", "c"]) == {
-        "a": ("5 end", False),
-        "b": ("7 timeout", False),
+    assert await store.closed_markers([A, B, C]) == {
+        A: ("5 end", False),
+        B: ("7 timeout", False),
     }
 
     a = make_tokens("a")
     sink = RedisSink(store)
     sink.add(a, billed(a, "acme"), closed="5 end", records=3, duplicates=1)
     assert await sink.flush() == [True]
-    assert (await store.closed_markers(["a", "b"]))["a"] == ("5 end", True)
-    assert (await store.has_tokens("a"), await store.has_tokens("b")) == (True, False)
-    assert await store.missing_tokens(["b", "a", "c"]) == ["b", "c"]
-    assert await store.tokens_texts(["a", "b"]) == [tokens_json(a), None]
+    assert (await store.closed_markers([A, B]))[A] == ("5 end", True)
+    assert (await store.has_tokens(A), await store.has_tokens(B)) == (True, False)
+    assert await store.has_tokens(RequestRef("globex", "a")) is False  # another tenant's "a"
+    assert await store.missing_tokens([B, A, C]) == [B, C]
+    assert await store.tokens_texts([A, B]) == [tokens_json(a), None]
     assert await store.tokens_count() == 1
+    assert await store.tenants_of("a") == ["acme"]
     assert await store.stats() == {"records": 3, "duplicates": 1, "dead_lettered": 0, "requests": 1}
 
     first, second = store.position_of("ns.raw.sse", 0, 5), store.position_of("ns.raw.sse", 1, 9)
@@ -447,7 +492,7 @@ async def test_store_writes_and_reads_markers_tokens_and_counts(own_store: Redis
     assert await store.delete_usage(["other"]) == 0
     assert await store.delete_usage(["acme"]) == 1
     assert await store.usage_rows() == []
-    assert await store.has_tokens("a")  # the idempotency marker stays
+    assert await store.has_tokens(A)  # the idempotency marker stays
 
 
 async def test_store_reads_through_a_decoding_client(redis_url: str, own_store: RedisStore) -> None:
@@ -459,9 +504,11 @@ async def test_store_reads_through_a_decoding_client(redis_url: str, own_store: 
 
     decoding = RedisStore(aioredis.from_url(_db_url(redis_url, STORE_DB), decode_responses=True))
     try:
-        assert await decoding.tokens_text("a") == tokens_json(a)
-        assert await decoding.tokens_texts(["a"]) == [tokens_json(a)]
-        assert await decoding.closed_markers(["a"]) == {"a": ("5 end", True)}
+        assert await decoding.tokens_text(A) == tokens_json(a)
+        assert await decoding.tokens_texts([A]) == [tokens_json(a)]
+        assert await decoding.closed_markers([A]) == {A: ("5 end", True)}
+        assert await decoding.tenants_of("a") == ["acme"]
+        assert await decoding.layout_version() == LAYOUT_VERSION
         assert await decoding.usage_rows() == await own_store.usage_rows()
         assert await decoding.stats() == await own_store.stats()
         assert await decoding.delete_usage(["acme"]) == 1
@@ -504,7 +551,9 @@ def write(redis_url: str, *pairs: tuple[Tokens, BillingEvent]) -> list[bool]:
     async def run() -> list[bool]:
         client = aioredis.from_url(redis_url)
         try:
-            sink = RedisSink(RedisStore(client))
+            store = RedisStore(client)
+            await store.ensure_layout()
+            sink = RedisSink(store)
             for tokens, event in pairs:
                 sink.add(tokens, event)
             return await sink.flush()
@@ -517,11 +566,14 @@ def write(redis_url: str, *pairs: tuple[Tokens, BillingEvent]) -> list[bool]:
 def test_cli_tokens_get_prints_the_stored_text(
     redis_url: str, sync_scope: Scope, capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
-    tokens = make_tokens(sync_scope.rid(1))
-    assert write(redis_url, (tokens, billed(tokens, sync_scope.tenant()))) == [True]
-    assert main(["tokens", "get", tokens.request_id, "--redis-url", redis_url]) == 0
-    out = capsysbinary.readouterr().out
-    assert out == (tokens_json(tokens) + "\n").encode("utf-8")
+    tokens, tenant = make_tokens(sync_scope.rid(1)), sync_scope.tenant()
+    assert write(redis_url, (tokens, billed(tokens, tenant))) == [True]
+    argv = ["tokens", "get", tokens.request_id, "--redis-url", redis_url]
+    assert main([*argv, "--tenant", tenant]) == 0
+    assert capsysbinary.readouterr().out == (tokens_json(tokens) + "\n").encode("utf-8")
+    # without --tenant: the one tenant that holds the id
+    assert main(argv) == 0
+    assert capsysbinary.readouterr().out == (tokens_json(tokens) + "\n").encode("utf-8")
 
 
 def test_cli_tokens_get_unknown_exits_2(
@@ -534,6 +586,38 @@ def test_cli_tokens_get_unknown_exits_2(
     assert captured.err == (
         f"streamtally tokens: {missing} not found (unknown, or still streaming)\n"
     )
+    # a request id one tenant used is unknown for another
+    tokens, tenant, other = make_tokens(sync_scope.rid(1)), sync_scope.tenant(), "nobody"
+    assert write(redis_url, (tokens, billed(tokens, tenant))) == [True]
+    argv = ["tokens", "get", tokens.request_id, "--tenant", other, "--redis-url", redis_url]
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        f"streamtally tokens: {tokens.request_id} of tenant {other} not found "
+        "(unknown, or still streaming)\n"
+    )
+
+
+def test_cli_tokens_get_of_an_id_of_two_tenants_needs_the_tenant(
+    redis_url: str, sync_scope: Scope, capsysbinary: pytest.CaptureFixture[bytes]
+) -> None:
+    acme, globex = sync_scope.tenant("acme"), sync_scope.tenant("globex")
+    mine = make_tokens(sync_scope.rid("shared"), usage=Usage(input_tokens=11))
+    theirs = make_tokens(sync_scope.rid("shared"), usage=Usage(input_tokens=22))
+    assert write(redis_url, (mine, billed(mine, acme)), (theirs, billed(theirs, globex))) == [
+        True,
+        True,
+    ]
+    argv = ["tokens", "get", mine.request_id, "--redis-url", redis_url]
+    assert main(argv) == 2
+    captured = capsysbinary.readouterr()
+    assert captured.out == b""
+    err = captured.err.decode()
+    assert f"is a request of 2 tenants ({acme}, {globex}): pass --tenant" in err, err
+    for tenant, tokens in ((acme, mine), (globex, theirs)):
+        assert main([*argv, "--tenant", tenant]) == 0
+        assert capsysbinary.readouterr().out == (tokens_json(tokens) + "\n").encode("utf-8")
 
 
 def test_cli_usage_json_and_table(
@@ -589,14 +673,206 @@ async def test_a_close_decision_is_written_once_and_a_different_one_is_reported(
     own_store: RedisStore,
 ) -> None:
     """Write-once close markers: the partition's first owner decides; no overwrite."""
-    assert await own_store.mark_closing({"r-1": "41 timeout", "r-2": "7 end"}) == {}
+    r1, r2, r3 = (RequestRef("acme", f"r-{n}") for n in (1, 2, 3))
+    assert await own_store.mark_closing({r1: "41 timeout", r2: "7 end"}) == {}
     # the same decision again (a replay): nothing to report
-    assert await own_store.mark_closing({"r-1": "41 timeout"}) == {}
+    assert await own_store.mark_closing({r1: "41 timeout"}) == {}
     # another owner decides differently: reported, and the first decision stands
-    assert await own_store.mark_closing({"r-1": "57 end", "r-3": "9 end"}) == {"r-1": "41 timeout"}
-    markers = await own_store.closed_markers(["r-1", "r-2", "r-3"])
-    assert {rid: marker for rid, (marker, _) in markers.items()} == {
-        "r-1": "41 timeout",
-        "r-2": "7 end",
-        "r-3": "9 end",
+    assert await own_store.mark_closing({r1: "57 end", r3: "9 end"}) == {r1: "41 timeout"}
+    markers = await own_store.closed_markers([r1, r2, r3])
+    assert {ref: marker for ref, (marker, _) in markers.items()} == {
+        r1: "41 timeout",
+        r2: "7 end",
+        r3: "9 end",
     }
+
+
+# --------------------------------------------------------------------------- layout version
+
+
+def _tokens_and_event(request_id: str, tenant: str = "acme") -> tuple[Tokens, BillingEvent]:
+    tokens = make_tokens(request_id)
+    return tokens, billed(tokens, tenant)
+
+
+async def _keys(client: aioredis.Redis) -> dict[str, str]:
+    """Every key of the database and its type."""
+    return {_str(key): _str(await client.type(key)) async for key in client.scan_iter()}
+
+
+async def test_ensure_layout_claims_an_empty_database_once(own_client: aioredis.Redis) -> None:
+    store = RedisStore(own_client)
+    assert await store.layout_version() is None
+    assert not await store.holds_data()
+    await store.ensure_layout()
+    assert await own_client.get(LAYOUT_KEY) == LAYOUT_VERSION.encode() == b"2"
+    assert await _keys(own_client) == {LAYOUT_KEY: "string"}  # nothing else is written
+    await store.ensure_layout()  # idempotent
+    assert await store.layout_version() == "2"
+
+    # writes go through now; claiming again over layout-2 data changes nothing
+    sink = RedisSink(store)
+    sink.add(*_tokens_and_event("a"))
+    assert await sink.flush() == [True]
+    assert await store.holds_data()
+    before = await _keys(own_client)
+    await store.ensure_layout()
+    assert await _keys(own_client) == before
+    assert await RedisStore(own_client).layout_version() == "2"
+
+
+#: Data a streamtally before layout 2 left (no ``st:layout``), one kind per case.
+V1_DATA = {
+    "stats": (STATS_KEY, "hash"),
+    "closed": (CLOSED_KEY, "hash"),
+    "rows": (ROWS_KEY, "set"),
+    "tokens-by-id": (f"{TOKENS_PREFIX}chatcmpl-1", "string"),
+}
+
+
+async def _write_v1(client: aioredis.Redis, key: str, kind: str) -> None:
+    if kind == "hash":
+        await client.hset(key, "records", "3")
+    elif kind == "set":
+        await client.sadd(key, row_member(DAY, "acme", "gpt-4o"))
+    else:
+        await client.set(key, tokens_json(make_tokens("chatcmpl-1")))
+
+
+@pytest.mark.parametrize("kind", sorted(V1_DATA))
+async def test_ensure_layout_refuses_data_of_layout_1(
+    own_client: aioredis.Redis, kind: str
+) -> None:
+    key, redis_type = V1_DATA[kind]
+    await _write_v1(own_client, key, redis_type)
+    before = await _keys(own_client)
+    store = RedisStore(own_client)
+    assert await store.holds_data()
+    with pytest.raises(LayoutError, match=r"layout version 1.*streamtally migrate"):
+        await store.ensure_layout()
+    assert await store.layout_version() is None  # not claimed
+    assert await _keys(own_client) == before  # nothing written
+
+
+@pytest.mark.parametrize(
+    ("version", "says"),
+    [(MIGRATING, "migrate` of this Redis is in progress"), ("3", "layout version '3'")],
+    ids=["migrating", "newer"],
+)
+async def test_ensure_layout_refuses_another_layout_version(
+    own_client: aioredis.Redis, version: str, says: str
+) -> None:
+    await own_client.set(LAYOUT_KEY, version)  # even on an otherwise empty database
+    store = RedisStore(own_client)
+    with pytest.raises(LayoutError, match=says):
+        await store.ensure_layout()
+    assert await store.layout_version() == version
+    assert await _keys(own_client) == {LAYOUT_KEY: "string"}
+
+
+#: What ``st:layout`` holds (None: absent), and v1 data alongside it or not.
+NOT_LAYOUT_2 = {
+    "absent-empty": (None, False),
+    "absent-v1-data": (None, True),
+    "migrating": (MIGRATING, False),
+    "migrating-v1-data": (MIGRATING, True),
+}
+
+
+@pytest.mark.parametrize("case", list(NOT_LAYOUT_2))
+async def test_the_write_scripts_refuse_a_database_not_of_layout_2(
+    own_client: aioredis.Redis, case: str
+) -> None:
+    """The flush and close-once scripts write nothing unless ``st:layout`` is "2"."""
+    version, v1_data = NOT_LAYOUT_2[case]
+    if version is not None:
+        await own_client.set(LAYOUT_KEY, version)
+    if v1_data:
+        await _write_v1(own_client, STATS_KEY, "hash")
+    before = {key: await own_client.dump(key) for key in await _keys(own_client)}
+    store = RedisStore(own_client)  # never claimed: ensure_layout is not called
+    # what the scripts say (Lua reads an absent key as false)
+    refusal = re.escape(f"{LAYOUT_KEY} is {'false' if version is None else version}, not 2")
+
+    sink = RedisSink(store)
+    sink.add(*_tokens_and_event("a"), closed="5 end", records=2)
+    with pytest.raises(ResponseError, match=refusal):
+        await sink.flush()
+    assert len(sink) == 1  # still queued
+    with pytest.raises(ResponseError, match=refusal):
+        await store.mark_closing({A: "5 end", B: "7 timeout"})
+
+    after = {key: await own_client.dump(key) for key in await _keys(own_client)}
+    assert after == before  # nothing written, nothing changed
+    assert await store.closed_markers([A, B]) == {}
+    assert await store.missing_tokens([A]) == [A]
+
+
+# --------------------------------------------------------------------------- two tenants, one id
+
+
+async def test_one_request_id_of_two_tenants_is_two_requests(
+    own_client: aioredis.Redis, own_store: RedisStore
+) -> None:
+    store = own_store
+    acme, acme_eu = RequestRef("acme", "shared"), RequestRef("acme:eu", "shared")
+    # ("acme", "eu:shared") spells "acme:eu:shared" too, were the tenant not escaped
+    lookalike = RequestRef("acme", "eu:shared")
+    refs = [acme, acme_eu, lookalike]
+    assert len({ref.text for ref in refs}) == 3
+    assert acme_eu.text == "acme%3Aeu:shared"
+
+    # close decisions: one tenant's never conflicts with the other's
+    assert await store.mark_closing({acme: "5 end"}) == {}
+    assert await store.mark_closing({acme_eu: "9 timeout", lookalike: "3 end"}) == {}
+    assert await store.mark_closing({acme: "6 end"}) == {acme: "5 end"}  # its own only
+    assert await store.closed_markers(refs) == {
+        acme: ("5 end", False),
+        acme_eu: ("9 timeout", False),
+        lookalike: ("3 end", False),
+    }
+
+    mine = make_tokens("shared", usage=Usage(input_tokens=100, output_tokens=10))
+    theirs = make_tokens("shared", usage=Usage(input_tokens=300, output_tokens=30))
+    other = make_tokens("eu:shared", usage=Usage(input_tokens=1))
+    sink = RedisSink(store)
+    sink.add(mine, billed(mine, "acme"), closed="5 end", records=4)
+    sink.add(theirs, billed(theirs, "acme:eu"), closed="9 timeout", records=5)
+    sink.add(other, billed(other, "acme"), closed="3 end", records=1)
+    assert await sink.flush() == [True, True, True]  # none is a replay of another
+
+    tokens_keys = {key for key in await _keys(own_client) if key.startswith(TOKENS_PREFIX)}
+    assert tokens_keys == {
+        f"{TOKENS_PREFIX}acme:shared",
+        f"{TOKENS_PREFIX}acme%3Aeu:shared",
+        f"{TOKENS_PREFIX}acme:eu:shared",
+    }
+    assert await store.tokens_texts(refs) == [
+        tokens_json(mine),
+        tokens_json(theirs),
+        tokens_json(other),
+    ]
+    assert await store.tokens_count() == 3
+    assert await store.closed_markers(refs) == {
+        acme: ("5 end", True),
+        acme_eu: ("9 timeout", True),
+        lookalike: ("3 end", True),
+    }
+    # two rows: acme's two requests ("shared" and "eu:shared"), acme:eu's one
+    rows = await store.usage_rows()
+    assert [(r["tenant"], r["requests"], r["input_tokens"]) for r in rows] == [
+        ("acme", 2, 101),
+        ("acme:eu", 1, 300),
+    ]
+    assert await store.tenants_of("shared") == ["acme", "acme:eu"]
+    assert await store.tenants_of("eu:shared") == ["acme"]
+    assert await store.tenants_of("nobody") == []
+    assert (await store.stats())["requests"] == 3
+
+    # a replay of one tenant's request changes nothing, and does not touch the other's
+    before = await store.usage_rows()
+    replay = RedisSink(store)
+    replay.add(mine, billed(mine, "acme"), closed="5 end", records=4)
+    assert await replay.flush() == [False]
+    assert await store.usage_rows() == before
+    assert await store.tokens_text(acme_eu) == tokens_json(theirs)

@@ -18,6 +18,7 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
 from streamtally.cli import main
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.producers import RawProducer
 from streamtally.producers.raw import raw_records
@@ -105,6 +106,7 @@ def test_a_request_open_across_a_sigterm_is_finished_by_the_next_worker(
     """
     tag = uuid.uuid4().hex
     split_id, tenant = f"split-{tag}", f"split-{tag}"
+    split = RequestRef(tenant, split_id)
     _, records = raw_records(
         SPLIT_SOURCE, SPLIT_FILE.read_bytes(), tenant=tenant, request_id=split_id
     )
@@ -120,17 +122,19 @@ def test_a_request_open_across_a_sigterm_is_finished_by_the_next_worker(
         first = start_worker("before-sigterm")
         asyncio.run(_send(servers, SPLIT_SOURCE, split_id, records[:half]))
         asyncio.run(_send(servers, Source(PROBE_SOURCE), behind, behind_records))
-        assert not wait_for_tokens(url, [behind], 30, first), first.describe()
+        assert not wait_for_tokens(url, [RequestRef(tenant, behind)], 30, first), first.describe()
         time.sleep(1.5)  # past the worker's commit interval (0.5 s)
         assert_stopped_cleanly(first)
         # still open: a worker that stops must not close it with half of its events
-        assert wait_for_tokens(url, [split_id], 0) == {split_id}, first.describe()
+        assert wait_for_tokens(url, [split], 0) == {split}, first.describe()
 
         second = start_worker("after-sigterm")
         asyncio.run(_send(servers, SPLIT_SOURCE, split_id, records[half:]))
-        missing = wait_for_tokens(url, [split_id], 30, second)
+        missing = wait_for_tokens(url, [split], 30, second)
         assert not missing, second.describe()
-        stored = run_streamtally("tokens", "get", split_id, env=stack_endpoints.env())
+        stored = run_streamtally(
+            "tokens", "get", split_id, "--tenant", tenant, env=stack_endpoints.env()
+        )
         assert stored.returncode == 0, stored.stderr.decode(errors="replace")
         folded = json.loads(_fold(SPLIT_SOURCE, SPLIT_FILE, split_id))
         got = json.loads(stored.stdout)
@@ -154,3 +158,13 @@ def test_tokens_get_of_an_unknown_request_exits_2(
     # the same in-process, against the same Redis
     assert main(["tokens", "get", missing, "--redis-url", stack_endpoints.redis_url]) == 2
     assert capsysbinary.readouterr().out == b""
+    # and of a tenant: an unknown (tenant, request id)
+    tenant = f"unknown-{uuid.uuid4().hex}"
+    argv = ["tokens", "get", missing, "--tenant", tenant, "--redis-url", stack_endpoints.redis_url]
+    assert main(argv) == 2
+    captured = capsysbinary.readouterr()
+    assert captured.out == b""
+    assert captured.err.decode() == (
+        f"streamtally tokens: {missing} of tenant {tenant} not found "
+        "(unknown, or still streaming)\n"
+    )

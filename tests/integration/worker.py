@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from streamtally.core.identity import RequestRef
 from streamtally.ops import worker_process
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from streamtally.store import RedisStore
@@ -82,8 +83,8 @@ def docker_answers(timeout: float = 5.0) -> bool:
             if probe.returncode == 0:
                 return True
     try:
-        import docker  # what testcontainers uses; honours DOCKER_HOST
-        from docker.errors import DockerException
+        import docker  # type: ignore[import-untyped]  # testcontainers' client; honours DOCKER_HOST
+        from docker.errors import DockerException  # type: ignore[import-untyped]
         from requests.exceptions import RequestException
     except ImportError:
         return False
@@ -229,17 +230,19 @@ def write_manifest(path: Path, rows: Iterable[Mapping[str, Any]]) -> Path:
 
 def wait_for_tokens(
     redis_url: str,
-    request_ids: Iterable[str],
+    refs: Iterable[RequestRef],
     timeout: float,
     worker: WorkerProcess | None = None,
-) -> set[str]:
+) -> set[RequestRef]:
     """Wait until every request's Tokens is in Redis; returns those still missing.
 
-    Stops early when `worker` has exited: nothing more will arrive.
+    A request is its tenant and its request id (`RequestRef`): the Tokens of
+    the same id of another tenant do not count.  Stops early when `worker`
+    has exited: nothing more will arrive.
     """
 
-    async def wait() -> set[str]:
-        waiting = set(request_ids)
+    async def wait() -> set[RequestRef]:
+        waiting = set(refs)
         store = RedisStore.from_url(redis_url, connect_timeout=5)
         deadline = time.monotonic() + timeout
         try:
@@ -295,7 +298,7 @@ class WorkerProcess(worker_process.WorkerProcess):
         if sent.returncode != 0:
             raise WorkerError(f"probe produce failed: {sent.stderr.decode(errors='replace')}")
         left = max(5.0, timeout - (time.monotonic() - start))
-        if wait_for_tokens(endpoints.redis_url, [probe_id], left, self):
+        if wait_for_tokens(endpoints.redis_url, [RequestRef(tenant, probe_id)], left, self):
             raise WorkerError(f"probe {probe_id} never reached Redis\n{self.describe()}")
 
 

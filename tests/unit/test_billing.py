@@ -56,23 +56,32 @@ def make_tokens(
     )
 
 
-def test_event_id_is_a_versioned_sha256_of_the_request_id() -> None:
-    expected = hashlib.sha256(b"streamtally.billing.v1\x00chatcmpl-1").hexdigest()[:32]
-    assert event_id("chatcmpl-1") == expected
-    assert event_id("chatcmpl-1") == event_id("chatcmpl-1")
-    assert event_id("chatcmpl-2") != expected
+def test_event_id_is_a_versioned_sha256_of_the_request_identity() -> None:
+    expected = hashlib.sha256(b"streamtally.billing.v2\x00acme:chatcmpl-1").hexdigest()[:32]
+    assert event_id("acme", "chatcmpl-1") == expected
+    assert event_id("acme", "chatcmpl-1") == event_id("acme", "chatcmpl-1")
+    assert event_id("acme", "chatcmpl-2") != expected
     assert len(expected) == 32
     assert int(expected, 16) >= 0  # hex
 
 
+def test_event_id_tells_tenants_apart_even_when_their_names_hold_the_separator() -> None:
+    # Two tenants reusing one provider id are two requests: two event ids.
+    assert event_id("acme", "chatcmpl-1") != event_id("globex", "chatcmpl-1")
+    # The tenant is escaped: ("a:b", "c") and ("a", "b:c") do not collide.
+    assert event_id("a:b", "c") != event_id("a", "b:c")
+    expected = hashlib.sha256(b"streamtally.billing.v2\x00a%3Ab:c").hexdigest()[:32]
+    assert event_id("a:b", "c") == expected
+
+
 def test_event_id_refuses_an_empty_request_id() -> None:
     with pytest.raises(ValueError, match="empty"):
-        event_id("")
+        event_id("acme", "")
 
 
 def test_bill_prices_the_request_exactly() -> None:
     event = bill(make_tokens(), "acme", WHEN, PRICES)
-    assert event.event_id == event_id("chatcmpl-1")
+    assert event.event_id == event_id("acme", "chatcmpl-1")
     assert event.tenant == "acme"
     assert event.model == "gpt-4.1-2025-04-14"
     assert event.cost == Decimal("0.001312")  # 112*2 + 1408*0.5 + 48*8 per million

@@ -16,11 +16,11 @@ from streamtally.wire.billing import event_id
 from streamtally.wire.records import BillingEvent
 
 
-def _event(finish: FinishReason, cost: str) -> BillingEvent:
+def _event(finish: FinishReason, cost: str, tenant: str = "acme") -> BillingEvent:
     return BillingEvent(
-        event_id=event_id("r-1"),
+        event_id=event_id(tenant, "r-1"),
         request_id="r-1",
-        tenant="acme",
+        tenant=tenant,
         model="gpt-4o",
         source=Source.OPENAI,
         finish_reason=finish,
@@ -49,3 +49,12 @@ def test_two_different_events_for_one_request_are_a_conflict_and_both_stay() -> 
     assert export.events == [stop, error]
     assert export.replays == 1
     assert export.conflicts == [(stop, error)]
+
+
+def test_two_tenants_reusing_one_request_id_are_two_requests_not_a_conflict() -> None:
+    export = Export()
+    acme, globex = _event(FinishReason.STOP, "0.001"), _event(FinishReason.STOP, "0.002", "globex")
+    collect([acme, globex], export, keep_replays=False)
+    assert export.events == [acme, globex]
+    assert export.conflicts == []
+    assert export.replays == 0

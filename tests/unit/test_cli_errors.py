@@ -134,11 +134,11 @@ def test_fold_of_a_standard_input_that_cannot_be_read_is_one_line(
 def test_redis_text_that_is_not_utf8_is_one_line(
     store: type[FakeStore], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    async def tokens_text(self: FakeStore, request_id: str) -> str:
+    async def tokens_text(self: FakeStore, ref: object) -> str:
         return b"\xff".decode("utf-8")  # what the store's decode of a foreign value raises
 
     monkeypatch.setattr(FakeStore, "tokens_text", tokens_text)
-    code, out, err = run(capsys, "tokens", "get", "r1")
+    code, out, err = run(capsys, "tokens", "get", "r1", "--tenant", "acme")
     assert (code, out) == (2, "")
     assert_one_line(err, "streamtally tokens: Redis at ")
     assert "holds text that is not UTF-8" in err

@@ -86,6 +86,7 @@ EVERY_COMMAND = [
     ["billing", "export"],
     ["deadletter"],
     ["rebuild"],
+    ["migrate"],
     ["demo"],
     ["bench", "fold"],
     ["bench", "pipeline"],
@@ -186,6 +187,11 @@ def test_the_worker_gives_faust_its_log_format(
     monkeypatch.setattr(FakeWorker, "made", made)
     monkeypatch.setattr(faust, "Worker", FakeWorker)
     monkeypatch.setattr(streamtally.cli.worker, "ensure_topics", ensure_topics)
+
+    async def check_layout(url: str) -> None:
+        return None
+
+    monkeypatch.setattr(streamtally.cli.worker, "_check_layout", check_layout)
     real_create_app = streamtally.processors.app.create_app
     monkeypatch.setattr(
         streamtally.processors.app,

@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 import pytest
 
 from streamtally.cli import main
+from streamtally.core.identity import RequestRef
 
 #: One of each kind of character that must not reach a terminal raw.
 HOSTILE = "a\nb\rc\td\x1b[2Je\x00f\x7fg\x85h\x9bi\u2028j\u2029k\u202el\u2066m"
@@ -80,6 +81,7 @@ def test_format_table_escapes_cells_and_aligns() -> None:
 class FakeStore:
     """A `RedisStore` stand-in: the reads the commands make, with keys encoded like Redis's."""
 
+    #: Stored Tokens texts by request reference text (``tenant:request_id``).
     texts: ClassVar[dict[str, str]] = {}
     rows: ClassVar[list[dict[str, Any]]] = []
 
@@ -87,9 +89,14 @@ class FakeStore:
     def from_url(cls, url: str, **options: Any) -> FakeStore:
         return cls()
 
-    async def tokens_text(self, request_id: str) -> str | None:
-        request_id.encode("utf-8")  # what redis-py does with a key: strict UTF-8
-        return self.texts.get(request_id)
+    async def tokens_text(self, ref: RequestRef) -> str | None:
+        ref.text.encode("utf-8")  # what redis-py does with a key: strict UTF-8
+        return self.texts.get(ref.text)
+
+    async def tenants_of(self, request_id: str) -> list[str]:
+        request_id.encode("utf-8")
+        refs = (RequestRef.parse(text) for text in self.texts)
+        return sorted(ref.tenant for ref in refs if ref.request_id == request_id)
 
     async def usage_rows(self, *, tenant: str | None = None, day: str | None = None) -> Any:
         return [r for r in self.rows if tenant is None or r["tenant"] == tenant]
@@ -176,13 +183,33 @@ def test_tokens_get_prints_stored_json_on_one_line(
     store: type[FakeStore], capsysbinary: pytest.CaptureFixture[bytes]
 ) -> None:
     stored = json.dumps({"request_id": "r1", "text": "x\u2028y\x85z\u202e"}, ensure_ascii=False)
-    store.texts = {"r1": stored}
+    store.texts = {"acme:r1": stored}
     assert main(["tokens", "get", "r1"]) == 0
     out = capsysbinary.readouterr().out.decode("utf-8")
     assert out.count("\n") == 1
     assert len(out.splitlines()) == 1
     assert_clean(out)
     assert json.loads(out) == json.loads(stored)
+    assert main(["tokens", "get", "r1", "--tenant", "acme"]) == 0
+    assert json.loads(capsysbinary.readouterr().out) == json.loads(stored)
+
+
+def test_tokens_get_of_an_id_two_tenants_used_asks_for_the_tenant(
+    store: type[FakeStore], capsys: pytest.CaptureFixture[str]
+) -> None:
+    store.texts = {"acme:r1": '{"text":"a"}', "glo%3Abex:r1": '{"text":"g"}'}
+    assert main(["tokens", "get", "r1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "streamtally tokens: r1 is a request of 2 tenants (acme, glo:bex): pass --tenant\n"
+    )
+    assert main(["tokens", "get", "r1", "--tenant", "glo:bex"]) == 0
+    assert json.loads(capsys.readouterr().out) == {"text": "g"}
+    assert main(["tokens", "get", "r1", "--tenant", "initech\n"]) == 2
+    assert capsys.readouterr().err == (
+        "streamtally tokens: r1 of tenant initech\\n not found (unknown, or still streaming)\n"
+    )
 
 
 # --------------------------------------------------------------------------- billing, deadletter

@@ -3,7 +3,9 @@
 A record is committable only when it and every earlier record of its partition
 are done (held without a request, or its request finished); the offset handed
 out for a partition is the last such record's offset + 1.  The gate is keyed
-by whatever the agent passes as the partition: aiokafka's `TopicPartition`.
+by whatever the agent passes as the partition: aiokafka's `TopicPartition`; a
+record waits on its request by `RequestRef` (tenant and request id), so two
+tenants that reuse one request id are two requests.
 """
 
 from __future__ import annotations
@@ -14,11 +16,16 @@ from dataclasses import dataclass, field
 import pytest
 from aiokafka import TopicPartition
 
+from streamtally.core.identity import RequestRef
 from streamtally.processors.commits import CommitGate
 
 TP_A = TopicPartition("streamtally.raw.sse", 0)
 TP_B = TopicPartition("streamtally.raw.sse", 1)
 TP_C = TopicPartition("streamtally.raw.engine", 0)
+R1 = RequestRef("acme", "r1")
+R2 = RequestRef("acme", "r2")
+R3 = RequestRef("globex", "r3")
+NOBODY = RequestRef("acme", "nobody")
 
 
 @dataclass
@@ -28,10 +35,10 @@ class Partitions:
     gate: CommitGate = field(default_factory=CommitGate)
     next_offset: dict[TopicPartition, int] = field(default_factory=dict)
 
-    def hold(self, tp: TopicPartition, request_id: str | None) -> int:
+    def hold(self, tp: TopicPartition, request: RequestRef | None) -> int:
         offset = self.next_offset.get(tp, 0)
         self.next_offset[tp] = offset + 1
-        self.gate.hold(tp, offset, request_id)
+        self.gate.hold(tp, offset, request)
         return offset
 
     def seek(self, tp: TopicPartition, offset: int) -> None:
@@ -59,10 +66,10 @@ def test_the_offset_handed_out_is_the_last_done_offset_plus_one() -> None:
     gate.hold(TP_A, 41, None)
     gate.hold(TP_A, 45, None)
     assert gate.release() == {TP_A: 46}
-    gate.hold(TP_A, 50, "r1")
+    gate.hold(TP_A, 50, R1)
     gate.hold(TP_A, 52, None)
     assert gate.release() == {}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 53}
     assert gate.committable() == {TP_A: 53}
 
@@ -70,12 +77,12 @@ def test_the_offset_handed_out_is_the_last_done_offset_plus_one() -> None:
 def test_records_of_an_open_request_wait_until_it_is_finished() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")
-    parts.hold(TP_A, "r1")
+    parts.hold(TP_A, R1)
+    parts.hold(TP_A, R1)
     assert gate.release() == {}
     assert gate.committable() == {}
     assert len(gate) == 2
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.committable() == {}  # finishing marks them done; release moves the point
     assert len(gate) == 2
     assert gate.release() == {TP_A: 2}
@@ -87,14 +94,14 @@ def test_a_done_record_behind_an_open_one_waits() -> None:
     parts = Partitions()
     gate = parts.gate
     parts.hold(TP_A, None)  # 0 done
-    parts.hold(TP_A, "r1")  # 1 open
+    parts.hold(TP_A, R1)  # 1 open
     parts.hold(TP_A, None)  # 2 done, behind 1
     parts.hold(TP_A, None)  # 3 done, behind 1
     assert gate.release() == {TP_A: 1}
     assert gate.release() == {}
     assert gate.committable() == {TP_A: 1}
     assert len(gate) == 3
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 4}
     assert gate.committable() == {TP_A: 4}
     assert len(gate) == 0
@@ -103,17 +110,17 @@ def test_a_done_record_behind_an_open_one_waits() -> None:
 def test_finishing_a_request_releases_its_records_and_the_done_ones_after_them() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")  # 0
+    parts.hold(TP_A, R1)  # 0
     parts.hold(TP_A, None)  # 1
-    parts.hold(TP_A, "r2")  # 2
+    parts.hold(TP_A, R2)  # 2
     parts.hold(TP_A, None)  # 3
-    parts.hold(TP_A, "r1")  # 4
+    parts.hold(TP_A, R1)  # 4
     parts.hold(TP_A, None)  # 5
     assert gate.release() == {}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 2}  # 4 is done too, but behind r2's record 2
     assert len(gate) == 4
-    gate.finished(["r2"])
+    gate.finished([R2])
     assert gate.release() == {TP_A: 6}
     assert len(gate) == 0
 
@@ -121,32 +128,52 @@ def test_finishing_a_request_releases_its_records_and_the_done_ones_after_them()
 def test_finishing_requests_out_of_order_still_commits_in_offset_order() -> None:
     parts = Partitions()
     gate = parts.gate
-    for rid in ("r1", "r2", "r3", "r2", "r1", "r3"):
-        parts.hold(TP_A, rid)
-    gate.finished(["r3"])
+    for ref in (R1, R2, R3, R2, R1, R3):
+        parts.hold(TP_A, ref)
+    gate.finished([R3])
     assert gate.release() == {}
-    gate.finished(["r2"])
+    gate.finished([R2])
     assert gate.release() == {}
     assert gate.committable() == {}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 6}
+
+
+def test_one_request_id_of_two_tenants_is_two_requests() -> None:
+    acme, globex = RequestRef("acme", "shared"), RequestRef("globex", "shared")
+    parts = Partitions()
+    gate = parts.gate
+    parts.hold(TP_A, acme)  # 0
+    parts.hold(TP_A, globex)  # 1
+    parts.hold(TP_A, acme)  # 2
+    gate.finished([globex])  # finishes globex's record only, never acme's
+    assert gate.release() == {}
+    assert len(gate) == 3
+    gate.finished([acme])
+    assert gate.release() == {TP_A: 3}
+    parts.hold(TP_A, acme)  # 3
+    parts.hold(TP_A, globex)  # 4
+    gate.drop(set(), [acme])  # forgetting acme's request keeps globex's
+    gate.finished([globex])
+    assert gate.release() == {}  # 3 (acme, forgotten) is never done
+    assert len(gate) == 2
 
 
 def test_partitions_are_independent() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")
+    parts.hold(TP_A, R1)
     parts.hold(TP_A, None)
     parts.hold(TP_B, None)
-    parts.hold(TP_B, "r2")
+    parts.hold(TP_B, R2)
     parts.hold(TP_C, None)
     parts.hold(TP_C, None)
     assert gate.release() == {TP_B: 1, TP_C: 2}
     assert gate.committable() == {TP_B: 1, TP_C: 2}
-    gate.finished(["r2"])
+    gate.finished([R2])
     assert gate.release() == {TP_B: 2}
     assert gate.committable() == {TP_B: 2, TP_C: 2}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 2}
     assert gate.committable() == {TP_A: 2, TP_B: 2, TP_C: 2}
     assert len(gate) == 0
@@ -155,11 +182,11 @@ def test_partitions_are_independent() -> None:
 def test_one_request_on_two_partitions_holds_both() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")
-    parts.hold(TP_B, "r1")
+    parts.hold(TP_A, R1)
+    parts.hold(TP_B, R1)
     parts.hold(TP_B, None)
     assert gate.release() == {}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 1, TP_B: 2}
 
 
@@ -170,11 +197,11 @@ def test_release_reports_only_partitions_that_moved_and_committable_keeps_the_re
     parts.hold(TP_B, None)
     assert gate.release() == {TP_A: 1, TP_B: 1}
     parts.hold(TP_A, None)  # A moves again
-    parts.hold(TP_B, "r1")  # B is stuck behind r1
-    parts.hold(TP_C, "r2")  # C has never moved
+    parts.hold(TP_B, R1)  # B is stuck behind r1
+    parts.hold(TP_C, R2)  # C has never moved
     assert gate.release() == {TP_A: 2}
     assert gate.committable() == {TP_A: 2, TP_B: 1}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_B: 2}
     assert gate.committable() == {TP_A: 2, TP_B: 2}
     assert gate.release() == {}
@@ -196,13 +223,13 @@ def test_partitions_match_by_equality_not_identity() -> None:
     # The agent builds a fresh TopicPartition per record; revocation hands in others.
     gate = CommitGate()
     gate.hold(TopicPartition("streamtally.raw.sse", 0), 0, None)
-    gate.hold(TopicPartition("streamtally.raw.sse", 0), 1, "r1")
+    gate.hold(TopicPartition("streamtally.raw.sse", 0), 1, R1)
     gate.hold(TopicPartition("streamtally.raw.sse", 0), 2, None)
     assert gate.release() == {TP_A: 1}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 3}
-    gate.hold(TopicPartition("streamtally.raw.sse", 0), 3, "r2")
-    gate.drop({TopicPartition("streamtally.raw.sse", 0)}, ["r2"])
+    gate.hold(TopicPartition("streamtally.raw.sse", 0), 3, R2)
+    gate.drop({TopicPartition("streamtally.raw.sse", 0)}, [R2])
     assert gate.committable() == {}
     assert len(gate) == 0
 
@@ -210,12 +237,12 @@ def test_partitions_match_by_equality_not_identity() -> None:
 def test_finishing_unknown_or_already_finished_requests_is_harmless() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")
+    parts.hold(TP_A, R1)
     gate.finished([])
-    gate.finished(["nobody"])
+    gate.finished([NOBODY])
     assert gate.release() == {}
-    gate.finished(["r1", "r1"])
-    gate.finished(["r1"])
+    gate.finished([R1, R1])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 1}
     assert gate.release() == {}
     assert len(gate) == 0
@@ -224,25 +251,25 @@ def test_finishing_unknown_or_already_finished_requests_is_harmless() -> None:
 def test_finished_accepts_any_iterable_once() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")
-    parts.hold(TP_A, "r2")
-    gate.finished(rid for rid in ("r1", "r2"))  # what the agent passes: a generator
+    parts.hold(TP_A, R1)
+    parts.hold(TP_A, R2)
+    gate.finished(ref for ref in (R1, R2))  # what the agent passes: a generator
     assert gate.release() == {TP_A: 2}
 
 
 def test_drop_forgets_partitions_and_requests_without_handing_them_out() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")
+    parts.hold(TP_A, R1)
     parts.hold(TP_A, None)
-    parts.hold(TP_B, "r2")
+    parts.hold(TP_B, R2)
     parts.hold(TP_B, None)
-    gate.drop({TP_A}, ["r1"])
+    gate.drop({TP_A}, [R1])
     assert len(gate) == 2
     assert gate.committable() == {}
-    gate.finished(["r1"])  # too late: the next owner re-reads them
+    gate.finished([R1])  # too late: the next owner re-reads them
     assert gate.release() == {}
-    gate.finished(["r2"])
+    gate.finished([R2])
     assert gate.release() == {TP_B: 2}
     assert gate.committable() == {TP_B: 2}
 
@@ -265,9 +292,9 @@ def test_drop_also_forgets_done_records_and_the_partition_starts_afresh() -> Non
     gate = parts.gate
     parts.hold(TP_A, None)  # 0
     assert gate.release() == {TP_A: 1}
-    parts.hold(TP_A, "r1")  # 1
+    parts.hold(TP_A, R1)  # 1
     parts.hold(TP_A, None)  # 2: done, behind 1
-    gate.drop({TP_A}, ["r1"])
+    gate.drop({TP_A}, [R1])
     assert gate.release() == {}
     assert gate.committable() == {}
     assert len(gate) == 0
@@ -275,11 +302,11 @@ def test_drop_also_forgets_done_records_and_the_partition_starts_afresh() -> Non
     # its records are held anew and committed normally, nothing of before leaks.
     parts.seek(TP_A, 1)
     parts.hold(TP_A, None)  # 1
-    parts.hold(TP_A, "r1")  # 2: r1 is open again on this worker
+    parts.hold(TP_A, R1)  # 2: r1 is open again on this worker
     parts.hold(TP_A, None)  # 3
     assert len(gate) == 3
     assert gate.release() == {TP_A: 2}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 4}
     assert len(gate) == 0
 
@@ -287,11 +314,11 @@ def test_drop_also_forgets_done_records_and_the_partition_starts_afresh() -> Non
 def test_a_dropped_request_is_never_done_even_on_a_partition_that_stays() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")
-    parts.hold(TP_B, "r1")  # 0: r1 also reached B, which this worker keeps
+    parts.hold(TP_A, R1)
+    parts.hold(TP_B, R1)  # 0: r1 also reached B, which this worker keeps
     parts.hold(TP_B, None)  # 1
-    gate.drop({TP_A}, ["r1"])
-    gate.finished(["r1"])  # forgotten: finishing it no longer marks anything done
+    gate.drop({TP_A}, [R1])
+    gate.finished([R1])  # forgotten: finishing it no longer marks anything done
     assert gate.release() == {}
     assert gate.committable() == {}
     assert len(gate) == 2
@@ -300,10 +327,10 @@ def test_a_dropped_request_is_never_done_even_on_a_partition_that_stays() -> Non
 def test_drop_of_a_partition_but_not_its_request_keeps_the_request_elsewhere() -> None:
     parts = Partitions()
     gate = parts.gate
-    parts.hold(TP_A, "r1")
-    parts.hold(TP_B, "r1")
+    parts.hold(TP_A, R1)
+    parts.hold(TP_B, R1)
     gate.drop({TP_A}, [])
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_B: 1}
     assert gate.committable() == {TP_B: 1}
 
@@ -312,12 +339,12 @@ def test_drop_of_nothing_or_of_an_unknown_partition_is_harmless() -> None:
     parts = Partitions()
     gate = parts.gate
     parts.hold(TP_A, None)
-    parts.hold(TP_A, "r1")
+    parts.hold(TP_A, R1)
     gate.drop(set(), [])
-    gate.drop({TP_C}, ["nobody"])
+    gate.drop({TP_C}, [NOBODY])
     assert len(gate) == 2
     assert gate.release() == {TP_A: 1}
-    gate.finished(["r1"])
+    gate.finished([R1])
     assert gate.release() == {TP_A: 2}
 
 
@@ -327,7 +354,7 @@ def test_drop_of_nothing_or_of_an_unknown_partition_is_harmless() -> None:
 @dataclass
 class Record:
     offset: int
-    request_id: str | None
+    request: RequestRef | None
 
 
 @dataclass
@@ -337,11 +364,11 @@ class Model:
     held: dict[TopicPartition, list[Record]] = field(default_factory=dict)
     released: dict[TopicPartition, int] = field(default_factory=dict)  # records let go
     point: dict[TopicPartition, int] = field(default_factory=dict)
-    finished: set[str] = field(default_factory=set)
-    forgotten: set[str] = field(default_factory=set)
+    finished: set[RequestRef] = field(default_factory=set)
+    forgotten: set[RequestRef] = field(default_factory=set)
 
     def done(self, record: Record) -> bool:
-        return record.request_id is None or record.request_id in self.finished
+        return record.request is None or record.request in self.finished
 
     def release(self) -> dict[TopicPartition, int]:
         moved = {}
@@ -354,15 +381,20 @@ class Model:
                 moved[tp] = self.point[tp] = records[i - 1].offset + 1
         return moved
 
-    def drop(self, tps: set[TopicPartition], request_ids: list[str]) -> None:
+    def drop(self, tps: set[TopicPartition], requests: list[RequestRef]) -> None:
         for tp in tps:
             self.held.pop(tp, None)
             self.released.pop(tp, None)
             self.point.pop(tp, None)
-        self.forgotten.update(request_ids)
+        self.forgotten.update(requests)
 
     def outstanding(self) -> int:
         return sum(len(r) - self.released.get(tp, 0) for tp, r in self.held.items())
+
+
+def mint(n: int) -> RequestRef:
+    """The n-th request of a schedule: each id comes twice, of acme and of globex."""
+    return RequestRef(("acme", "globex")[n % 2], f"r{n // 2}")
 
 
 @pytest.mark.parametrize("seed", range(25))
@@ -372,8 +404,8 @@ def test_random_schedules_match_the_model(seed: int) -> None:
     gate, model = CommitGate(), Model()
     tps = [TP_A, TP_B, TP_C]
     next_offset = dict.fromkeys(tps, 0)
-    first_tp: dict[str, TopicPartition] = {}  # a request belongs to its first record's tp
-    live = [f"r{i}" for i in range(5)]
+    first_tp: dict[RequestRef, TopicPartition] = {}  # a request belongs to its first record's tp
+    live = [mint(n) for n in range(5)]
     minted = len(live)
     highest: dict[TopicPartition, int] = {}  # the highest point ever handed out
     for _ in range(300):
@@ -383,25 +415,25 @@ def test_random_schedules_match_the_model(seed: int) -> None:
             tp = rng.choice(tps)
             offset = next_offset[tp]
             next_offset[tp] = offset + 1 + (rng.randrange(1, 4) if rng.random() < 0.2 else 0)
-            rid = None if rng.random() < 0.3 else rng.choice(live)
-            if rid is not None:
-                first_tp.setdefault(rid, tp)
-            gate.hold(tp, offset, rid)
-            model.held.setdefault(tp, []).append(Record(offset, rid))
+            ref = None if rng.random() < 0.3 else rng.choice(live)
+            if ref is not None:
+                first_tp.setdefault(ref, tp)
+            gate.hold(tp, offset, ref)
+            model.held.setdefault(tp, []).append(Record(offset, ref))
         elif action < 0.72:
             closing = rng.sample(live, rng.randint(1, 2))
             if rng.random() < 0.2:
-                closing.append("nobody")
+                closing.append(NOBODY)
             if model.forgotten and rng.random() < 0.3:
                 # Too late: a request a drop forgot stays not done on this worker.
                 closing.append(rng.choice(sorted(model.forgotten)))
             gate.finished(iter(closing))
-            for rid in closing:
-                if rid in live:
-                    live.remove(rid)
-                    model.finished.add(rid)
+            for ref in closing:
+                if ref in live:
+                    live.remove(ref)
+                    model.finished.add(ref)
             while len(live) < 5:
-                live.append(f"r{minted}")
+                live.append(mint(minted))
                 minted += 1
         elif action < 0.97:
             released = gate.release()
@@ -413,10 +445,10 @@ def test_random_schedules_match_the_model(seed: int) -> None:
             dropped = [r for r in live if first_tp.get(r) in taken]
             gate.drop(taken, dropped)
             model.drop(taken, dropped)
-            for rid in dropped:
-                live.remove(rid)
+            for ref in dropped:
+                live.remove(ref)
             while len(live) < 5:
-                live.append(f"r{minted}")
+                live.append(mint(minted))
                 minted += 1
             for tp in taken:
                 # The partition comes back later, re-read from somewhere at or above
@@ -442,7 +474,7 @@ def test_random_schedules_match_the_model(seed: int) -> None:
                 left = records[model.released.get(tp, 0) :]
                 if left:
                     assert not model.done(left[0])
-                    assert left[0].request_id not in model.finished
+                    assert left[0].request not in model.finished
 
     # Finish everything: each partition commits up to its last record, except
     # behind a record of a request that a drop forgot (the next run re-reads it).
@@ -454,6 +486,6 @@ def test_random_schedules_match_the_model(seed: int) -> None:
     for tp, records in model.held.items():
         left = records[model.released.get(tp, 0) :]
         if left:
-            assert left[0].request_id in model.forgotten
+            assert left[0].request in model.forgotten
         else:
             assert gate.committable()[tp] == records[-1].offset + 1

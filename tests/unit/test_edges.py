@@ -9,6 +9,7 @@ made a phantom 0-cost request, billed and counted in a usage row.
 
 from __future__ import annotations
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Counters, Limits, Outputs, Position, RequestProcessor
@@ -41,7 +42,8 @@ def test_a_keyless_record_is_dead_lettered_and_opens_nothing() -> None:
     (letter,) = out.dead_letters
     assert letter.reason == "record has no key: a raw record is keyed by its request id"
     assert letter.key is None
-    assert not processor.is_open("r-1")
+    assert not processor.is_open(RequestRef("acme", "r-1"))
+    assert processor.open_requests == 0
     assert _reconciles(processor.counters)
 
 

@@ -310,9 +310,10 @@ class PipelineRun:
     flipped: int = 0
     out: Outputs = field(default_factory=Outputs)
     counters: dict[str, int] = field(default_factory=dict)
-    #: Whether any record fed decodes as one of this request (so it opens the request;
-    #: an end marker that is its first record, seq 0, opens nothing).
-    opens: bool = False
+    #: The tenants of the records fed that decode as ones of this request id (each opens
+    #: a request of its own: a flipped tenant is another request; an end marker that
+    #: is its first record, seq 0, opens nothing).
+    opens: set[str] = field(default_factory=set)
     #: Steps after which the counters did not add up.
     unbalanced: list[str] = field(default_factory=list)
 
@@ -362,7 +363,8 @@ def mangle(rng: random.Random, records: list[bytes]) -> tuple[list[bytes], int]:
     return records, flipped
 
 
-def opens_request(source: Source, value: bytes, request_id: str) -> bool:
+def opened_by(source: Source, value: bytes, request_id: str) -> str | None:
+    """The tenant whose request (of `request_id`) `value` opens, if it opens one."""
     try:
         record = (
             avro.decode_raw_sse_event(value)
@@ -370,10 +372,10 @@ def opens_request(source: Source, value: bytes, request_id: str) -> bool:
             else avro.decode_raw_engine_output(value)
         )
     except InputError:
-        return False
-    return record.request_id == request_id and not (
-        record.kind is EventKind.END and record.seq == 0
-    )
+        return None
+    if record.request_id != request_id or (record.kind is EventKind.END and record.seq == 0):
+        return None
+    return record.tenant
 
 
 def check_counters(processor: RequestProcessor, run: PipelineRun, step: str) -> None:
@@ -387,7 +389,7 @@ def check_counters(processor: RequestProcessor, run: PipelineRun, step: str) -> 
 def run_pipeline(run: PipelineRun) -> PipelineRun:
     """Feed `run.fed` (all records of one request, END included), then let it time out."""
     source = run.case.source
-    run.opens = any(opens_request(source, v, run.request_id) for v in run.fed)
+    run.opens = {t for v in run.fed if (t := opened_by(source, v, run.request_id)) is not None}
     clock = [1_000.0]
     processor = RequestProcessor(PRICES, timeout=TIMEOUT, clock=lambda: clock[0])
     handle = processor.handle_sse if source.is_sse else processor.handle_engine
@@ -466,19 +468,27 @@ def test_the_pipeline_accounts_for_every_record_and_completes_once(file: str) ->
         ), (run, c)
         assert c["replayed"] == 0, run  # nothing was learned as closed
         assert c["dead_lettered"] == len(run.out.dead_letters), run
-        # Exactly one completion, of this request, unless no record of it could be read.
-        assert len(run.completed) == (1 if run.opens else 0), (run, c)
+        # Exactly one completion per request (tenant, id) a record opened: a record whose
+        # tenant was flipped is a request of that tenant, never part of the other's.
+        assert sorted(d.billing.tenant for d in run.completed) == sorted(run.opens), (run, c)
         assert c["requests_completed"] == len(run.completed), run
+        assert sum(d.records + d.duplicates for d in run.completed) == (
+            c["applied"] + c["duplicates"]
+        ), run
         for done in run.completed:
             check_tokens(done, run)
-            assert done.records + done.duplicates == c["applied"] + c["duplicates"], run
         for chunk in run.out.chunks:
             assert chunk.request_id == run.request_id, run
             avro.encode_chunk(chunk)
-        seqs = [chunk.seq for chunk in run.out.chunks]
-        assert seqs == list(range(len(seqs))), run
-        if run.completed:
-            assert run.completed[0].tokens.chunks == len(seqs), run
+        assert len(run.out.chunk_refs) == len(run.out.chunks), run
+        for done in run.completed:
+            seqs = [
+                c.seq
+                for c, r in zip(run.out.chunks, run.out.chunk_refs, strict=True)
+                if r == done.ref
+            ]
+            assert seqs == list(range(len(seqs))), run
+            assert done.tokens.chunks == len(seqs), run
         for letter in run.out.dead_letters:
             assert letter.reason, run
             assert avro.decode_dead_letter(avro.encode_dead_letter(letter)) == letter, run

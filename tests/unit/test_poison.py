@@ -10,13 +10,14 @@ the rule lives in the shared core.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
 
 from streamtally.core.adapters.usage import RawUsage
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source, Tokens, Usage
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.core.pricing import PriceTable
@@ -96,9 +97,10 @@ def _expected(data: bytes, request_id: str) -> Tokens:
 
 
 def _all_values_decode(out: Outputs) -> None:
-    assert len(out.chunk_values) == len(out.chunks)
-    for chunk, value in zip(out.chunks, out.chunk_values, strict=True):
+    assert len(out.chunk_values) == len(out.chunks) == len(out.chunk_refs)
+    for chunk, value, ref in zip(out.chunks, out.chunk_values, out.chunk_refs, strict=True):
         assert avro.decode_chunk(value) == chunk
+        assert ref.request_id == chunk.request_id
     for done in out.completed:
         assert avro.decode_tokens(done.tokens_value) == done.tokens
         assert avro.decode_billing_event(done.billing_value) == done.billing
@@ -118,15 +120,19 @@ def test_a_poison_event_is_dead_lettered_and_its_batch_mates_applied(
         ("good-1", _records(GOOD, "good-1")),
         ("poison-1", _records(poison, "poison-1")),
         ("good-2", _records(GOOD, "good-2", tenant="other")),
+        # the same request id of another tenant is another request, and a good one
+        ("poison-1", _records(GOOD, "poison-1", tenant="other")),
     )
-    done = {c.tokens.request_id: c for c in out.completed}
-    assert set(done) == {"good-1", "good-2", "poison-1"}
-    for rid in ("good-1", "good-2"):
-        assert done[rid].tokens == _expected(GOOD, rid)
+    done = {c.ref: c for c in out.completed}
+    good = [RequestRef("acme", "good-1"), RequestRef("other", "good-2")]
+    poisoned, namesake = RequestRef("acme", "poison-1"), RequestRef("other", "poison-1")
+    assert set(done) == {*good, poisoned, namesake}
+    for ref in (*good, namesake):
+        assert done[ref].tokens == _expected(GOOD, ref.request_id), ref
     # the poison request closes with what it had; its bad event is dead-lettered, alone
     assert [d.request_id for d in out.dead_letters] == ["poison-1"]
     assert reason in out.dead_letters[0].reason
-    assert done["poison-1"].tokens == _expected(poison, "poison-1")
+    assert done[poisoned].tokens == _expected(poison, "poison-1")
     _all_values_decode(out)
     c = processor.counters
     assert c.received == c.applied + c.duplicates + c.dead_lettered + c.replayed
@@ -147,7 +153,7 @@ def test_fold_skips_the_same_events_the_processors_dead_letter() -> None:
 
 
 def test_a_usage_total_beyond_a_long_is_refused_and_changes_nothing() -> None:
-    def anthropic_like(raw: dict[str, int]) -> Usage:
+    def anthropic_like(raw: Mapping[str, int]) -> Usage:
         return Usage(input_tokens=raw.get("input", 0) + raw.get("cache_read", 0))
 
     usage = RawUsage(anthropic_like)
@@ -173,7 +179,10 @@ def test_a_cost_the_billing_record_cannot_carry_is_billed_unpriced() -> None:
         ("costly", _records(GOOD, "costly")),
         ("next", _records(GOOD, "next")),
     )
-    assert [c.tokens.request_id for c in out.completed] == ["costly", "next"]
+    assert [c.ref for c in out.completed] == [
+        RequestRef("acme", "costly"),
+        RequestRef("acme", "next"),
+    ]
     for done in out.completed:
         assert done.billing.cost == Decimal(0)
         assert done.billing.input_tokens == 5  # usage is billed in full, only unpriced
@@ -195,7 +204,7 @@ def test_an_output_that_cannot_be_encoded_dead_letters_its_record_only(
     monkeypatch.setattr(avro, "encode_chunk", refuse_world)
     processor = RequestProcessor(PriceTable.default())
     out = _run(processor, ("a", _records(GOOD, "a")), ("b", _records(GOOD, "b")))
-    assert sorted(d.request_id for d in out.dead_letters) == ["a", "b"]
+    assert sorted(d.request_id or "" for d in out.dead_letters) == ["a", "b"]
     assert all("cannot be encoded" in d.reason for d in out.dead_letters)
     assert [c.tokens.text for c in out.completed] == ["Hello", "Hello"]
     assert " world" not in [c.text_delta for c in out.chunks]

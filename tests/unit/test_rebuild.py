@@ -1,4 +1,5 @@
-"""`streamtally.ops.rebuild.join`: latest Tokens wins, billing replays collapse."""
+"""`streamtally.ops.rebuild`: requests joined by (tenant, request id), latest Tokens wins,
+billing replays collapse, v1 records (keyed by the request id alone) join their one tenant."""
 
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from streamtally.cli import build_parser
+from streamtally.cli.rebuild import _summary_json, _summary_text
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.ops.rebuild import (
     CLOSED_MARKER,
+    Applied,
+    Inputs,
     Plan,
     Skipped,
     SkipReason,
@@ -20,7 +25,7 @@ from streamtally.ops.rebuild import (
     apply,
     join,
 )
-from streamtally.store import FinishedRequest
+from streamtally.store import FinishedRequest, LayoutError, tokens_key
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
@@ -61,12 +66,23 @@ def billing_of(tokens: Tokens, tenant: str = "acme", when: datetime = WHEN) -> B
     return bill(tokens, tenant, when, PRICES)
 
 
-def record(tokens: Tokens) -> TokensRecord:
+def key(request_id: str, tenant: str = "acme") -> str:
+    """The key text of a request's Tokens record (v2): `RequestRef.text`."""
+    return RequestRef(tenant, request_id).text
+
+
+def record(tokens: Tokens, tenant: str = "acme") -> TokensRecord:
+    """A Tokens record keyed by its request's ref (v2)."""
+    return TokensRecord(key(tokens.request_id, tenant), tokens)
+
+
+def v1_record(tokens: Tokens) -> TokensRecord:
+    """A Tokens record written before keys carried the tenant: keyed by the request id."""
     return TokensRecord(tokens.request_id, tokens)
 
 
-def skipped_by_id(plan: Plan) -> dict[str | None, Skipped]:
-    return {s.request_id: s for s in plan.skipped}
+def refs(plan: Plan) -> list[RequestRef]:
+    return [r.ref for r in plan.requests]
 
 
 def test_a_request_with_tokens_and_billing_is_joined() -> None:
@@ -92,13 +108,13 @@ def test_a_tombstone_deletes_a_request_and_a_later_record_brings_it_back() -> No
     gone, back = make_tokens("gone"), make_tokens("back", text="again")
     records = [
         record(gone),
-        TokensRecord("gone"),  # tombstone
-        TokensRecord("back"),
+        TokensRecord(key("gone")),  # tombstone
+        TokensRecord(key("back")),
         record(back),
     ]
     plan = join(records, [billing_of(gone), billing_of(back)])
     assert [r.tokens for r in plan.requests] == [back]
-    assert plan.skipped == [Skipped("gone", SkipReason.DELETED)]
+    assert plan.skipped == [Skipped("gone", SkipReason.DELETED, tenant="acme")]
 
 
 def test_duplicate_billing_events_collapse_into_one_request() -> None:
@@ -133,8 +149,8 @@ def test_orphans_are_reported_and_skipped() -> None:
     )
     assert [r.tokens.request_id for r in plan.requests] == ["both"]
     assert plan.skipped == [
-        Skipped("billing-only", SkipReason.NO_TOKENS),
-        Skipped("tokens-only", SkipReason.NO_BILLING),
+        Skipped("billing-only", SkipReason.NO_TOKENS, tenant="acme"),
+        Skipped("tokens-only", SkipReason.NO_BILLING, tenant="acme"),
     ]
 
 
@@ -144,7 +160,7 @@ def test_a_billing_event_that_does_not_match_its_tokens_is_skipped() -> None:
     plan = join([record(billed), record(stored)], [billing_of(billed)])
     assert plan.requests == []
     (skip,) = plan.skipped
-    assert (skip.request_id, skip.reason) == ("r1", SkipReason.MISMATCH)
+    assert (skip.ref, skip.reason) == (RequestRef("acme", "r1"), SkipReason.MISMATCH)
     assert "usage" in skip.detail
 
 
@@ -155,43 +171,204 @@ def test_distinct_billing_events_of_one_request_are_a_conflict() -> None:
     plan = join([record(tokens)], [event, other])
     assert plan.requests == []
     (skip,) = plan.skipped
-    assert (skip.request_id, skip.reason) == ("r1", SkipReason.CONFLICT)
+    assert (skip.ref, skip.reason) == (RequestRef("acme", "r1"), SkipReason.CONFLICT)
     assert event.event_id in skip.detail
     assert other.event_id in skip.detail
 
 
 def test_an_undecodable_latest_tokens_record_skips_the_request() -> None:
     tokens = make_tokens("r1")
-    records = [record(tokens), TokensRecord("r1", error="tokens[0]@7: bad marker")]
+    records = [record(tokens), TokensRecord(key("r1"), error="tokens[0]@7: bad marker")]
     plan = join(records, [billing_of(tokens)])
     assert plan.requests == []
-    assert plan.skipped == [Skipped("r1", SkipReason.UNDECODABLE, "tokens[0]@7: bad marker")]
+    assert plan.skipped == [
+        Skipped("r1", SkipReason.UNDECODABLE, "tokens[0]@7: bad marker", tenant="acme")
+    ]
 
 
-def test_requests_come_ordered_by_event_time_then_request_id() -> None:
+def test_requests_come_ordered_by_event_time_then_tenant_then_request_id() -> None:
     late, early_b, early_a = make_tokens("a-late"), make_tokens("b"), make_tokens("a")
     events = [
         billing_of(late, when=WHEN + timedelta(hours=1)),
         billing_of(early_b),
         billing_of(early_a),
+        billing_of(early_b, tenant="aaa"),
     ]
-    plan = join([record(late), record(early_b), record(early_a)], events)
-    assert [r.tokens.request_id for r in plan.requests] == ["a", "b", "a-late"]
+    records = [record(late), record(early_b), record(early_a), record(early_b, "aaa")]
+    plan = join(records, events)
+    assert refs(plan) == [
+        RequestRef("aaa", "b"),
+        RequestRef("acme", "a"),
+        RequestRef("acme", "b"),
+        RequestRef("acme", "a-late"),
+    ]
 
 
 def test_nothing_in_nothing_out() -> None:
     assert join([], []) == Plan()
 
 
-class FakeStore:
-    """What the rebuild's sink needs of a `RedisStore`: `apply_requests`."""
+# --------------------------------------------------------------------------- identity
 
-    def __init__(self) -> None:
+
+def test_two_tenants_with_one_request_id_are_two_requests() -> None:
+    acme, globex = make_tokens("r1", text="acme's"), make_tokens("r1", text="globex's")
+    plan = join(
+        [record(acme, "acme"), record(globex, "globex")],
+        [billing_of(acme, "acme"), billing_of(globex, "globex")],
+    )
+    assert refs(plan) == [RequestRef("acme", "r1"), RequestRef("globex", "r1")]
+    assert [r.tokens.text for r in plan.requests] == ["acme's", "globex's"]
+    assert (plan.skipped, plan.tokens_superseded, plan.billing_replays) == ([], 0, 0)
+
+
+async def test_two_tenants_with_one_request_id_get_two_tokens_keys_and_two_rows() -> None:
+    acme, globex = make_tokens("r1", text="acme's"), make_tokens("r1", text="globex's")
+    plan = join(
+        [record(acme, "acme"), record(globex, "glo:bex%")],
+        [billing_of(acme, "acme"), billing_of(globex, "glo:bex%")],
+    )
+    store = FakeStore()
+    assert (await apply(store, plan.requests)).applied == 2  # type: ignore[arg-type]
+    [batch] = store.batches
+    both = [RequestRef("acme", "r1"), RequestRef("glo:bex%", "r1")]
+    assert [r.tokens_key for r in batch] == [tokens_key(ref) for ref in both]
+    assert [r.closed_field for r in batch] == ["acme:r1", "glo%3Abex%25:r1"]
+    assert len({r.usage_key for r in batch}) == 2
+    assert {r.closed for r in batch} == {CLOSED_MARKER}
+
+
+def test_a_tenant_with_colons_and_percents_round_trips_through_the_key() -> None:
+    tokens = make_tokens("r:1")
+    event = billing_of(tokens, tenant="a:b%3Ac")
+    plan = join([record(tokens, "a:b%3Ac")], [event])
+    assert refs(plan) == [RequestRef("a:b%3Ac", "r:1")]
+    assert plan.skipped == []
+
+
+def test_a_v1_record_joins_the_billing_event_of_its_one_tenant() -> None:
+    tokens = make_tokens("r1")
+    event = billing_of(tokens, tenant="globex")
+    plan = join([v1_record(tokens)], [event])
+    assert [(r.ref, r.tokens, r.billing) for r in plan.requests] == [
+        (RequestRef("globex", "r1"), tokens, event)
+    ]
+    assert plan.skipped == []
+
+
+def test_a_v1_record_whose_id_was_billed_to_two_tenants_is_skipped() -> None:
+    tokens = make_tokens("r1")
+    plan = join([v1_record(tokens)], [billing_of(tokens, "acme"), billing_of(tokens, "globex")])
+    assert plan.requests == []
+    ambiguous, *no_tokens = plan.skipped
+    assert (ambiguous.request_id, ambiguous.tenant) == ("r1", None)
+    assert ambiguous.reason is SkipReason.AMBIGUOUS
+    assert ambiguous.reason.value == "v1 tokens record, several tenants billed this id"
+    assert "'acme', 'globex'" in ambiguous.detail
+    # the two billing events have no Tokens of their own: each is reported, saying why
+    assert [(s.ref, s.reason) for s in no_tokens] == [
+        (RequestRef("acme", "r1"), SkipReason.NO_TOKENS),
+        (RequestRef("globex", "r1"), SkipReason.NO_TOKENS),
+    ]
+    assert all("v1 tokens record" in s.detail for s in no_tokens)
+
+
+def test_a_v1_record_billed_to_two_tenants_each_with_a_later_record_is_superseded() -> None:
+    old, acme, globex = make_tokens("r1", "old"), make_tokens("r1", "a"), make_tokens("r1", "g")
+    records = [v1_record(old), record(acme, "acme"), record(globex, "globex")]
+    plan = join(records, [billing_of(acme, "acme"), billing_of(globex, "globex")])
+    assert [r.tokens.text for r in plan.requests] == ["a", "g"]
+    assert (plan.skipped, plan.tokens_superseded) == ([], 1)
+
+
+def test_a_later_v2_record_supersedes_a_v1_record_of_the_same_request() -> None:
+    old, new = make_tokens("r1", text="v1"), make_tokens("r1", text="v2")
+    plan = join([v1_record(old), record(new)], [billing_of(new)])
+    assert [r.tokens for r in plan.requests] == [new]
+    assert (plan.skipped, plan.tokens_superseded) == ([], 1)
+
+
+def test_a_later_v1_record_supersedes_an_earlier_v2_record() -> None:
+    old, new = make_tokens("r1", text="v2 first"), make_tokens("r1", text="v1 later")
+    plan = join([record(old), v1_record(new)], [billing_of(new)])
+    assert [r.tokens for r in plan.requests] == [new]
+    assert plan.tokens_superseded == 1
+
+
+def test_v1_records_that_no_tenant_claims_are_reported_with_the_tenant_unknown() -> None:
+    lonely, gone = make_tokens("lonely"), make_tokens("gone")
+    records = [
+        v1_record(lonely),
+        v1_record(gone),
+        TokensRecord("gone"),  # a tombstone of a v1 key
+        TokensRecord("bad", error="tokens[1]@3: bad marker"),
+    ]
+    plan = join(records, [billing_of(gone, "acme"), billing_of(gone, "globex")])
+    assert [(s.request_id, s.tenant, s.reason) for s in plan.skipped] == [
+        ("bad", None, SkipReason.UNDECODABLE),
+        ("gone", None, SkipReason.DELETED),
+        ("gone", "acme", SkipReason.NO_TOKENS),
+        ("gone", "globex", SkipReason.NO_TOKENS),
+        ("lonely", None, SkipReason.NO_BILLING),
+    ]
+    assert all("tenant unknown" in s.detail for s in plan.skipped if s.tenant is None)
+    assert "tokens[1]@3: bad marker" in plan.skipped[0].detail
+
+
+def test_a_v1_tombstone_of_a_request_with_one_tenant_deletes_it() -> None:
+    tokens = make_tokens("r1")
+    plan = join([v1_record(tokens), TokensRecord("r1")], [billing_of(tokens, "globex")])
+    assert plan.requests == []
+    assert plan.skipped == [Skipped("r1", SkipReason.DELETED, tenant="globex")]
+
+
+def test_a_record_keyed_by_a_ref_of_another_request_id_is_undecodable() -> None:
+    tokens = make_tokens("r1")
+    forged = TokensRecord(key("r2"), tokens, where="st.tokens[2]@5")
+    plan = join([forged], [billing_of(tokens)])
+    assert plan.requests == []
+    assert [(s.ref, s.reason) for s in plan.skipped] == [
+        (RequestRef("acme", "r1"), SkipReason.NO_TOKENS),
+        (RequestRef("acme", "r2"), SkipReason.UNDECODABLE),
+    ]
+    assert plan.skipped[1].detail == "st.tokens[2]@5: keyed 'acme:r2' but holds 'r1'"
+
+
+def test_a_record_keyed_by_neither_a_ref_nor_its_request_id_is_undecodable() -> None:
+    tokens = make_tokens("r1")
+    plan = join([TokensRecord("other", tokens)], [])
+    assert [(s.request_id, s.tenant, s.reason) for s in plan.skipped] == [
+        ("other", None, SkipReason.UNDECODABLE)
+    ]
+    assert "keyed 'other' but holds 'r1'" in plan.skipped[0].detail
+
+
+class FakeStore:
+    """What `apply` needs of a `RedisStore`: `ensure_layout` and `apply_requests`."""
+
+    def __init__(self, layout_error: str | None = None) -> None:
+        self.layout_error = layout_error
+        self.ensured = False
         self.batches: list[list[FinishedRequest]] = []
 
+    async def ensure_layout(self) -> None:
+        if self.layout_error is not None:
+            raise LayoutError(self.layout_error)
+        self.ensured = True
+
     async def apply_requests(self, batch: Sequence[FinishedRequest]) -> list[bool]:
+        assert self.ensured, "wrote before ensure_layout"
         self.batches.append(list(batch))
         return [True] * len(batch)
+
+
+async def test_the_rebuild_writes_nothing_to_a_redis_of_another_layout() -> None:
+    tokens = make_tokens("r1")
+    plan = join([record(tokens)], [billing_of(tokens)])
+    store = FakeStore(layout_error="Redis holds streamtally data of layout version 1")
+    with pytest.raises(LayoutError, match="layout version 1"):
+        await apply(store, plan.requests)  # type: ignore[arg-type]
+    assert store.batches == []
 
 
 async def test_the_rebuild_counts_unpriced_requests_from_their_billing_events() -> None:
@@ -204,10 +381,11 @@ async def test_the_rebuild_counts_unpriced_requests_from_their_billing_events() 
     store = FakeStore()
     result = await apply(store, plan.requests)  # type: ignore[arg-type]
     assert result.applied == 2
+    assert store.ensured
     [batch] = store.batches
-    assert [(r.request_id, r.priced, r.argv()[-1]) for r in batch] == [
-        ("priced", True, "0"),
-        ("unknown", False, "1"),  # the flush script adds 1 to the row's unpriced_requests
+    assert [(r.closed_field, r.priced, r.argv()[-1]) for r in batch] == [
+        ("acme:priced", True, "0"),
+        ("acme:unknown", False, "1"),  # the flush script adds 1 to the row's unpriced_requests
     ]
 
 
@@ -222,3 +400,34 @@ def test_the_commands_are_registered() -> None:
     with pytest.raises(SystemExit):
         parser.parse_args(["deadletter", "--limit", "-1"])
     assert CLOSED_MARKER == "0 end"
+
+
+def test_the_summaries_show_the_tenant_of_skipped_requests() -> None:
+    skipped = [
+        Skipped("r1", SkipReason.NO_BILLING, tenant="acme"),
+        Skipped("r2", SkipReason.AMBIGUOUS, "billed to tenants 'a', 'b'"),
+        Skipped(None, SkipReason.UNDECODABLE, "st.tokens[0]@1: record has no key"),
+    ]
+    text = _summary_text(Plan(), Applied(), skipped)
+    assert "  skipped r1 (tenant acme): tokens without billing event\n" in text
+    assert (
+        "  skipped r2: v1 tokens record, several tenants billed this id: "
+        "billed to tenants 'a', 'b'\n"
+    ) in text
+    assert "  skipped ?: record does not decode: " in text
+    summary = _summary_json(Inputs(), Plan(), Applied(), skipped)
+    assert [(s["tenant"], s["request_id"]) for s in summary["skipped"]] == [
+        ("acme", "r1"),
+        (None, "r2"),
+        (None, None),
+    ]
+
+
+def test_the_help_says_requests_are_joined_by_tenant_and_request_id(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["rebuild", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "join them by request (tenant and request id)" in out
+    assert "by request id" not in out

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 
 from streamtally.core.fold import NO_FINISH
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.core.pricing import PriceTable
@@ -105,6 +106,10 @@ class Sample:
     @property
     def key(self) -> bytes:
         return encode_key(self.request_id)
+
+    @property
+    def ref(self) -> RequestRef:
+        return RequestRef(self.tenant, self.request_id)
 
     @property
     def topic(self) -> str:
@@ -259,7 +264,7 @@ def test_a_whole_request_completes_once_with_the_fold_of_its_transcript(file: st
     last = len(s.records) - 1
     before_end = run.send_all(s, list(range(last)))
     assert before_end.completed == []
-    assert run.processor.is_open(s.request_id)
+    assert run.processor.is_open(s.ref)
     at_end = run.send(s, last, last)
 
     assert len(at_end.completed) == 1
@@ -283,7 +288,7 @@ def test_a_whole_request_completes_once_with_the_fold_of_its_transcript(file: st
     assert counters.requests_completed == 1
     assert counters.requests_timed_out == 0
     assert run.processor.open_requests == 0
-    assert run.processor.unknown([s.request_id]) == set()
+    assert run.processor.unknown([s.ref]) == set()
 
 
 def test_engine_requests_are_priced_by_the_model_their_records_carry() -> None:
@@ -401,7 +406,7 @@ def test_the_closing_offset_covers_every_record_applied_when_the_end_came_early(
 
     # A restarted worker re-reads the same records after learning the close.
     again = Run()
-    again.processor.learn_closed(s.request_id, Closed(done.closed.offset, done.closed.reason))
+    again.processor.learn_closed(s.ref, Closed(done.closed.offset, done.closed.reason))
     for offset, seq in enumerate(order):
         again.send(s, seq, offset)
     assert [d.reason for d in again.out.dead_letters] == []
@@ -437,10 +442,10 @@ def test_a_missing_seq_holds_the_request_until_the_timeout_then_closes_with_the_
     run = Run()
     at_end = run.send_all(s, seqs)
     assert at_end.completed == []  # END came, but seq 3 did not
-    assert run.processor.is_open(s.request_id)
+    assert run.processor.is_open(s.ref)
     assert waiting(run.processor) == len(s.records) - 1 - missing
     assert run.expire(after=TIMEOUT - 1) == Outputs()  # not yet
-    assert run.processor.is_open(s.request_id)
+    assert run.processor.is_open(s.ref)
 
     out = run.expire(after=2)
     assert len(out.completed) == 1
@@ -457,7 +462,7 @@ def test_a_missing_seq_holds_the_request_until_the_timeout_then_closes_with_the_
     assert done.tokens.error is not None
     assert f"seq {missing}" in done.tokens.error
     assert run.processor.counters.requests_timed_out == 1
-    assert not run.processor.is_open(s.request_id)
+    assert not run.processor.is_open(s.ref)
     assert waiting(run.processor) == 0
 
 
@@ -563,9 +568,9 @@ def test_records_of_a_request_closed_by_an_earlier_run_are_replays_up_to_its_off
     s = sample("anthropic/text_end_turn.sse")
     k = 5
     run = Run()
-    assert run.processor.unknown([s.request_id]) == {s.request_id}
-    run.processor.learn_closed(s.request_id, Closed(offset=k, reason=CloseReason.END))
-    assert run.processor.unknown([s.request_id]) == set()
+    assert run.processor.unknown([s.ref]) == {s.ref}
+    run.processor.learn_closed(s.ref, Closed(offset=k, reason=CloseReason.END))
+    assert run.processor.unknown([s.ref]) == set()
     run.send_all(s)
     n = len(s.records)
     assert run.out.completed == []
@@ -575,7 +580,7 @@ def test_records_of_a_request_closed_by_an_earlier_run_are_replays_up_to_its_off
     assert [d.offset for d in run.out.dead_letters] == list(range(k + 1, n))
     assert all("already closed" in d.reason for d in run.out.dead_letters)
     assert [d.value for d in run.out.dead_letters] == s.records[k + 1 :]
-    assert not run.processor.is_open(s.request_id)
+    assert not run.processor.is_open(s.ref)
     assert run.processor.counters.requests_completed == 0
 
 
@@ -594,13 +599,13 @@ def _timed_out_then_replayed(s: Sample, prefix: int) -> tuple[Run, Run]:
     original.send_all(s, list(range(prefix, len(s.records))), first=prefix)
 
     replay = Run()
-    replay.processor.learn_closed(s.request_id, Closed.from_marker(closed.marker(), applied=False))
-    assert replay.processor.unknown([s.request_id]) == set()
+    replay.processor.learn_closed(s.ref, Closed.from_marker(closed.marker(), applied=False))
+    assert replay.processor.unknown([s.ref]) == set()
     for seq in range(prefix):
         out = replay.send(s, seq, seq)
         # Closed right after the record at the marker's offset, without waiting.
         assert len(out.completed) == (1 if seq == prefix - 1 else 0)
-    assert not replay.processor.is_open(s.request_id)
+    assert not replay.processor.is_open(s.ref)
     replay.send_all(s, list(range(prefix, len(s.records))), first=prefix)
     return original, replay
 
@@ -639,7 +644,7 @@ def test_a_timeout_replay_keeps_the_duplicate_count_of_the_original() -> None:
     assert a.duplicates == 1
 
     replay = Run()
-    replay.processor.learn_closed(s.request_id, Closed(a.closed.offset, a.closed.reason, False))
+    replay.processor.learn_closed(s.ref, Closed(a.closed.offset, a.closed.reason, False))
     replay.send_all(s, [0, 1, 2, 3, 2])
     b = replay.only(s.request_id)
     assert b.tokens == a.tokens
@@ -656,7 +661,7 @@ def test_a_gap_decided_by_an_earlier_run_is_replayed_to_the_same_outputs() -> No
     assert a.closed.reason is CloseReason.GAP
 
     replay = Run()
-    replay.processor.learn_closed(s.request_id, Closed(a.closed.offset, a.closed.reason, False))
+    replay.processor.learn_closed(s.ref, Closed(a.closed.offset, a.closed.reason, False))
     replay.send_all(s, seqs)
     if not replay.out.completed:
         replay.expire()
@@ -800,30 +805,34 @@ def test_a_key_that_is_not_the_records_request_id_is_dead_lettered() -> None:
     assert letter.request_id == s.request_id
     assert letter.key == b"someone-else"
     assert letter.value == s.records[0]
-    assert run.processor.unknown([s.request_id]) == {s.request_id}  # nothing opened
+    assert run.processor.unknown([s.ref]) == {s.ref}  # nothing opened
     # A message without a key is refused at the edge (the commit gate keys on it).
     (keyless,) = run.feed(s.source, s.records[0], 1, key=None).dead_letters
     assert keyless.reason == "record has no key: a raw record is keyed by its request id"
-    assert not run.processor.is_open(s.request_id)
+    assert not run.processor.is_open(s.ref)
 
 
-def test_a_record_switching_tenant_mid_request_is_dead_lettered() -> None:
+def test_another_tenants_records_with_the_same_request_id_are_another_request() -> None:
+    # Before, a record of another tenant carrying the request's id was folded into it or
+    # dead-lettered as a tenant switch: either way one tenant could spoil another's bill.
     s = sample("openai/text_usage.sse", tenant="acme")
     other = sample("openai/text_usage.sse", tenant="globex")
+    assert other.request_id == s.request_id
     run = Run()
     run.send(s, 0, 0)
-    out = run.feed(s.source, other.records[1], 1, key=s.key)
-    (letter,) = out.dead_letters
-    assert "changed source or tenant mid-stream" in letter.reason
-    assert "acme" in letter.reason
-    assert "globex" in letter.reason
-    assert letter.value == other.records[1]
-    assert letter.request_id == s.request_id
-    # The request goes on with its own tenant's records.
+    out = run.feed(s.source, other.records[0], 1, key=s.key)
+    assert out.dead_letters == []
+    assert run.processor.is_open(s.ref)
+    assert run.processor.is_open(other.ref)
     run.send_all(s, list(range(1, len(s.records))), first=2)
-    done = run.only(s.request_id)
-    assert done.tokens == s.expected()
-    assert done.billing.tenant == "acme"
+    run.send_all(other, list(range(1, len(other.records))), first=2 + len(s.records))
+    billed = {done.billing.tenant: done for done in run.out.completed}
+    assert sorted(billed) == ["acme", "globex"]
+    for tenant, done in billed.items():
+        assert done.tokens == s.expected()
+        assert done.ref == RequestRef(tenant, s.request_id)
+    assert billed["acme"].billing.event_id != billed["globex"].billing.event_id
+    run.check()
 
 
 def test_a_record_switching_source_mid_request_is_dead_lettered() -> None:
@@ -832,7 +841,7 @@ def test_a_record_switching_source_mid_request_is_dead_lettered() -> None:
     run = Run()
     run.send(s, 0, 0)
     (letter,) = run.feed(other.source, other.records[1], 1, key=s.key).dead_letters
-    assert "changed source or tenant mid-stream" in letter.reason
+    assert "changed source mid-stream" in letter.reason
     assert letter.source == "anthropic"
 
 
@@ -965,10 +974,10 @@ def test_drop_partitions_forgets_the_open_requests_of_those_partitions() -> None
     assert run.processor.open_requests == 2
     dropped = run.processor.drop_partitions({(TOPICS.raw_sse.name, 0)})
     run.check()
-    assert dropped == [a.request_id]
-    assert not run.processor.is_open(a.request_id)
-    assert run.processor.is_open(b.request_id)
-    assert run.processor.unknown([a.request_id, b.request_id]) == {a.request_id}
+    assert dropped == [a.ref]
+    assert not run.processor.is_open(a.ref)
+    assert run.processor.is_open(b.ref)
+    assert run.processor.unknown([a.ref, b.ref]) == {a.ref}
     assert (
         run.processor.drop_partitions({(TOPICS.raw_sse.name, 7), (TOPICS.raw_engine.name, 0)}) == []
     )
@@ -999,15 +1008,20 @@ def test_unknown_excludes_open_and_known_closed_requests() -> None:
     opened = sample("openai/text_usage.sse")
     finished = sample("gemini/text_stop.sse")
     run = Run()
-    ids = {"fresh", "applied", "pending", opened.request_id, finished.request_id}
+    fresh, applied, pending = (RequestRef("t", r) for r in ("fresh", "applied", "pending"))
+    ids = {fresh, applied, pending, opened.ref, finished.ref}
     assert run.processor.unknown(ids) == ids
     run.send(opened, 0, 0)
     run.send_all(finished, first=1)
-    run.processor.learn_closed("applied", Closed(3, CloseReason.END, applied=True))
-    run.processor.learn_closed("pending", Closed(4, CloseReason.TIMEOUT, applied=False))
-    assert run.processor.unknown(ids) == {"fresh"}
+    run.processor.learn_closed(applied, Closed(3, CloseReason.END, applied=True))
+    run.processor.learn_closed(pending, Closed(4, CloseReason.TIMEOUT, applied=False))
+    assert run.processor.unknown(ids) == {fresh}
+    # The same request id of another tenant is another request: still unknown.
+    assert run.processor.unknown([RequestRef("other", "applied")]) == {
+        RequestRef("other", "applied")
+    }
     assert run.processor.unknown([]) == set()
-    assert run.processor.unknown(iter(["fresh", "fresh"])) == {"fresh"}
+    assert run.processor.unknown(iter([fresh, fresh])) == {fresh}
 
 
 def test_close_markers_round_trip() -> None:

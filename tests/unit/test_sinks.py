@@ -6,12 +6,15 @@ import asyncio
 from datetime import UTC, datetime
 from typing import Any
 
+from aiokafka.partitioner import DefaultPartitioner
+
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Closed, CloseReason, Completed, Outputs
 from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
 from streamtally.store import FinishedRequest, RedisStore
-from streamtally.topics import Topics
+from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.records import DeadLetter
@@ -64,13 +67,17 @@ def _sink(producer: SlowProducer) -> KafkaSink:
     return sink
 
 
-def _outputs(request_id: str, n: int) -> Outputs:
+def _outputs(request_id: str, n: int, tenant: str = "acme") -> Outputs:
     when = datetime(2026, 1, 1, tzinfo=UTC)
     chunks = [
         Chunk(request_id=request_id, seq=i, source=Source.OPENAI, text_delta="x", event_time=when)
         for i in range(n)
     ]
-    return Outputs(chunks=chunks, chunk_values=[avro.encode_chunk(c) for c in chunks])
+    return Outputs(
+        chunks=chunks,
+        chunk_values=[avro.encode_chunk(c) for c in chunks],
+        chunk_refs=[RequestRef(tenant, request_id)] * n,
+    )
 
 
 async def test_concurrent_writes_send_every_output_exactly_once() -> None:
@@ -82,7 +89,7 @@ async def test_concurrent_writes_send_every_output_exactly_once() -> None:
         sinks.write(_outputs("c", 7)),
     )
     keys = sorted(key or b"" for _, _, key in producer.sent)
-    assert keys == sorted([b"a"] * 50 + [b"b"] * 30 + [b"c"] * 7)
+    assert keys == sorted([b"acme:a"] * 50 + [b"acme:b"] * 30 + [b"acme:c"] * 7)
 
 
 async def test_a_request_keeps_one_partition_and_full_batches_split() -> None:
@@ -91,6 +98,11 @@ async def test_a_request_keeps_one_partition_and_full_batches_split() -> None:
     partitions = {(topic, partition) for topic, partition, _ in producer.sent}
     assert len(partitions) == 1
     assert next(iter(partitions))[0] == TOPICS.chunks.name
+    # Keyed by the request's identity, partitioned by its request id (as the raw records).
+    ids = list(range(TOPICS.chunks.partitions))
+    by_id = DefaultPartitioner()(encode_key("r"), ids, ids)
+    assert next(iter(partitions))[1] == by_id
+    assert {key for _, _, key in producer.sent} == {output_key(RequestRef("acme", "r"))}
     assert producer.batches == 3  # 4 + 4 + 2
     assert len(producer.sent) == 10
 
@@ -109,12 +121,12 @@ class FakeStore(RedisStore):
     """A `RedisStore` that records what it is asked instead of talking to Redis."""
 
     def __init__(self) -> None:  # no client
-        self.closing: list[dict[str, str]] = []
+        self.closing: list[dict[RequestRef, str]] = []
         self.applied: list[list[FinishedRequest]] = []
         self.positions: list[list[str]] = []
         self.closed = False
 
-    async def mark_closing(self, markers: Any) -> dict[str, str]:
+    async def mark_closing(self, markers: Any) -> dict[RequestRef, str]:
         self.closing.append(dict(markers))
         return {}
 
@@ -126,8 +138,10 @@ class FakeStore(RedisStore):
         self.positions.append(list(positions))
         return len(positions)
 
-    async def closed_markers(self, request_ids: Any) -> dict[str, tuple[str, bool]]:
-        return {r: ("7 timeout", r == "applied") for r in request_ids if r != "unknown"}
+    async def closed_markers(self, refs: Any) -> dict[RequestRef, tuple[str, bool]]:
+        return {
+            r: ("7 timeout", r.request_id == "applied") for r in refs if r.request_id != "unknown"
+        }
 
     async def aclose(self) -> None:
         self.closed = True
@@ -162,10 +176,10 @@ async def test_redis_outputs_mark_then_flush_requests_and_dead_letter_positions(
     )
     outputs = Outputs(completed=[_completed("r1")], dead_letters=[letter])
     await Sinks(redis).write(outputs)
-    assert store.closing == [{"r1": "12 end"}]
+    assert store.closing == [{RequestRef("acme", "r1"): "12 end"}]
     [[request]] = store.applied
-    assert (request.request_id, request.closed, request.records, request.duplicates) == (
-        "r1",
+    assert (request.closed_field, request.closed, request.records, request.duplicates) == (
+        "acme:r1",
         "12 end",
         3,
         1,
@@ -173,10 +187,11 @@ async def test_redis_outputs_mark_then_flush_requests_and_dead_letter_positions(
     assert store.positions == [["ns.raw.sse:2:41"]]
     await redis.flush()  # nothing new: the dead letters were counted once
     assert store.positions[-1] == []
-    found = await redis.lookup(["applied", "pending", "unknown"])
+    applied, pending, unknown = (RequestRef("acme", r) for r in ("applied", "pending", "unknown"))
+    found = await redis.lookup([applied, pending, unknown])
     assert found == {
-        "applied": Closed(7, CloseReason.TIMEOUT, applied=True),
-        "pending": Closed(7, CloseReason.TIMEOUT, applied=False),
+        applied: Closed(7, CloseReason.TIMEOUT, applied=True),
+        pending: Closed(7, CloseReason.TIMEOUT, applied=False),
     }
     await redis.stop()
     assert store.closed
@@ -185,12 +200,12 @@ async def test_redis_outputs_mark_then_flush_requests_and_dead_letter_positions(
 class DecidedSink:
     """A sink whose store holds another close decision for some requests."""
 
-    def __init__(self, decided: set[str]) -> None:
+    def __init__(self, decided: set[RequestRef]) -> None:
         self.decided = decided
         self.added: list[Outputs] = []
 
-    async def begin(self, outputs: Outputs) -> set[str]:
-        return {c.tokens.request_id for c in outputs.completed} & self.decided
+    async def begin(self, outputs: Outputs) -> set[RequestRef]:
+        return {c.ref for c in outputs.completed} & self.decided
 
     def add(self, outputs: Outputs) -> None:
         self.added.append(outputs)
@@ -219,7 +234,7 @@ async def test_a_close_decided_otherwise_is_never_written_and_its_records_stay_h
                 rid.encode(), value, Position(TOPICS.raw_sse.name, 0, offset, 1.0), out
             )
     assert [c.tokens.request_id for c in out.completed] == ["mine", "theirs"]
-    sink = DecidedSink({"theirs"})
+    sink = DecidedSink({RequestRef("t", "theirs")})
     written = await Sinks(sink).write(out)
     assert [c.tokens.request_id for c in written.completed] == ["mine"]
     assert [c.tokens.request_id for c in sink.added[0].completed] == ["mine"]

@@ -17,6 +17,7 @@ from decimal import Decimal
 
 import pytest
 
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.store import (
@@ -25,6 +26,9 @@ from streamtally.store import (
     DEAD_LETTER_SCRIPT,
     DEAD_SEEN_KEY,
     FLUSH_SCRIPT,
+    LAYOUT_KEY,
+    LAYOUT_VERSION,
+    MIGRATING,
     RAW_RECORD_STATS,
     ROW_FIELDS,
     ROWS_KEY,
@@ -34,8 +38,10 @@ from streamtally.store import (
     UNKNOWN_MODEL,
     UNPRICED_FIELD,
     RedisStore,
+    closed_field,
     day_of,
     finished_request,
+    parse_tokens_key,
     position_of,
     row_member,
     tokens_json,
@@ -44,7 +50,13 @@ from streamtally.store import (
     usage_key,
 )
 from streamtally.store.layout import PREFIX, parse_row_member
-from streamtally.store.scripts import ARGS_PER_REQUEST, dead_letter_call, flush_call
+from streamtally.store.scripts import (
+    ARGS_PER_REQUEST,
+    CLOSE_ONCE_SCRIPT,
+    close_once_call,
+    dead_letter_call,
+    flush_call,
+)
 from streamtally.wire.billing import bill
 
 PRICES = PriceTable.from_dict(
@@ -90,15 +102,37 @@ def test_the_fixed_keys() -> None:
     assert CLOSED_KEY == "st:closed"
     assert STATS_KEY == "st:stats"
     assert DEAD_SEEN_KEY == "st:deadletter:seen"
+    assert LAYOUT_KEY == "st:layout"
+    assert LAYOUT_VERSION == "2"
+    assert MIGRATING == "1>2"
 
 
-def test_tokens_key_is_the_request_id_as_is() -> None:
-    assert tokens_key("r1") == "st:tokens:r1"
-    assert tokens_key("a:b/c %3A ü") == "st:tokens:a:b/c %3A ü"
+def test_tokens_key_is_the_escaped_tenant_then_the_request_id_as_is() -> None:
+    assert tokens_key(RequestRef("acme", "r1")) == "st:tokens:acme:r1"
+    assert tokens_key(RequestRef("acme", "a:b/c %3A ü")) == "st:tokens:acme:a:b/c %3A ü"
+    # ":" and "%" of the tenant are escaped, so the first ":" ends the tenant
+    assert tokens_key(RequestRef("a:b", "c")) == "st:tokens:a%3Ab:c"
+    assert tokens_key(RequestRef("100%", "c")) == "st:tokens:100%25:c"
+    assert tokens_key(RequestRef("a:b", "c")) != tokens_key(RequestRef("a", "b:c"))
+    assert tokens_key(RequestRef("", "r")) == "st:tokens::r"
     with pytest.raises(ValueError, match="must not be empty"):
-        tokens_key("")
+        tokens_key(RequestRef("acme", ""))
+    for ref in (RequestRef("a:b", "c"), RequestRef("a", "b:c"), RequestRef("%3A", "%")):
+        assert parse_tokens_key(tokens_key(ref)) == ref
+        assert parse_tokens_key(tokens_key(ref).encode()) == ref
+    for bad in ("st:tokens:r1", "st:usage:x:y", "st:tokens:a%41:r"):
+        with pytest.raises(ValueError, match="not a"):
+            parse_tokens_key(bad)
     assert tokens_pattern() == "st:tokens:*"
-    assert tokens_pattern("bench-1a2b-") == "st:tokens:bench-1a2b-*"
+    assert tokens_pattern("bench", "run-1a2b-") == "st:tokens:bench:run-1a2b-*"
+    assert tokens_pattern("a:b*", "x?[") == "st:tokens:a%3Ab\\*:x\\?\\[*"
+
+
+def test_the_closed_field_is_the_request_reference() -> None:
+    assert closed_field(RequestRef("acme", "r1")) == "acme:r1"
+    assert closed_field(RequestRef("a:b", "c")) == "a%3Ab:c"
+    with pytest.raises(ValueError, match="must not be empty"):
+        closed_field(RequestRef("acme", ""))
 
 
 @pytest.mark.parametrize(
@@ -184,12 +218,15 @@ def test_the_field_names() -> None:
 def test_the_script_texts_are_unchanged() -> None:
     """A script's SHA1 is its name in Redis's script cache: an edit is a new script.
 
-    The flush script was last changed to count unpriced requests
-    (``unpriced_requests``, a 14th argument per request); before it was
-    1b37480601245eac7cc7415f6c371d59fd1e367f.
+    The flush and close-once scripts were last changed for layout version 2
+    (they write only when ``st:layout`` is the version they are given); before,
+    the flush script was 8403b48c6bafab472e83bcee360bd4664cae25f3.
     """
     assert hashlib.sha1(FLUSH_SCRIPT.encode()).hexdigest() == (
-        "8403b48c6bafab472e83bcee360bd4664cae25f3"
+        "5cc20c960354096fdeacad1f176a8db9584efc33"
+    )
+    assert hashlib.sha1(CLOSE_ONCE_SCRIPT.encode()).hexdigest() == (
+        "8fd0a255fc1f45fefaa3d37bd5610174233acb65"
     )
     assert hashlib.sha1(DEAD_LETTER_SCRIPT.encode()).hexdigest() == (
         "5f3aa4e824ff12f8f80c5d3e08f041f6565f722c"
@@ -205,7 +242,7 @@ def _lua_list(name: str) -> tuple[str, ...]:
 def test_the_flush_script_names_the_row_fields_of_the_layout() -> None:
     assert _lua_list("FIELDS") == USAGE_FIELDS
     assert _lua_list("ALL") == ROW_FIELDS
-    assert f"local a = 2 + {ARGS_PER_REQUEST} * (i - 1)" in FLUSH_SCRIPT
+    assert f"local a = 3 + {ARGS_PER_REQUEST} * (i - 1)" in FLUSH_SCRIPT
     assert ROW_FIELDS.index("cost_pico") + 1 == 8
     assert "local pico = tonumber(values[8] or '0')" in FLUSH_SCRIPT
     # the unpriced count is the last argument of a request, added only when it is not 0
@@ -239,15 +276,17 @@ def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
         "st:usage:rows",
         "st:closed",
         "st:stats",
-        "st:tokens:r1",
+        "st:layout",
+        "st:tokens:acme%3Aeu:r1",
         "st:usage:2026-11-21:acme%3Aeu:gpt-4.1-2025-04-14",
-        "st:tokens:r2",
+        "st:tokens:globex:r2",
         "st:usage:2026-11-22:globex:unknown",
-        "st:tokens:r3",
+        "st:tokens:acme:r3",
         "st:usage:2026-11-21:acme:gpt-4.1-2025-04-14",
     ]
     assert argv == [
         "3",
+        "2",  # the layout version the keys are of
         tokens_json(first),
         '["2026-11-21","acme:eu","gpt-4.1-2025-04-14"]',
         "1520",  # the five usage fields, in USAGE_FIELDS order
@@ -257,7 +296,7 @@ def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
         "3",
         "123",  # cost units
         "456",  # cost pico
-        "r1",
+        "acme%3Aeu:r1",  # the request's field of st:closed
         "12 timeout",  # closing marker
         "4",  # raw records
         "1",  # duplicates
@@ -271,7 +310,7 @@ def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
         "3",
         "0",  # unpriced: cost 0
         "0",
-        "r2",
+        "globex:r2",
         "0 end",  # the defaults
         "0",
         "0",
@@ -285,12 +324,19 @@ def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
         "3",
         "-1",  # -0.5 = -1 + 0.5: floor division, the pico part never negative
         "500000000000",
-        "r3",
+        "acme:r3",
         "0 end",
         "0",
         "0",
         "0",
     ]
+
+
+def test_close_once_call() -> None:
+    assert close_once_call({"acme:r1": "12 end", "a%3Ab:c": "3 timeout"}) == (
+        ["st:closed", "st:layout"],
+        ["2", "acme:r1", "12 end", "a%3Ab:c", "3 timeout"],
+    )
 
 
 def test_dead_letter_call() -> None:

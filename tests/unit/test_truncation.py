@@ -10,6 +10,7 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from streamtally.core.fold import Fold
+from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, Source, ToolCallDelta, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.limits import Limits
@@ -77,7 +78,7 @@ def test_endless_deltas_to_one_request_keep_its_memory_bounded() -> None:
     for offset, value in enumerate(records):  # 2 MB of text, then the end marker
         processor.handle_sse(b"r", value, Position(topic, 0, offset, 1.79e9 + offset), out)
         if offset == 1500:
-            state = processor._open["r"]
+            state = processor._open[RequestRef("acme", "r")]
             kept = sum(len(t) for c in state.fold._choices.values() for t in c.text)
             assert kept <= 64 << 10  # the open request holds the prefix only
     (done,) = out.completed
