@@ -194,7 +194,7 @@ def run(
     progress(f"pipeline benchmark run {run_id}: encoding the requests (not timed) …")
     workload = RequestBuilder(run_id, samples, names)
     warm = workload.warmup()
-    load = workload.requests(settings.events)
+    load = workload.requests(settings.events, settings.poison_every)
     steady = workload.requests(max(1, round(settings.rate * settings.seconds)))
     progress(
         f"  {len(load) + len(steady):,} requests, "
@@ -239,6 +239,7 @@ def run(
             encode_seconds=round(workload.encode_seconds, 2),
             concurrency=settings.concurrency,
             namespace=names.namespace,
+            poison_events=workload.poison_events,
         ),
         throughput=throughput,
         ceiling=ceiling,

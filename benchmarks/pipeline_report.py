@@ -65,6 +65,8 @@ class Workload:
     concurrency: int
     #: Topic prefix and consumer group of the worker.
     namespace: str
+    #: Poison raw events among the throughput phase's (``--poison-every``), each dead-lettered.
+    poison_events: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +266,12 @@ def format_report(report: PipelineReport) -> str:
         f"         {m.python}, Kafka {m.kafka or '?'}, Redis {m.redis or '?'}, "
         f"aiokafka {m.aiokafka or '?'}, faust-streaming {m.faust or '?'}",
         f"requests: {mix} (tenant {report.workload.tenant!r}, "
-        f"{report.workload.concurrency} interleaved)",
+        f"{report.workload.concurrency} interleaved)"
+        + (
+            f"; {report.workload.poison_events:,} poison events among them"
+            if report.workload.poison_events
+            else ""
+        ),
         f"worker: one process, namespace {report.workload.namespace!r} "
         "(its own topics and consumer group on the running stack)",
         "",

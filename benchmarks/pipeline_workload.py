@@ -62,12 +62,16 @@ class PipelineSettings:
     seconds: float = 20.0
     #: Requests in flight (interleaved) at a time while producing.
     concurrency: int = 16
+    #: One poison raw event per this many raw events of the throughput phase (0: none).
+    poison_every: int = 0
     bootstrap_servers: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
 
     def __post_init__(self) -> None:
         if self.events < 1 or self.rate <= 0 or self.seconds <= 0 or self.concurrency < 1:
             raise ValueError("events, rate, seconds and concurrency must be positive")
+        if self.poison_every < 0:
+            raise ValueError("poison_every must be 0 (none) or positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +127,16 @@ class BenchRequest:
 Send = tuple[str, bytes, bytes, str | None]
 
 
+#: A poison request: one good event, then one whose JSON holds a lone surrogate (the
+#: worker dead-letters that event and bills the request with what it had), then END.
+POISON_STREAM: Final = (
+    b'data: {"id":"p","object":"chat.completion.chunk","model":"gpt-4o","choices":[{"index":0,'
+    b'"delta":{"content":"ok"},"finish_reason":null}]}\n\n'
+    b'data: {"id":"p","object":"chat.completion.chunk","model":"gpt-4o","choices":[{"index":0,'
+    b'"delta":{"content":"bad \\ud800 here"},"finish_reason":null}]}\n\n'
+)
+
+
 def _transcript_cycle(samples: Path) -> list[tuple[Source, bytes]]:
     """One cycle of the request mix: 8 long SSE streams, 3 long engine streams, 1 sample."""
     long_sse = [(s, (samples / s.value / "long_text_bench.sse").read_bytes()) for s in _LONG_SSE]
@@ -150,6 +164,8 @@ class RequestBuilder:
         self._next = 0
         self.encode_seconds = 0.0
         self.by_source: dict[str, int] = {}
+        #: Poison events among the requests made (`requests` with `poison_every`).
+        self.poison_events = 0
 
     def prefix(self) -> str:
         return f"bench-{self.run_id}-"
@@ -161,10 +177,14 @@ class RequestBuilder:
         topic = (self.names.topics.raw_sse if source.is_sse else self.names.topics.raw_engine).name
         return BenchRequest(request_id, source, topic, records)
 
-    def requests(self, min_events: int) -> list[BenchRequest]:
-        """Whole requests of the mix, at least `min_events` raw events in all."""
+    def requests(self, min_events: int, poison_every: int = 0) -> list[BenchRequest]:
+        """Whole requests of the mix, at least `min_events` raw events in all.
+
+        With `poison_every`, a poison request (`POISON_STREAM`: one good
+        event, one poison event) follows each `poison_every` raw events.
+        """
         out: list[BenchRequest] = []
-        events = 0
+        events = since_poison = 0
         while events < min_events:
             for source, data in [*self._cycle, next(self._small)]:
                 request = self._encode(f"{self.prefix()}{self._next}", source, data)
@@ -172,6 +192,16 @@ class RequestBuilder:
                 self.by_source[source.value] = self.by_source.get(source.value, 0) + 1
                 out.append(request)
                 events += request.events
+                since_poison += request.events
+                while poison_every and since_poison >= poison_every:
+                    poison = self._encode(
+                        f"{self.prefix()}{self._next}", Source.OPENAI, POISON_STREAM
+                    )
+                    self._next += 1
+                    self.poison_events += 1
+                    out.append(poison)
+                    events += poison.events
+                    since_poison -= poison_every
                 if events >= min_events:
                     break
         return out

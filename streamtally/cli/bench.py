@@ -43,6 +43,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     pipeline.add_argument(
         "--seconds", type=float, default=20.0, help="length of the latency phase (20)"
     )
+    pipeline.add_argument(
+        "--poison-every",
+        type=int,
+        default=0,
+        metavar="N",
+        help=(
+            "add one poison raw event (JSON with a lone surrogate, dead-lettered by the worker) "
+            "per N raw events of the throughput phase (0: none)"
+        ),
+    )
     pipeline.add_argument("--json", action="store_true", help="print results as JSON")
     pipeline.set_defaults(func=run_pipeline)
 
@@ -105,6 +115,7 @@ def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
             events=args.events,
             rate=args.rate,
             seconds=args.seconds,
+            poison_every=args.poison_every,
             bootstrap_servers=settings.bootstrap_servers,
             redis_url=settings.redis_url,
         )

@@ -170,3 +170,31 @@ def test_redis_then_kafka_down_for_three_timeouts_bills_exactly(
     asyncio.run(_send(settings, [(r, slice(1, None)) for r in requests]))
     _check(settings, requests, tenant, worker)
     worker.check()  # still running
+
+
+def test_sigterm_during_a_redis_outage_stops_in_seconds_and_loses_nothing(
+    scene: tuple[StackConfig, Settings, WorkerProcess, str],
+) -> None:
+    """A worker stuck retrying a write to a Redis that is down still stops on SIGTERM.
+
+    Its batch stays unwritten and uncommitted, so the next worker applies it:
+    the requests end exact.  Prints the seconds SIGTERM took (the figure; the
+    bound asserted is the worker wrapper's own 30 s before SIGKILL).
+    """
+    cfg, settings, worker, run = scene
+    tenant = f"outage-sigterm-{run}"
+    requests = [Request(run, 200 + i, tenant) for i in range(6)]
+    asyncio.run(_send(settings, [(r, slice(0, 1)) for r in requests]))
+    time.sleep(0.5)  # the worker holds them open
+    redis.down(cfg, print)
+    try:
+        asyncio.run(_send(settings, [(r, slice(1, None)) for r in requests]))  # ENDs included
+        time.sleep(3.0)  # the worker now retries writing their outputs
+        code, seconds = worker.stop(timeout=30)
+        print(f"SIGTERM during a Redis outage: the worker stopped in {seconds:.2f} s")
+        assert code == 0, worker.describe()
+    finally:
+        redis.up(cfg, print)
+    worker.start()
+    worker.wait_until_ready(60)
+    _check(settings, requests, tenant, worker)
