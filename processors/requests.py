@@ -306,21 +306,18 @@ class RequestProcessor:
         self.counters.received += 1
         refused = refused_at_the_edge(key, value)
         if refused is not None or value is None:  # dead-lettered, so the counts reconcile
-            self.input_clock.saw((position.topic, position.partition), position.offset)
-            self._dead(out, refused or TOMBSTONE, key, value or b"", position)
+            self._refuse(out, refused or TOMBSTONE, key, value or b"", position)
             return None
         try:
             record = decode(value)
         except PERMANENT_ERRORS as exc:
-            self.input_clock.saw((position.topic, position.partition), position.offset)
-            self._dead(out, exc, key, value, position)
+            self._refuse(out, exc, key, value, position)
             return None
         if key != record.request_id.encode():
-            self.input_clock.saw((position.topic, position.partition), position.offset)
             reason = InputError(
                 f"message key {key!r} is not the record's request id {record.request_id!r}"
             )
-            self._dead(
+            self._refuse(
                 out,
                 reason,
                 key,
@@ -331,6 +328,22 @@ class RequestProcessor:
             )
             return None
         return _Raw(record, position, key, value, RequestRef(record.tenant, record.request_id))
+
+    def _refuse(
+        self,
+        out: Outputs,
+        exc: Exception,
+        key: bytes | None,
+        value: bytes,
+        position: Position,
+        *,
+        source: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        """Dead-letter a record refused before it reached a request; it still moves its
+        partition's offset (what "caught up" is judged by), without a time."""
+        self.input_clock.saw((position.topic, position.partition), position.offset)
+        self._dead(out, exc, key, value, position, source=source, request_id=request_id)
 
     def arrive(self, out: Outputs, raw: _Raw) -> None:
         """Apply a record `read` returned (in partition order), adding its outputs to `out`."""

@@ -66,8 +66,8 @@ class KafkaSink:
         self._started = False
         self._partitioner = DefaultPartitioner()
         self._partitions = {t.name: list(range(t.partitions)) for t in topics.all}
-        #: (topic, key, value, what to partition by) of every record to send.
-        self._pending: list[tuple[str, bytes | None, bytes, bytes | None]] = []
+        #: (topic, key, what to partition by, value) of every record to send.
+        self._pending: list[tuple[str, bytes | None, bytes | None, bytes]] = []
 
     async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
         del outputs  # nothing to record before sending
@@ -77,18 +77,25 @@ class KafkaSink:
         # Values were encoded by the processor as each output was made (a record that
         # cannot be encoded is dead-lettered there), so nothing here can fail on content.
         pending, topics = self._pending, self._topics
+        keys: dict[RequestRef, tuple[bytes, bytes]] = {}  # built once per request
+
+        def keyed(ref: RequestRef) -> tuple[bytes, bytes]:
+            """The request's output key and what it is partitioned by (its request id)."""
+            found = keys.get(ref)
+            if found is None:
+                found = keys[ref] = (output_key(ref), encode_key(ref.request_id))
+            return found
+
         chunks = zip(outputs.chunks, outputs.chunk_values, outputs.chunk_refs, strict=True)
-        for chunk, value, ref in chunks:
-            pending.append(
-                (topics.chunks.name, output_key(ref), value, encode_key(chunk.request_id))
-            )
+        for _, value, ref in chunks:
+            pending.append((topics.chunks.name, *keyed(ref), value))
         for done in outputs.completed:
-            key, by = output_key(done.ref), encode_key(done.tokens.request_id)
-            pending.append((topics.tokens.name, key, done.tokens_value, by))
-            pending.append((topics.billing.name, key, done.billing_value, by))
+            key, by = keyed(done.ref)
+            pending.append((topics.tokens.name, key, by, done.tokens_value))
+            pending.append((topics.billing.name, key, by, done.billing_value))
         for letter in outputs.dead_letters:
             value = avro.encode_dead_letter(letter)
-            pending.append((topics.deadletter.name, letter.key, value, letter.key))
+            pending.append((topics.deadletter.name, letter.key, letter.key, value))
 
     async def flush(self) -> None:
         """Send everything added and wait for the broker; on failure nothing is dropped."""
@@ -98,7 +105,7 @@ class KafkaSink:
             await self._producer.start()
             self._started = True
         by_partition: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
-        for topic, key, value, by in self._pending:
+        for topic, key, by, value in self._pending:
             partitions = self._partitions[topic]
             partition = self._partitioner(by, partitions, partitions)
             by_partition.setdefault((topic, partition), []).append((key, value))

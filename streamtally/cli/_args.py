@@ -26,9 +26,21 @@ __all__ = [
     "check_text_arguments",
     "file_or_stdin",
     "leaf_parsers",
+    "positive",
     "servers_problem",
     "text",
 ]
+
+
+def positive(text: str) -> int:
+    """An argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
+    return value
 
 
 class Parser(argparse.ArgumentParser):

@@ -17,7 +17,7 @@ from typing import Any, Final, TypeVar
 
 import redis.asyncio as aioredis
 
-from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._args import bootstrap_servers, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import migrate
@@ -63,16 +63,6 @@ exit status: 0 migrated, nothing to do, or planned (--dry-run); 1 refused
 """
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "migrate",
@@ -93,14 +83,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument(
         "--batch-size",
-        type=_positive,
+        type=positive,
         default=migrate.BATCH_SIZE,
         metavar="N",
         help=f"request ids per atomic Redis script call (default: {migrate.BATCH_SIZE})",
     )
     parser.add_argument(
         "--progress-every",
-        type=_positive,
+        type=positive,
         default=10000,
         metavar="N",
         help="report progress on stderr every N request ids (default: 10000)",

@@ -19,7 +19,7 @@ import logging
 from collections import Counter
 from typing import Any, Final
 
-from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._args import bootstrap_servers, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import rebuild
@@ -58,16 +58,6 @@ exit status: 0 rebuilt (skipped requests are listed), 1 refused (Redis holds
 """
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number >= 1")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "rebuild",
@@ -86,14 +76,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--json", action="store_true", help="print the summary as one JSON object")
     parser.add_argument(
         "--batch-size",
-        type=_positive,
+        type=positive,
         default=rebuild.BATCH_SIZE,
         metavar="N",
         help=f"requests per Redis flush (default: {rebuild.BATCH_SIZE})",
     )
     parser.add_argument(
         "--progress-every",
-        type=_positive,
+        type=positive,
         default=1000,
         metavar="N",
         help="report progress on stderr every N requests (default: 1000)",

@@ -99,8 +99,8 @@ from streamtally.store import (
 )
 from streamtally.store.layout import PREFIX
 from streamtally.store.rows import reply_text
-from streamtally.wire.avro import AvroDecodeError, decode_billing_event
-from streamtally.wire.kafka import read_topic
+from streamtally.wire.avro import decode_billing_event
+from streamtally.wire.kafka import read_decoded
 
 __all__ = [
     "BATCH_SIZE",
@@ -122,7 +122,6 @@ __all__ = [
     "apply_batch",
     "begin",
     "finish",
-    "layout_version",
     "migrate",
     "plan",
     "read_billing",
@@ -315,18 +314,13 @@ async def read_billing(servers: str, topic: str) -> Billing:
     Raises `StackError` when Kafka cannot be reached or the topic is missing.
     """
     billing = Billing()
-    async with contextlib.aclosing(read_topic(servers, topic)) as records:
-        async for record in records:
-            if record.value is None:
-                billing.undecodable += 1
-                continue
-            try:
-                event = decode_billing_event(record.value)
-            except AvroDecodeError:
-                billing.undecodable += 1
-                continue
+    bad: list[tuple[int, int, str]] = []
+    reading = read_decoded(servers, topic, decode_billing_event, bad)
+    async with contextlib.aclosing(reading) as events:
+        async for event in events:
             billing.events += 1
             billing.add(event.request_id, event.tenant)
+    billing.undecodable = len(bad)
     return billing
 
 
@@ -516,12 +510,6 @@ def _v1_tokens_key(request_id: str) -> str:
     return f"{TOKENS_PREFIX}{request_id}"
 
 
-async def layout_version(client: aioredis.Redis) -> str | None:
-    """``st:layout``; None when it is not set."""
-    raw: bytes | str | None = await client.get(LAYOUT_KEY)
-    return None if raw is None else reply_text(raw)
-
-
 async def begin(client: aioredis.Redis) -> str | None:
     """Mark a Redis of layout version 1 as migrating; returns the version found before.
 
@@ -531,7 +519,7 @@ async def begin(client: aioredis.Redis) -> str | None:
     """
     if await client.set(LAYOUT_KEY, MIGRATING, nx=True):
         return None
-    return await layout_version(client)
+    return await RedisStore(client).layout_version()
 
 
 async def apply_batch(client: aioredis.Redis, steps: Sequence[Step]) -> Counts:
@@ -656,12 +644,13 @@ async def migrate(
     error as redis-py raises it.
     """
     say = notify if notify is not None else (lambda _: None)
-    before = await layout_version(client)
-    if before is None and not await RedisStore(client).holds_data():
+    store = RedisStore(client)
+    before = await store.layout_version()
+    if before is None and not await store.holds_data():
         # Nothing to migrate: claim version 2, as a starting worker would.
         if dry_run or await client.set(LAYOUT_KEY, LAYOUT_VERSION, nx=True):
             return Report(Outcome.EMPTY, None)
-        before = await layout_version(client)  # somebody set it meanwhile
+        before = await store.layout_version()  # somebody set it meanwhile
     if before == LAYOUT_VERSION:
         return Report(Outcome.UP_TO_DATE, before)
     if before not in (None, MIGRATING):

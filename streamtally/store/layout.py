@@ -177,6 +177,14 @@ def tokens_pattern(tenant: str | None = None, id_prefix: str = "") -> str:
     return f"{TOKENS_PREFIX}{_glob_escape(tenant_part(tenant))}:{_glob_escape(id_prefix)}*"
 
 
+def tokens_pattern_of_id(request_id: str) -> str:
+    """The SCAN glob of the Tokens keys ending in ``:{request_id}``, whatever the tenant.
+
+    A superset: a key whose id merely ends so matches too (parse each key to be sure).
+    """
+    return f"{TOKENS_PREFIX}*:{_glob_escape(request_id)}"
+
+
 def usage_key(day: str, tenant: str, model: str) -> str:
     """``st:usage:{day}:{tenant}:{model}``.
 

@@ -36,6 +36,7 @@ from streamtally.store.layout import (
     parse_tokens_key,
     tokens_key,
     tokens_pattern,
+    tokens_pattern_of_id,
     usage_key,
 )
 from streamtally.store.rows import day_filter, reply_text, usage_row
@@ -243,14 +244,11 @@ class RedisStore:
 
     async def tenants_of(self, request_id: str) -> list[str]:
         """The tenants holding Tokens of a request with this id, sorted (by SCAN)."""
-        suffix = ":" + request_id
         tenants = set()
-        async for key in self._client.scan_iter(match=tokens_pattern(), count=1000):
-            text = reply_text(key)
-            if not text.endswith(suffix):
-                continue
+        match = tokens_pattern_of_id(request_id)  # Redis filters; each key is parsed to be sure
+        async for key in self._client.scan_iter(match=match, count=1000):
             try:
-                ref = parse_tokens_key(text)
+                ref = parse_tokens_key(reply_text(key))
             except ValueError:
                 continue
             if ref.request_id == request_id:

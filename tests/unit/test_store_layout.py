@@ -49,7 +49,7 @@ from streamtally.store import (
     tokens_pattern,
     usage_key,
 )
-from streamtally.store.layout import PREFIX, parse_row_member
+from streamtally.store.layout import PREFIX, parse_row_member, tokens_pattern_of_id
 from streamtally.store.scripts import (
     ARGS_PER_REQUEST,
     CLOSE_ONCE_SCRIPT,
@@ -126,6 +126,8 @@ def test_tokens_key_is_the_escaped_tenant_then_the_request_id_as_is() -> None:
     assert tokens_pattern() == "st:tokens:*"
     assert tokens_pattern("bench", "run-1a2b-") == "st:tokens:bench:run-1a2b-*"
     assert tokens_pattern("a:b*", "x?[") == "st:tokens:a%3Ab\\*:x\\?\\[*"
+    assert tokens_pattern_of_id("r-1") == "st:tokens:*:r-1"
+    assert tokens_pattern_of_id("a*b?[c]") == "st:tokens:*:a\\*b\\?\\[c\\]"
 
 
 def test_the_closed_field_is_the_request_reference() -> None:
