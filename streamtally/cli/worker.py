@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 from streamtally.cli._logging import STATUS_LOGGER, dict_config
 from streamtally.errors import StackError
@@ -53,6 +54,30 @@ async def _check_layout(url: str) -> None:
                 await asyncio.sleep(1.0)
     finally:
         await store.aclose()
+
+
+#: First-generation threshold of the cyclic garbage collector in a worker (CPython's
+#: default is 700 allocations).  See `tune_gc`.
+GC_YOUNG_THRESHOLD: Final = 50_000
+
+
+def tune_gc() -> None:
+    """Make the cyclic garbage collector cheap for a worker's allocation pattern.
+
+    A worker decodes a batch of records, keeps them alive while it folds them, and
+    holds every open request's state for as long as the request runs: with the
+    default thresholds most young objects survive a first-generation pass, are
+    promoted, and are scanned again and again (a seventh of the worker's CPU in a
+    profile under the pipeline benchmark).  Everything allocated while starting
+    (modules, the app, schemas, prices) is moved out of the collector's sight with
+    `gc.freeze`, and the first generation is collected every `GC_YOUNG_THRESHOLD`
+    allocations instead of 700.  Reference counting still frees almost everything
+    at once; only cyclic garbage waits a little longer.
+    """
+    gc.collect()
+    gc.freeze()
+    _young, middle, old = gc.get_threshold()
+    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -113,4 +138,5 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     # faust's terminal spinner sets the root logger to DEBUG, so every debug line of
     # aiokafka (one per message sent) would be formatted: a fifth of the worker's CPU.
     worker.spinner = None
+    tune_gc()
     worker.execute_from_commandline()  # runs until SIGTERM/SIGINT, then exits the process
