@@ -1,0 +1,160 @@
+"""Closing requests: their records applied in order, their close, their billing event.
+
+A request closes at its END marker, by timeout, over a gap or at its record
+limit (`CloseReason`); its outputs (Tokens, billing event, last chunks) are
+encoded as they are made.  The close cannot fail on its price: a cost the
+billing record cannot carry is billed as unpriced (`_bill`).
+"""
+
+from __future__ import annotations
+
+import logging
+from datetime import datetime
+from typing import Any
+
+from streamtally.core.fold import NO_FINISH
+from streamtally.core.identity import RequestRef
+from streamtally.core.models import Tokens
+from streamtally.core.sse import SseEvent
+from streamtally.errors import InputError
+from streamtally.processors._records import _Open, _Raw
+from streamtally.processors._refusals import _Refusals
+from streamtally.processors.limits import PERMANENT_ERRORS
+from streamtally.processors.outputs import Closed, CloseReason, Completed, Outputs
+from streamtally.wire import avro
+from streamtally.wire.billing import bill
+from streamtally.wire.records import BillingEvent, EventKind, RawSseEvent
+
+#: The processor's logger, named after the module it is known by.
+log = logging.getLogger("streamtally.processors.requests")
+
+
+class _Closing(_Refusals):
+    """Applying, closing and billing requests (a layer of `RequestProcessor`)."""
+
+    def _apply(
+        self, out: Outputs, ref: RequestRef, state: _Open, raw: _Raw, *, closing: bool = False
+    ) -> None:
+        """Apply the next record of a request; an END closes it unless it is `closing` already."""
+        record, position = raw.record, raw.position
+        state.next_seq = record.seq + 1
+        state.last_time = record.received_at
+        if record.kind is EventKind.END:
+            state.records += 1
+            self.counters.applied += 1
+            if not closing:
+                self._finish(out, ref, state, CloseReason.END)
+            return
+        event: Any = (
+            SseEvent(record.data, record.event, record.sse_id)
+            if isinstance(record, RawSseEvent)
+            else record.payload
+        )
+        try:
+            chunks = state.normalizer.feed(event, record.received_at)
+            values = [avro.encode_chunk(chunk) for chunk in chunks]
+        except PERMANENT_ERRORS as exc:
+            self._dead(
+                out,
+                exc,
+                raw.key,
+                raw.value,
+                position,
+                source=state.source,
+                request_id=ref.request_id,
+            )
+            return
+        state.records += 1
+        self.counters.applied += 1
+        for chunk in chunks:
+            state.fold.add(chunk)
+        out.chunks.extend(chunks)
+        out.chunk_values.extend(values)
+        out.chunk_refs.extend([ref] * len(chunks))
+
+    def _finish(self, out: Outputs, ref: RequestRef, state: _Open, reason: CloseReason) -> None:
+        """Close a request: at its END, by timeout, or over a gap (see `CloseReason`)."""
+        del self._open[ref]
+        self._release(state.tenant)
+        message = NO_FINISH
+        if reason is CloseReason.GAP:
+            first_missing = state.next_seq
+            for seq in sorted(state.waiting):
+                self._apply(out, ref, state, state.waiting.pop(seq), closing=True)
+            state.fold.fail(
+                f"raw events missing from seq {first_missing}: closed after "
+                f"{self.timeout:g}s without them"
+            )
+        elif reason is CloseReason.TIMEOUT:
+            message = f"request timed out: no end-of-stream marker within {self.timeout:g}s"
+        elif reason is CloseReason.LIMIT:
+            message = (
+                f"request closed at its record limit ({self.limits.records_per_request} records)"
+            )
+        for seq in sorted(state.waiting):  # after the END marker: too late to belong
+            waiting = state.waiting.pop(seq)
+            late = InputError(f"event seq {seq} of request {ref} after its end marker")
+            self._dead(
+                out,
+                late,
+                waiting.key,
+                waiting.value,
+                waiting.position,
+                source=state.source,
+                request_id=ref.request_id,
+            )
+        self._close(out, ref, state, message, Closed(state.max_offset, reason, False))
+
+    def _close(
+        self, out: Outputs, ref: RequestRef, state: _Open, reason: str, closed: Closed
+    ) -> None:
+        when = state.last_time
+        chunks = state.normalizer.end(when, fallback_request_id=ref.request_id)
+        values = [avro.encode_chunk(chunk) for chunk in chunks]
+        for chunk in chunks:
+            state.fold.add(chunk)
+        tokens = state.fold.result(ended=True, reason=reason)
+        tokens_value = avro.encode_tokens(tokens)
+        billing, billing_value = self._bill(tokens, state.tenant, when)
+        self._remember(ref, Closed(closed.offset, closed.reason, applied=True))
+        self.counters.requests_completed += 1
+        out.chunks.extend(chunks)
+        out.chunk_values.extend(values)
+        out.chunk_refs.extend([ref] * len(chunks))
+        out.completed.append(
+            Completed(
+                tokens,
+                billing,
+                closed,
+                state.records,
+                state.duplicates,
+                tokens_value=tokens_value,
+                billing_value=billing_value,
+            )
+        )
+
+    def _bill(self, tokens: Tokens, tenant: str, when: datetime) -> tuple[BillingEvent, bytes]:
+        """The request's billing event and its Avro value; never fails on the price.
+
+        An unknown model, or a cost the billing record cannot carry (beyond
+        decimal(38,12)), is billed as unpriced: ``priced=False``, cost 0,
+        counted, and logged for an operator to re-rate.  Should pricing fail
+        otherwise, the request is billed by a table without a single price:
+        unpriced too.
+        """
+        try:
+            billing = bill(tokens, tenant, when, self.prices)
+            value = avro.encode_billing_event(billing)
+        except PERMANENT_ERRORS as exc:
+            log.warning(
+                "request %s (tenant %s, model %s) billed at 0 as unpriced: %s",
+                ascii(tokens.request_id),
+                ascii(tenant),
+                ascii(tokens.model),
+                exc,
+            )
+            billing = bill(tokens, tenant, when, self._no_prices)
+            value = avro.encode_billing_event(billing)
+        if not billing.priced:  # counted once, whichever way it was billed
+            self.counters.unpriced += 1
+        return billing, value

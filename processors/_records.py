@@ -1,0 +1,50 @@
+"""What `RequestProcessor` keeps per raw record (`_Raw`) and per open request (`_Open`).
+
+Private to the processor's modules (`processors.requests` and its layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+
+from streamtally.core.fold import Fold
+from streamtally.core.identity import RequestRef
+from streamtally.core.normalize import Normalizer
+from streamtally.processors.outputs import Closed, Position
+from streamtally.wire.records import RawEngineOutput, RawSseEvent
+
+RawRecord = RawSseEvent | RawEngineOutput
+
+
+@dataclass(frozen=True, slots=True)
+class _Raw:
+    """A decoded raw record with where it came from and its original bytes."""
+
+    record: RawRecord
+    position: Position
+    key: bytes | None
+    value: bytes
+    #: The request the record belongs to: (tenant, request id).
+    ref: RequestRef
+
+
+@dataclass(slots=True)
+class _Open:
+    normalizer: Normalizer
+    fold: Fold
+    tenant: str
+    source: str
+    next_seq: int
+    last_time: datetime
+    #: Its partition's input clock at its last record (`processors.clock`).
+    last_input: float
+    #: The highest offset of any record of this request seen so far: where it closes.
+    max_offset: int
+    topic_partition: tuple[str, int]
+    records: int = 0
+    duplicates: int = 0
+    #: Records that arrived ahead of a missing sequence number, by seq, with their bytes.
+    waiting: dict[int, _Raw] = field(default_factory=dict)
+    #: Set when an earlier run decided to close this request here.
+    close_at: Closed | None = None

@@ -1,0 +1,123 @@
+"""Refusing records: the edge and the limits, and every dead letter `RequestProcessor` makes.
+
+A message is refused before it reaches a request when it does not decode or
+its key is not its request id (`_read`), or when it would open a request
+beyond the limits (`_refused_by_limits`); whatever is refused, here or later,
+is dead-lettered with its reason by `_dead`.  What the edge refuses and the
+limits themselves are in `processors.limits`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from datetime import UTC, datetime
+
+from streamtally.core.identity import RequestRef
+from streamtally.errors import InputError
+from streamtally.processors._records import RawRecord, _Raw
+from streamtally.processors._state import _ProcessorState
+from streamtally.processors.limits import PERMANENT_ERRORS, TOMBSTONE, refused_at_the_edge
+from streamtally.processors.outputs import Outputs, Position
+from streamtally.wire.records import DeadLetter
+
+
+class _Refusals(_ProcessorState):
+    """Reading a message, and dead-lettering what is refused (a layer of `RequestProcessor`)."""
+
+    def _refused_by_limits(self, tenant: str) -> InputError | None:
+        limits = self.limits
+        if len(self._open) >= limits.open_requests:
+            return InputError(
+                f"the worker holds {len(self._open)} open requests, the limit "
+                f"(STREAMTALLY_MAX_OPEN_REQUESTS={limits.open_requests})"
+            )
+        if self._open_by_tenant[tenant] >= limits.open_per_tenant:
+            return InputError(
+                f"tenant {tenant!r} has {self._open_by_tenant[tenant]} open requests, the limit "
+                f"(STREAMTALLY_MAX_OPEN_PER_TENANT={limits.open_per_tenant})"
+            )
+        return None
+
+    def _read(
+        self,
+        decode: Callable[[bytes], RawRecord],
+        key: bytes | None,
+        value: bytes | None,
+        position: Position,
+        out: Outputs,
+    ) -> _Raw | None:
+        self.counters.received += 1
+        refused = refused_at_the_edge(key, value)
+        if refused is not None or value is None:  # dead-lettered, so the counts reconcile
+            self._refuse(out, refused or TOMBSTONE, key, value or b"", position)
+            return None
+        try:
+            record = decode(value)
+        except PERMANENT_ERRORS as exc:
+            self._refuse(out, exc, key, value, position)
+            return None
+        if key != record.request_id.encode():
+            reason = InputError(
+                f"message key {key!r} is not the record's request id {record.request_id!r}"
+            )
+            self._refuse(
+                out,
+                reason,
+                key,
+                value,
+                position,
+                source=record.source.value,
+                request_id=record.request_id,
+            )
+            return None
+        return _Raw(record, position, key, value, RequestRef(record.tenant, record.request_id))
+
+    def _refuse(
+        self,
+        out: Outputs,
+        exc: Exception,
+        key: bytes | None,
+        value: bytes,
+        position: Position,
+        *,
+        source: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        """Dead-letter a record refused before it reached a request; it still moves its
+        partition's offset (what "caught up" is judged by), without a time."""
+        self.input_clock.saw((position.topic, position.partition), position.offset)
+        self._dead(out, exc, key, value, position, source=source, request_id=request_id)
+
+    def _dead(
+        self,
+        out: Outputs,
+        exc: Exception,
+        key: bytes | None,
+        value: bytes,
+        position: Position,
+        *,
+        source: str | None = None,
+        request_id: str | None = None,
+    ) -> None:
+        self.counters.dead_lettered += 1
+        # The record's own Kafka time, not the wall clock: a replay dead-letters
+        # the same record into the same bytes.
+        when = (
+            datetime.fromtimestamp(position.timestamp, UTC)
+            if position.timestamp is not None
+            else datetime(1970, 1, 1, tzinfo=UTC)
+        )
+        out.dead_letters.append(
+            DeadLetter(
+                topic=position.topic,
+                partition=position.partition,
+                offset=position.offset,
+                key=key,
+                value=value,
+                reason=str(exc),
+                error_type=type(exc).__name__,
+                source=source,
+                request_id=request_id,
+                dead_lettered_at=when,
+            )
+        )

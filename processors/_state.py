@@ -1,0 +1,112 @@
+"""The state of a `RequestProcessor`, and which requests it knows to be open or closed.
+
+`RequestProcessor` (`processors.requests`) is built in layers, each the base
+class of the next: this state (the constructor, the open and closed requests
+the agent asks about, a rebalance's forgetting), the refusals
+(`processors._refusals`), the close path (`processors._closing`), and last
+the processor itself, which reads records and applies them in order.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter as CounterOf
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+
+from streamtally.core.identity import RequestRef
+from streamtally.core.pricing import PriceTable
+from streamtally.processors._records import _Open
+from streamtally.processors.clock import InputClock
+from streamtally.processors.limits import Limits
+from streamtally.processors.outputs import Closed, Counters
+
+#: How many closed requests are remembered locally (Redis remembers them all).
+CLOSED_MEMORY = 200_000
+
+
+class _ProcessorState:
+    """What a `RequestProcessor` holds, and what it remembers of which requests closed."""
+
+    def __init__(
+        self,
+        prices: PriceTable,
+        *,
+        timeout: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        limits: Limits | None = None,
+    ) -> None:
+        self.prices = prices
+        #: The same table without a single price: what an unpriceable request is billed by.
+        self._no_prices = PriceTable.from_dict(
+            {
+                "version": prices.version,
+                "currency": prices.currency,
+                "unit": prices.unit,
+                "models": {},
+            },
+            origin="no prices",
+        )
+        self.timeout = timeout
+        self.limits = Limits() if limits is None else limits
+        self._open_by_tenant: CounterOf[str] = CounterOf()
+        self.counters = Counters()
+        #: When requests went quiet: the partitions' input clocks (see `processors.clock`).
+        self.input_clock = InputClock(clock)
+        #: Whether a partition is caught up and answering (the worker wires its consumer in;
+        #: None: every partition is, as in a test or a replay with no consumer to ask).
+        self.live: Callable[[Hashable, int], bool] | None = None
+        self._open: dict[RequestRef, _Open] = {}
+        self._closed: OrderedDict[RequestRef, Closed] = OrderedDict()
+        self._pending_close: dict[RequestRef, Closed] = {}
+
+    @property
+    def open_requests(self) -> int:
+        return len(self._open)
+
+    # -- what the agent asks Redis about ------------------------------------------------
+
+    def unknown(self, refs: Iterable[RequestRef]) -> set[RequestRef]:
+        """Requests this process knows nothing of: ask Redis whether they closed."""
+        return {
+            r
+            for r in refs
+            if r not in self._open and r not in self._closed and r not in self._pending_close
+        }
+
+    def is_open(self, ref: RequestRef) -> bool:
+        return ref in self._open
+
+    def learn_closed(self, ref: RequestRef, closed: Closed) -> None:
+        """An earlier run closed `ref` (applied) or decided to (not yet applied)."""
+        if closed.applied:
+            self._remember(ref, closed)
+        else:
+            self._pending_close[ref] = closed
+
+    def _release(self, tenant: str) -> None:
+        left = self._open_by_tenant[tenant] - 1
+        if left > 0:
+            self._open_by_tenant[tenant] = left
+        else:
+            del self._open_by_tenant[tenant]
+
+    def drop_partitions(self, topic_partitions: set[tuple[str, int]]) -> list[RequestRef]:
+        """Forget the open requests of partitions this worker no longer owns (a rebalance).
+
+        Their records were not acknowledged, so the partition's next owner
+        receives them all again.
+        """
+        dropped = [r for r, s in self._open.items() if s.topic_partition in topic_partitions]
+        for ref in dropped:
+            state = self._open.pop(ref)
+            self._release(state.tenant)
+            self.counters.revoked += len(state.waiting)
+        self.input_clock.forget(topic_partitions)
+        return dropped
+
+    def _remember(self, ref: RequestRef, closed: Closed) -> None:
+        self._closed[ref] = closed
+        self._closed.move_to_end(ref)
+        if len(self._closed) > CLOSED_MEMORY:
+            self._closed.popitem(last=False)
