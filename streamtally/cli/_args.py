@@ -129,6 +129,16 @@ def bootstrap_servers(value: str) -> str:
     return value
 
 
+def add_kafka_to_read(parser: argparse.ArgumentParser) -> None:
+    """``--bootstrap-servers`` of a command that reads topics (checked by `bootstrap_servers`)."""
+    parser.add_argument(
+        "--bootstrap-servers",
+        type=bootstrap_servers,
+        metavar="HOST:PORT[,...]",
+        help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
+    )
+
+
 def check_settings(settings: Settings) -> None:
     """Refuse endpoints from the environment that no client could use, naming the variable."""
     servers = settings.kafka_bootstrap_servers

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamtally.cli import _output
-from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._args import add_kafka_to_read
 from streamtally.cli._output import json_text, say, write_stdout
 from streamtally.core.money import scaled_cost
 from streamtally.settings import Settings
@@ -83,12 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         action="store_true",
         help="also print records whose event_id was already seen (default: drop them)",
     )
-    export.add_argument(
-        "--bootstrap-servers",
-        type=bootstrap_servers,
-        metavar="HOST:PORT[,...]",
-        help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
-    )
+    add_kafka_to_read(export)
     export.set_defaults(func=run_export)
 
 

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._args import add_kafka_to_read
 from streamtally.cli._output import escape, format_table, json_text, say, write_stdout
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -118,12 +118,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="N",
         help=f"only the last N dead letters (default: {DEFAULT_LIMIT} in the table, all in JSON)",
     )
-    parser.add_argument(
-        "--bootstrap-servers",
-        type=bootstrap_servers,
-        metavar="HOST:PORT[,...]",
-        help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
-    )
+    add_kafka_to_read(parser)
     parser.set_defaults(func=run)
 
 

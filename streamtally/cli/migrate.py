@@ -17,7 +17,7 @@ from typing import Any, Final, TypeVar
 
 import redis.asyncio as aioredis
 
-from streamtally.cli._args import bootstrap_servers, positive
+from streamtally.cli._args import add_kafka_to_read, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import migrate
@@ -95,12 +95,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="N",
         help="report progress on stderr every N request ids (default: 10000)",
     )
-    parser.add_argument(
-        "--bootstrap-servers",
-        type=bootstrap_servers,
-        metavar="HOST:PORT[,...]",
-        help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
-    )
+    add_kafka_to_read(parser)
     add_redis_url(parser)
     parser.set_defaults(func=run)
 

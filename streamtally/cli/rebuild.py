@@ -19,7 +19,7 @@ import logging
 from collections import Counter
 from typing import Any, Final
 
-from streamtally.cli._args import bootstrap_servers, positive
+from streamtally.cli._args import add_kafka_to_read, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import rebuild
@@ -88,12 +88,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="N",
         help="report progress on stderr every N requests (default: 1000)",
     )
-    parser.add_argument(
-        "--bootstrap-servers",
-        type=bootstrap_servers,
-        metavar="HOST:PORT[,...]",
-        help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
-    )
+    add_kafka_to_read(parser)
     add_redis_url(parser)
     parser.set_defaults(func=run)
 
