@@ -53,8 +53,8 @@ class Revocations:
     after the revoke dropped its partition's requests: requests re-opened on a
     partition this worker no longer owns, closed later by timeout or gap, a
     second, different billing event.  Each revoke moves the generation on; a
-    batch remembers the generation it was fetched in; its records of a
-    partition revoked since are stale and never applied (the partition's next
+    batch remembers the generation in force when its fetch returned; its
+    records of a partition revoked since are stale and never applied (the partition's next
     owner reads them from the committed offset).
     """
 
@@ -154,10 +154,17 @@ class RawSource:
         """Batches of records in arrival order (per partition: offset order), forever."""
         timeout_ms = int(self.settings.batch_within * 1000)
         while True:
-            generation = self.revocations.generation  # before the fetch: a revoke during it
             fetched = await self._consumer.getmany(
                 timeout_ms=timeout_ms, max_records=self.settings.batch_size
             )
+            # Read AFTER the fetch, with no await in between.  aiokafka marks a
+            # reassignment as begun before it calls the revoke listener, and getmany
+            # returns nothing while one is in progress: records it returns after a
+            # revoke are of the new assignment, read from the committed offset.
+            # Stamped with the generation from before the fetch, they were dropped as
+            # stale while the consumer's position moved past them, and a later commit
+            # skipped their open requests (never billed).
+            generation = self.revocations.generation
             batch = tuple(
                 RawMessage(
                     tp.topic,

@@ -1,0 +1,73 @@
+"""`RawSource.batches()` stamps each batch with the revocation generation it belongs to.
+
+aiokafka's `getmany` can wait through a whole rebalance (it returns nothing while
+a reassignment is in progress) and then return records of the NEW assignment,
+read again from the committed offset.  Those records must not count as stale:
+dropped, their offsets would still be passed by the consumer's position, and a
+later commit would skip their open requests, which would then never be billed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from streamtally.processors.source import RawSource
+from streamtally.settings import Settings
+from streamtally.topics import Topics
+
+
+@dataclass
+class _Record:
+    offset: int
+    timestamp: int | None
+    key: bytes | None
+    value: bytes | None
+
+
+class _ConsumerRebalancedDuringFetch:
+    """Stands in for the consumer: the first fetch lives through a revoke of `tp`."""
+
+    def __init__(self, source: RawSource, tp: TopicPartition) -> None:
+        self._source, self._tp, self._calls = source, tp, 0
+
+    async def getmany(self, **_: Any) -> dict[TopicPartition, list[_Record]]:
+        self._calls += 1
+        if self._calls == 1:
+            # the revoke listener runs while getmany waits for the new assignment
+            self._source.revocations.revoke([(self._tp.topic, self._tp.partition)])
+            return {self._tp: [_Record(7, 1_700_000_000_000, b"k", b"v")]}
+        # a later fetch, with no rebalance during it
+        return {self._tp: [_Record(8, None, None, b"w")]}
+
+
+async def _two_batches(topics: Topics, tp: TopicPartition) -> tuple[RawSource, list[Any]]:
+    source = RawSource(Settings.load(), topics, on_revoked=lambda _: asyncio.sleep(0))
+    source._consumer = _ConsumerRebalancedDuringFetch(source, tp)  # type: ignore[assignment]
+    batches = []
+    async for batch in source.batches():
+        batches.append(batch)
+        if len(batches) == 2:
+            break
+    return source, batches
+
+
+def test_records_returned_after_a_revoke_are_of_the_new_assignment_not_stale() -> None:
+    topics = Topics.in_namespace("unit")
+    tp = TopicPartition(topics.raw_sse.name, 3)
+
+    source, (first, second) = asyncio.run(_two_batches(topics, tp))
+
+    key = (tp.topic, tp.partition)
+    assert first.generation == 1  # the generation in force when getmany returned
+    assert not source.revocations.stale(key, first.generation)
+    assert [(m.offset, m.timestamp) for m in first.messages] == [(7, 1_700_000_000.0)]
+    # a revoke after a batch was fetched still fences it
+    assert second.generation == 1
+    assert not source.revocations.stale(key, second.generation)
+    source.revocations.revoke([key])
+    assert source.revocations.stale(key, second.generation)
+    assert source.revocations.stale(key, first.generation)
