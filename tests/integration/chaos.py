@@ -41,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
 
 
-def _env(namespace: str, redis_url: str, timeout: float) -> dict[str, str]:
+def worker_env(namespace: str, redis_url: str, timeout: float) -> dict[str, str]:
     env = dict(os.environ)
     env.update(
         STREAMTALLY_NAMESPACE=namespace,
@@ -52,7 +52,7 @@ def _env(namespace: str, redis_url: str, timeout: float) -> dict[str, str]:
     return env
 
 
-def _requests(run: str, count: int) -> list[dict[str, Any]]:
+def build_requests(run: str, count: int, prefix: str = "chaos") -> list[dict[str, Any]]:
     from streamtally.cli.produce import read_manifest
 
     entries = [
@@ -62,7 +62,7 @@ def _requests(run: str, count: int) -> list[dict[str, Any]]:
     # requests 2k and 2k+1 share an id: two tenants, two different transcripts
     return [
         {
-            "request_id": f"chaos-{run}-{i // 2}",
+            "request_id": f"{prefix}-{run}-{i // 2}",
             "source": entries[i % len(entries)].source,
             "file": entries[i % len(entries)].file,
             "tenant": tenants[i % len(tenants)],
@@ -71,7 +71,7 @@ def _requests(run: str, count: int) -> list[dict[str, Any]]:
     ]
 
 
-async def _produce(
+async def produce_interleaved(
     requests: list[dict[str, Any]], rng: random.Random, rate: float, progress: Any
 ) -> tuple[int, int]:
     """Send every request's records interleaved; returns (messages, duplicates sent)."""
@@ -122,14 +122,14 @@ async def _produce(
     return sent, duplicates
 
 
-def _ref(req: dict[str, Any]) -> Any:
+def request_ref(req: dict[str, Any]) -> Any:
     """The request's `RequestRef` (tenant, request id)."""
     from streamtally.core.identity import RequestRef
 
     return RequestRef(req["tenant"], req["request_id"])
 
 
-async def _wait_all(store: Any, refs: list[Any], timeout: float) -> list[Any]:
+async def wait_all(store: Any, refs: list[Any], timeout: float) -> list[Any]:
     deadline = time.monotonic() + timeout
     waiting = list(refs)
     while waiting and time.monotonic() < deadline:
@@ -150,7 +150,7 @@ async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes
         ]
 
 
-async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, Any]:
+async def verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, Any]:
     from streamtally.core.identity import RequestRef
     from streamtally.core.models import USAGE_FIELDS
     from streamtally.core.normalize import fold_stream, read_events
@@ -168,14 +168,14 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
     per_request: dict[RequestRef, dict[str, Any]] = {}
     truth: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
     try:
-        stored = await store.tokens_texts([_ref(req) for req in requests])
+        stored = await store.tokens_texts([request_ref(req) for req in requests])
         for req, text in zip(requests, stored, strict=True):
             with req["file"].open("rb") as stream:
                 tokens = fold_stream(
                     req["source"], read_events(req["source"], stream), request_id=req["request_id"]
                 )
             if text is None or json.loads(text) != tokens.to_json_dict():
-                mismatched.append(_ref(req).text)
+                mismatched.append(request_ref(req).text)
             row = truth[req["tenant"]]
             row["requests"] += 1
             for name, count in zip(USAGE_FIELDS, tokens.usage.counts(), strict=True):
@@ -183,7 +183,7 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
             # the cost the pipeline should have charged (the event time only sets the day)
             cost = bill(tokens, req["tenant"], _EPOCH, prices).cost
             row["cost"] += cost
-            per_request[_ref(req)] = {
+            per_request[request_ref(req)] = {
                 "tenant": req["tenant"],
                 "model": tokens.model,
                 "finish_reason": tokens.finish_reason.value,
@@ -222,7 +222,7 @@ async def _verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, A
     for _, _, _, value in billing:
         event = avro.decode_billing_event(value)
         by_request[RequestRef(event.tenant, event.request_id)].add(value)
-    refs = {_ref(r) for r in requests}
+    refs = {request_ref(r) for r in requests}
     raw_in = len(await _topic_records(topics.raw_sse.name))
     raw_in += len(await _topic_records(topics.raw_engine.name))
     dead = {(p, o) for p, o, _, _ in await _topic_records(topics.deadletter.name)}
@@ -333,12 +333,14 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
     await ensure_topics(
         Settings.load().bootstrap_servers, Topics.in_namespace(Settings.load().namespace).all
     )
-    requests = _requests(run_id, count)
+    requests = build_requests(run_id, count)
     rng = random.Random(seed)
     log = REPO / ".stack" / "logs" / f"chaos-{run_id}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     # in this run's session: a Ctrl-C of the run is the worker's SIGINT too
-    worker = WorkerProcess(log, _env(namespace, url, timeout=300), cwd=REPO, new_session=False)
+    worker = WorkerProcess(
+        log, worker_env(namespace, url, timeout=300), cwd=REPO, new_session=False
+    )
     worker.start()
     kills = 0
     kill_at = [0.2, 0.45, 0.75]
@@ -366,7 +368,7 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
             chaos_tasks.append(asyncio.create_task(_restart_broker(say)))
 
     started = time.monotonic()
-    messages, duplicates = await _produce(requests, rng, rate, progress)
+    messages, duplicates = await produce_interleaved(requests, rng, rate, progress)
     for task in chaos_tasks:
         await task
     if restart_broker_at:
@@ -378,13 +380,13 @@ async def run(count: int, rate: float, db: int, seed: int) -> dict[str, Any]:
     produced_in = time.monotonic() - started
     store = RedisStore.from_url(url)
     print(f"produced {messages} messages in {time.monotonic() - started:.1f}s", file=sys.stderr)
-    waiting = await _wait_all(store, [_ref(r) for r in requests], timeout=240)
+    waiting = await wait_all(store, [request_ref(r) for r in requests], timeout=240)
     print(f"{len(waiting)} requests not in Redis", file=sys.stderr)
     await store.aclose()
     drained_in = time.monotonic() - started
     code, _ = worker.stop(timeout=60)
     exit_code = -9 if code is None else code  # None: SIGKILLed after 60 s
-    report = await _verify(requests, url)
+    report = await verify(requests, url)
     report.update(
         requests=count,
         raw_messages_sent=messages,
