@@ -27,6 +27,7 @@ from streamtally.core.models import (
     Source,
     Tokens,
     ToolCall,
+    ToolCallDelta,
     Usage,
 )
 
@@ -142,20 +143,37 @@ class Fold:
 
     def add(self, chunk: Chunk) -> None:
         self.chunks += 1
-        if self.model is None and chunk.model:
-            self.model = chunk.model
-        if chunk.usage is not None:
-            self.usage = chunk.usage
-        if chunk.error is not None and self.error is None:
-            self.error = chunk.error
-        choice = self._choices.get(chunk.choice)
+        fields = chunk.__dict__  # a model's fields, read without its attribute hook
+        if self.model is None and fields["model"]:
+            self.model = fields["model"]
+        usage = fields["usage"]
+        if usage is not None:
+            self.usage = usage
+        if fields["error"] is not None and self.error is None:
+            self.error = fields["error"]
+        choice = self._choices.get(fields["choice"])
         if choice is None:
-            choice = self._choices[chunk.choice] = _Choice()
-        if chunk.text_delta and (kept := self._keep(chunk.text_delta)):
-            choice.text.append(kept)
-        if chunk.reasoning_delta and (kept := self._keep(chunk.reasoning_delta)):
+            choice = self._choices[fields["choice"]] = _Choice()
+        text = fields["text_delta"]
+        if text:
+            bound = self._bound + 4 * len(text)
+            if bound <= self._limit:  # `_keep`'s first case, inline: far from the limit
+                self._bound = bound
+                choice.text.append(text)
+            elif kept := self._keep(text):
+                choice.text.append(kept)
+        if fields["reasoning_delta"] and (kept := self._keep(fields["reasoning_delta"])):
             choice.reasoning.append(kept)
-        for delta in chunk.tool_call_deltas:
+        if fields["tool_call_deltas"]:
+            self._tools(choice, fields["tool_call_deltas"])
+        finish = fields["finish_reason"]
+        if finish is not None and PRECEDENCE[finish] > choice.rank:
+            choice.finish = finish
+            choice.finish_raw = fields["finish_reason_raw"]
+            choice.rank = PRECEDENCE[finish]
+
+    def _tools(self, choice: _Choice, deltas: tuple[ToolCallDelta, ...]) -> None:
+        for delta in deltas:
             tool = choice.tools.get(delta.index)
             if tool is None:
                 tool = choice.tools[delta.index] = _Tool()
@@ -165,11 +183,6 @@ class Fold:
                 tool.name = delta.name
             if delta.arguments_delta and (kept := self._keep(delta.arguments_delta)):
                 tool.args.append(kept)
-        finish = chunk.finish_reason
-        if finish is not None and PRECEDENCE[finish] > choice.rank:
-            choice.finish = finish
-            choice.finish_raw = chunk.finish_reason_raw
-            choice.rank = PRECEDENCE[finish]
 
     def fail(self, message: str) -> None:
         """A request-level failure (raw events missing): every choice finishes `error`."""

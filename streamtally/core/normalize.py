@@ -9,9 +9,12 @@ drafts wait until the provider's own id shows up.
 from __future__ import annotations
 
 import hashlib
+import itertools
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from typing import IO, Any
+
+import orjson
 
 from streamtally.core.adapters.anthropic import AnthropicAdapter
 from streamtally.core.adapters.base import Adapter, AdapterOptions, Draft, load_json
@@ -20,7 +23,18 @@ from streamtally.core.adapters.gemini import GeminiAdapter
 from streamtally.core.adapters.openai import OpenAIChatAdapter
 from streamtally.core.adapters.openai_responses import OpenAIResponsesAdapter
 from streamtally.core.fold import MAX_TEXT_BYTES, Fold
-from streamtally.core.models import Chunk, Source, Tokens, trusted_chunk, utc_now
+from streamtally.core.models import (
+    CHUNK_FIELDS,
+    Chunk,
+    Source,
+    Tokens,
+    new_model,
+    set_dict,
+    set_extra,
+    set_fields_set,
+    set_private,
+    utc_now,
+)
 from streamtally.core.sse import NonSseLine, SseDecoder, SseEvent
 from streamtally.errors import InvalidEvent, NotAStream
 
@@ -84,7 +98,13 @@ class Normalizer:
     def feed(self, event: SseEvent | Any, event_time: datetime | None = None) -> list[Chunk]:
         """Apply one raw event (an `SseEvent`, or a JSON object for engines)."""
         self.events += 1
-        return self._chunks(self._adapter.feed(event), event_time)
+        drafts = self._adapter.feed(event)
+        if not drafts:
+            return []
+        request_id = self._request_id or self._adapter.provider_request_id
+        if request_id is None or self._pending or event_time is None:
+            return self._chunks(drafts, event_time)
+        return self._ready(drafts, request_id, event_time)
 
     def end(self, event_time: datetime | None = None, fallback_request_id: str = "") -> list[Chunk]:
         """The stream is over; `fallback_request_id` names a request with no id at all."""
@@ -99,37 +119,58 @@ class Normalizer:
         if not drafts:
             return []
         when = event_time or utc_now()
-        if self.request_id is None:
+        request_id = self._request_id or self._adapter.provider_request_id
+        if request_id is None:
             self._pending.extend((draft, when) for draft in drafts)
             return []
         out = self._flush() if self._pending else []
-        out.extend(self._chunk(draft, when) for draft in drafts)
+        out.extend(self._ready(drafts, request_id, when))
         return out
 
     def _flush(self) -> list[Chunk]:
+        """The chunks of the drafts that waited for the request id (known now)."""
         pending, self._pending = self._pending, []
-        return [self._chunk(draft, when) for draft, when in pending]
-
-    def _chunk(self, draft: Draft, when: datetime) -> Chunk:
         request_id = self.request_id
         assert request_id is not None
-        chunk = trusted_chunk(
-            request_id=request_id,
-            seq=self._seq,
-            source=self.source,
-            model=self._adapter.model or self._model,
-            choice=draft.choice,
-            text_delta=draft.text,
-            reasoning_delta=draft.reasoning,
-            tool_call_deltas=tuple(draft.tools),
-            usage=draft.usage,
-            finish_reason=draft.finish,
-            finish_reason_raw=draft.finish_raw,
-            error=draft.error,
-            event_time=when,
-        )
-        self._seq += 1
-        return chunk
+        out: list[Chunk] = []
+        for draft, when in pending:
+            out.extend(self._ready([draft], request_id, when))
+        return out
+
+    def _ready(self, drafts: list[Draft], request_id: str, when: datetime) -> list[Chunk]:
+        """The chunks of `drafts`, next in the request.  Once per event: kept lean."""
+        model = self._adapter.model or self._model
+        source = self.source
+        seq = self._seq
+        out: list[Chunk] = []
+        for draft in drafts:
+            # `chunk_of`, inline: the fields in `Chunk`'s order, no validation.
+            chunk: Chunk = new_model(Chunk)
+            set_dict(
+                chunk,
+                {
+                    "request_id": request_id,
+                    "seq": seq,
+                    "source": source,
+                    "model": model,
+                    "choice": draft.choice,
+                    "text_delta": draft.text,
+                    "reasoning_delta": draft.reasoning,
+                    "tool_call_deltas": tuple(draft.tools) if draft.tools else (),
+                    "usage": draft.usage,
+                    "finish_reason": draft.finish,
+                    "finish_reason_raw": draft.finish_raw,
+                    "error": draft.error,
+                    "event_time": when,
+                },
+            )
+            set_fields_set(chunk, CHUNK_FIELDS)
+            set_extra(chunk, None)
+            set_private(chunk, None)
+            out.append(chunk)
+            seq += 1
+        self._seq = seq
+        return out
 
 
 def read_events(
@@ -149,28 +190,44 @@ def read_events(
     lines it took are not reported as non-SSE.
     """
     if source.is_sse:
-        decoder = SseDecoder()
-        while data := stream.read(_READ_SIZE):
-            yield from decoder.feed(data)
-        yield from decoder.close()  # no event: an unfinished last event is discarded
-        trailing = decoder.trailing_non_sse()
-        taken = ADAPTERS[source].take_trailing_body(trailing)
-        if taken is not None:
-            yield taken
-        if on_non_sse is not None:
-            # `trailing` is the end of `non_sse`: what `taken` was made of.
-            unused = decoder.non_sse[: len(decoder.non_sse) - len(trailing)]
-            for non_sse in unused if taken is not None else decoder.non_sse:
-                on_non_sse(non_sse)
-        return
+        # Each read's events come as one list, chained in C rather than yielded one by one.
+        return itertools.chain.from_iterable(_sse_reads(source, stream, on_non_sse))
+    return _json_lines(stream)
+
+
+def _sse_reads(
+    source: Source, stream: IO[bytes], on_non_sse: Callable[[NonSseLine], None] | None
+) -> Iterator[list[SseEvent]]:
+    """`read_events` of an SSE source: the events of each read, as a list."""
+    decoder = SseDecoder()
+    while data := stream.read(_READ_SIZE):
+        yield decoder.feed(data)
+    yield decoder.close()  # no event: an unfinished last event is discarded
+    trailing = decoder.trailing_non_sse()
+    taken = ADAPTERS[source].take_trailing_body(trailing)
+    if taken is not None:
+        yield [taken]
+    if on_non_sse is not None:
+        # `trailing` is the end of `non_sse`: what `taken` was made of.
+        unused = decoder.non_sse[: len(decoder.non_sse) - len(trailing)]
+        for non_sse in unused if taken is not None else decoder.non_sse:
+            on_non_sse(non_sse)
+
+
+def _json_lines(stream: IO[bytes]) -> Iterator[Any]:
+    """`read_events` of an engine source: one JSON value per line, blank lines skipped."""
     for number, line in enumerate(stream, start=1):
-        text = line.strip()
-        if not text:
-            continue
-        try:
-            yield load_json(text)
-        except ValueError as exc:
-            raise InvalidEvent(f"line {number} is not JSON: {exc}") from exc
+        try:  # JSON with its line end: the same value as the stripped line, in one parse
+            value = orjson.loads(line)
+        except orjson.JSONDecodeError:
+            text = line.strip()
+            if not text:
+                continue
+            try:
+                value = load_json(text)
+            except ValueError as exc:
+                raise InvalidEvent(f"line {number} is not JSON: {exc}") from exc
+        yield value
 
 
 def fold_stream(
@@ -192,26 +249,34 @@ def fold_stream(
     not a stream of `source`: `NotAStream`.
     """
     normalizer = Normalizer(source, request_id, options, model)
-    chunks: list[Chunk] = []
+    acc: Fold | None = None  # made at the first chunk: every chunk names the request alike
     first_error: str | None = None
     now = utc_now()
     for number, event in enumerate(events, start=1):
         try:
-            chunks.extend(normalizer.feed(event, now))
+            chunks = normalizer.feed(event, now)
         except InvalidEvent as exc:
             if first_error is None:
                 first_error = f"event {number}: {exc}"
             if on_invalid is not None:
                 on_invalid(number, exc)
-    chunks.extend(normalizer.end(now, fallback_request_id=fallback_request_id))
-    if not chunks:
+            continue
+        if chunks:
+            if acc is None:
+                acc = Fold(chunks[0].request_id, source, max_text_bytes=max_text_bytes)
+                add = acc.add
+            for chunk in chunks:
+                add(chunk)
+    chunks = normalizer.end(now, fallback_request_id=fallback_request_id)
+    if chunks and acc is None:
+        acc = Fold(chunks[0].request_id, source, max_text_bytes=max_text_bytes)
+    if acc is None:
         what = "SSE events" if source.is_sse else "lines"
         detail = f" ({first_error})" if first_error else ""
         raise NotAStream(
             f"no {source.value} content in {normalizer.events} {what}{detail}: "
             f"is this a {source.value} stream? (see `streamtally fold --help` for the sources)"
         )
-    acc = Fold(chunks[0].request_id, source, max_text_bytes=max_text_bytes)
     for chunk in chunks:
         acc.add(chunk)
     return acc.result()

@@ -46,7 +46,6 @@ a line spread over many reads is joined once, when it ends.  `scanned` and
 from __future__ import annotations
 
 import codecs
-import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
@@ -55,8 +54,10 @@ __all__ = ["NOT_A_FIELD", "NonSseLine", "SseDecoder", "SseEvent", "iter_events"]
 #: The reason of every `NonSseLine`: the line is no SSE field, comment or blank line.
 NOT_A_FIELD = "not an SSE field"
 
-_LINE_END = re.compile(r"\r\n|\r|\n")
 _BOM = "\ufeff"
+#: The line ends of `str.splitlines` beyond CRLF, CR and LF: no SSE line ends.
+_ASCII_OTHER_LINE_ENDS = ("\v", "\f", "\x1c", "\x1d", "\x1e")
+_OTHER_LINE_ENDS = (*_ASCII_OTHER_LINE_ENDS, "\x85", "\u2028", "\u2029")
 #: Python refuses to convert longer digit strings to int (`sys.get_int_max_str_digits`).
 _MAX_RETRY_DIGITS = 4000
 
@@ -68,6 +69,14 @@ class SseEvent:
     data: str
     event: str = "message"
     id: str | None = None
+
+
+# `SseEvent(data, event, id)` for the decoder's hot path: a bare instance, then its three
+# slots set directly (the frozen dataclass's `__init__` goes through `object.__setattr__`).
+_new = object.__new__
+_set_data = SseEvent.__dict__["data"].__set__
+_set_event = SseEvent.__dict__["event"].__set__
+_set_id = SseEvent.__dict__["id"].__set__
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,22 +155,55 @@ class SseDecoder:
         if not text:
             return []
         self.scanned += len(text)
-        lines = text.split("\n") if "\r" not in text else _LINE_END.split(text)
+        if "\r" in text:
+            # A CR ending this read may be the first half of a CRLF: skip an LF opening the next.
+            self._skip_lf = text[-1] == "\r"
+        lines = _split_lines(text)
         tail = lines.pop()  # the start of a line whose end has not come yet
-        # A CR ending this read may be the first half of a CRLF: skip an LF opening the next.
-        self._skip_lf = not tail and text[-1] == "\r"
         out: list[SseEvent] = []
         if lines:
-            if self._parts:
-                self._parts.append(lines[0])
-                lines[0] = "".join(self._parts)
-                self.joined += len(lines[0])
-                self._parts = []
-            for line in lines:
-                self._line(line, out)
+            self._lines(lines, out)
         if tail:
             self._parts.append(tail)
         return out
+
+    def _lines(self, lines: list[str], out: list[SseEvent]) -> None:
+        """`_line` for each of `lines` (whole lines), with the common lines done inline."""
+        if self._parts:  # the first line started in an earlier read
+            self._parts.append(lines[0])
+            lines[0] = "".join(self._parts)
+            self.joined += len(lines[0])
+            self._parts = []
+        number = self.lines
+        last_sse = self.last_sse_line
+        data = self._data
+        for line in lines:
+            number += 1
+            if not line:
+                if data:
+                    event = _new(SseEvent)
+                    _set_data(event, data[0] if len(data) == 1 else "\n".join(data))
+                    _set_event(event, self._event or "message")
+                    _set_id(event, self._last_id)
+                    out.append(event)
+                    data.clear()
+                self._event = ""
+            elif line.startswith("data: "):
+                data.append(line[6:])
+                last_sse = number
+            elif line[:5] == "data:":
+                data.append(line[5:])
+                last_sse = number
+            elif line[:6] == "event:":
+                self._event = line[7:] if line[6:7] == " " else line[6:]
+                last_sse = number
+            else:
+                self.lines = number - 1
+                self.last_sse_line = last_sse
+                self._line(line, out)
+                last_sse = self.last_sse_line
+        self.lines = number
+        self.last_sse_line = last_sse
 
     def close(self) -> list[SseEvent]:
         """End of input.  Returns no event: an event without its blank line is discarded."""
@@ -228,6 +270,29 @@ class SseDecoder:
             self.non_sse.append(NonSseLine(self.lines, line, reason))
             return
         self.last_sse_line = self.lines
+
+
+def _split_lines(text: str) -> list[str]:
+    """`text` cut at its line ends (CRLF, CR, LF): the last piece is what follows the last."""
+    if "\r" not in text:
+        return text.split("\n")
+    lines = text.split("\r\n")
+    if len(lines) > 1:  # the usual text with CRs: every line ends with CRLF
+        rest = "".join(lines)
+        if "\r" not in rest and "\n" not in rest:
+            return lines
+    if _only_sse_line_ends(text):  # then `splitlines` ends lines where SSE does
+        lines = text.splitlines()
+        if text[-1] in "\r\n":
+            lines.append("")
+        return lines
+    return text.replace("\r\n", "\n").replace("\r", "\n").split("\n")  # CRLFs first
+
+
+def _only_sse_line_ends(text: str) -> bool:
+    """Whether every line end `str.splitlines` sees in `text` is CRLF, CR or LF."""
+    ends = _ASCII_OTHER_LINE_ENDS if text.isascii() else _OTHER_LINE_ENDS
+    return not any(end in text for end in ends)
 
 
 def iter_events(reads: Iterable[bytes]) -> Iterator[SseEvent]:

@@ -13,7 +13,7 @@ import json
 import re
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import orjson
@@ -41,7 +41,8 @@ class Draft:
     choice: int = 0
     text: str = ""
     reasoning: str = ""
-    tools: list[ToolCallDelta] = field(default_factory=list)
+    #: A list when there are tool-call deltas (none: the shared empty tuple, never mutated).
+    tools: Sequence[ToolCallDelta] = ()
     usage: Usage | None = None
     finish: FinishReason | None = None
     finish_raw: str | None = None

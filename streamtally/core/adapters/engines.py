@@ -13,14 +13,23 @@ from typing import Any
 
 from streamtally.core.adapters.base import Adapter, Draft, ToolKeys, as_int, as_str, load_json
 from streamtally.core.adapters.finish import map_engine
-from streamtally.core.adapters.usage import RawUsage
-from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
+from streamtally.core.adapters.usage import RawCounts, RawUsage
+from streamtally.core.models import (
+    ZERO_USAGE,
+    FinishReason,
+    Source,
+    ToolCallDelta,
+    Usage,
+    trusted_usage,
+)
 from streamtally.errors import InvalidEvent
 
 __all__ = ["AtomrAdapter", "DynamoAdapter", "VllmAdapter"]
 
 
 def _object(event: object, what: str) -> Mapping[str, Any]:
+    if type(event) is dict:  # what JSON and Avro give: no ABC check
+        return event
     if not isinstance(event, Mapping):
         raise InvalidEvent(f"a {what} must be a JSON object, got {type(event).__name__}")
     return event
@@ -105,16 +114,16 @@ class DynamoAdapter(Adapter):
                 }
             )
         elif token_ids and not self._has_report:
-            draft.usage = Usage(output_tokens=self._emitted)
+            draft.usage = trusted_usage(output_tokens=self._emitted)
         return [draft] if draft.carries_anything() else []
 
 
-def _convert_request_output_usage(raw: Mapping[str, int]) -> Usage:
-    return trusted_usage(
-        input_tokens=raw.get("input", 0),
-        output_tokens=raw.get("output", 0),
-        cached_tokens=raw.get("cached", 0),
-    )
+def _convert_request_output_usage(prompt: int, output: int, cached: int) -> Usage:
+    return trusted_usage(prompt, output, 0, cached, 0)
+
+
+#: The raw usage of a `RequestOutput`, in the order `_convert_request_output_usage` takes it.
+_REQUEST_OUTPUT_USAGE = ("input", "output", "cached")
 
 
 class VllmAdapter(Adapter):
@@ -124,54 +133,68 @@ class VllmAdapter(Adapter):
         super().__init__(options)
         self._text_len: dict[int, int] = {}
         self._token_count: dict[int, int] = {}
-        self._usage = RawUsage(_convert_request_output_usage)
+        self._usage = RawCounts(_REQUEST_OUTPUT_USAGE, _convert_request_output_usage)
 
     def feed(self, event: object) -> list[Draft]:
-        obj = _object(event, "vLLM RequestOutput")
-        outputs = obj.get("outputs")
+        obj = event if type(event) is dict else _object(event, "vLLM RequestOutput")
+        get = obj.get
+        outputs = get("outputs")
         if not isinstance(outputs, list):
             raise InvalidEvent('not a vLLM RequestOutput (no "outputs" list)')
-        self._see_id(obj.get("request_id"))
-        kind = obj.get("output_kind")
+        if self.provider_request_id is None:
+            self._see_id(get("request_id"))
+        kind = get("output_kind")
         if kind is None:
             kind = self.options.vllm_output_kind
-        if kind not in ("DELTA", "CUMULATIVE", 0, 1):
+        if kind == "DELTA":
+            cumulative = False
+        elif kind in ("CUMULATIVE", 0, 1):
+            cumulative = kind in ("CUMULATIVE", 0)
+        else:
             raise InvalidEvent(f"unknown vLLM output_kind: {kind!r} (DELTA or CUMULATIVE)")
-        cumulative = kind in ("CUMULATIVE", 0)
         drafts: list[Draft] = []
         for output in outputs:
-            drafts.append(
-                self._output(_object(output, "vLLM CompletionOutput"), cumulative=cumulative)
-            )
+            checked = output if type(output) is dict else _object(output, "vLLM CompletionOutput")
+            drafts.append(self._output(checked, cumulative))
         if not drafts:
             drafts.append(Draft())
-        prompt = obj.get("prompt_token_ids")
+        prompt = get("prompt_token_ids")
+        if prompt is not None and type(prompt) is not list:
+            prompt = _token_ids(prompt, "prompt_token_ids")  # raises: not a list
         drafts[0].usage = self._usage.report(
-            {
-                "input": None if prompt is None else len(_token_ids(prompt, "prompt_token_ids")),
-                "output": sum(self._token_count.values()),
-                "cached": obj.get("num_cached_tokens"),
-            }
+            None if prompt is None else len(prompt),
+            sum(self._token_count.values()),
+            get("num_cached_tokens"),
         )
-        if obj.get("finished") is True and not outputs:
+        if get("finished") is True and not outputs:
             drafts[0].finish, drafts[0].finish_raw = FinishReason.ERROR, "error"
             drafts[0].error = "finished RequestOutput without outputs"
+        if len(drafts) == 1:
+            return drafts  # it carries the usage at least
         return [d for d in drafts if d.carries_anything()]
 
-    def _output(self, output: Mapping[str, Any], *, cumulative: bool) -> Draft:
-        index = _choice_index(output.get("index"))
-        draft = Draft(choice=index)
-        text = as_str(output.get("text"))
-        count = len(_token_ids(output.get("token_ids"), "token_ids"))
+    def _output(self, output: Mapping[str, Any], cumulative: bool) -> Draft:
+        index = output.get("index")
+        if type(index) is not int or index < 0:
+            index = _choice_index(index)
+        text = output.get("text")
+        if type(text) is not str:
+            text = as_str(text)
+        token_ids = output.get("token_ids")
+        if type(token_ids) is not list:
+            token_ids = _token_ids(token_ids, "token_ids")
+        counts = self._token_count
         if cumulative:
             seen = self._text_len.get(index, 0)
-            draft.text = text[seen:]
+            draft = Draft(index, text[seen:])
             self._text_len[index] = max(seen, len(text))
-            self._token_count[index] = max(self._token_count.get(index, 0), count)
+            counts[index] = max(counts.get(index, 0), len(token_ids))
         else:
-            draft.text = text
-            self._token_count[index] = self._token_count.get(index, 0) + count
-        _finish(draft, output.get("finish_reason"))
+            draft = Draft(index, text)
+            counts[index] = counts.get(index, 0) + len(token_ids)
+        finish = output.get("finish_reason")
+        if finish is not None:
+            _finish(draft, finish)
         return draft
 
 
@@ -182,7 +205,7 @@ class AtomrAdapter(Adapter):
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
-        self._total = Usage()
+        self._total = ZERO_USAGE
         self._tools = ToolKeys()
 
     def feed(self, event: object) -> list[Draft]:
@@ -203,11 +226,18 @@ class AtomrAdapter(Adapter):
             draft.tools = [self._tool(d) for d in delta if isinstance(d, Mapping)]
         usage = obj.get("usage")
         if isinstance(usage, Mapping):
-            self._total = self._total + Usage(
-                input_tokens=as_int(usage.get("input_tokens"), "input_tokens") or 0,
-                output_tokens=as_int(usage.get("output_tokens"), "output_tokens") or 0,
-                reasoning_tokens=as_int(usage.get("reasoning_tokens"), "reasoning_tokens") or 0,
-                cached_tokens=as_int(usage.get("cached_tokens"), "cached_tokens") or 0,
+            # Checked counts (as_int): their sums need no validation again.
+            inputs = as_int(usage.get("input_tokens"), "input_tokens") or 0
+            outputs = as_int(usage.get("output_tokens"), "output_tokens") or 0
+            reasoning = as_int(usage.get("reasoning_tokens"), "reasoning_tokens") or 0
+            cached = as_int(usage.get("cached_tokens"), "cached_tokens") or 0
+            total = self._total
+            self._total = trusted_usage(
+                input_tokens=total.input_tokens + inputs,
+                output_tokens=total.output_tokens + outputs,
+                reasoning_tokens=total.reasoning_tokens + reasoning,
+                cached_tokens=total.cached_tokens + cached,
+                cache_write_tokens=total.cache_write_tokens,
             )
             draft.usage = self._total
         _finish(draft, obj.get("finish_reason"))

@@ -29,7 +29,7 @@ from typing import Any
 
 from streamtally.core.adapters.base import Adapter, Draft, as_str, event_object, load_json
 from streamtally.core.adapters.finish import map_gemini
-from streamtally.core.adapters.usage import RawUsage
+from streamtally.core.adapters.usage import RawCounts
 from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, trusted_usage
 from streamtally.core.sse import NonSseLine, SseEvent
 from streamtally.errors import InvalidEvent
@@ -43,16 +43,11 @@ _SHAPE_KEYS = ("candidates", "usageMetadata", "promptFeedback", "error", "modelV
 _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
-def _convert_usage(raw: Mapping[str, int]) -> Usage:
-    thoughts = raw.get("thoughtsTokenCount", 0)
-    return trusted_usage(
-        input_tokens=raw.get("promptTokenCount", 0),
-        output_tokens=raw.get("candidatesTokenCount", 0) + thoughts,
-        reasoning_tokens=thoughts,
-        cached_tokens=raw.get("cachedContentTokenCount", 0),
-    )
+def _convert_usage(prompt: int, candidates: int, thoughts: int, cached: int) -> Usage:
+    return trusted_usage(prompt, candidates + thoughts, thoughts, cached, 0)
 
 
+#: The raw fields of `usageMetadata`, in the order `_convert_usage` takes them.
 _USAGE_FIELDS = (
     "promptTokenCount",
     "candidatesTokenCount",
@@ -135,7 +130,7 @@ class GeminiAdapter(Adapter):
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)
-        self._usage = RawUsage(_convert_usage)
+        self._usage = RawCounts(_USAGE_FIELDS, _convert_usage)
         self._calls: dict[int, int] = {}  # candidate -> number of calls started
         self._open: dict[int, tuple[int, _StreamedArgs]] = {}  # candidate -> streamed call
 
@@ -143,37 +138,42 @@ class GeminiAdapter(Adapter):
         obj = event_object(event.data, "Gemini GenerateContentResponse")
         if obj is None:
             return []  # a keep-alive
-        if obj.keys().isdisjoint(_SHAPE_KEYS):
+        if "candidates" not in obj and obj.keys().isdisjoint(_SHAPE_KEYS):
             raise InvalidEvent(
                 "not a Gemini GenerateContentResponse "
                 f"(expected one of {', '.join(_SHAPE_KEYS)}; got keys {', '.join(sorted(obj)[:8])})"
             )
-        if obj.get("error"):
+        get = obj.get
+        if get("error"):
             return [self._error(obj["error"])]
         if self.provider_request_id is None:
-            self._see_id(obj.get("responseId"))
+            self._see_id(get("responseId"))
         if self.model is None:
-            self._see_model(obj.get("modelVersion"))
+            self._see_model(get("modelVersion"))
         drafts: list[Draft] = []
-        candidates = obj.get("candidates")
+        candidates = get("candidates")
         if isinstance(candidates, list):
             for candidate in candidates:
                 if isinstance(candidate, dict):
                     draft = self._candidate(candidate)
-                    if draft.carries_anything():
+                    # `draft.carries_anything()`, inline: a candidate's draft has no usage yet
+                    if draft.text or draft.reasoning or draft.tools or draft.finish is not None:
                         drafts.append(draft)
-        feedback = obj.get("promptFeedback")
+        feedback = get("promptFeedback")
         if isinstance(feedback, dict) and feedback.get("blockReason"):
             raw = as_str(feedback["blockReason"])
             drafts.append(Draft(finish=FinishReason.CONTENT_FILTER, finish_raw=raw))
-        usage = obj.get("usageMetadata")
-        reported = (
-            {name: usage[name] for name in _USAGE_FIELDS if name in usage}
-            if isinstance(usage, dict)
-            else None
-        )
-        if reported:
-            total = self._usage.report(reported)
+        usage = get("usageMetadata")
+        if isinstance(usage, dict) and (
+            "promptTokenCount" in usage or not usage.keys().isdisjoint(_USAGE_FIELDS)
+        ):
+            field = usage.get  # an absent field is None: not reported
+            total = self._usage.report(
+                field("promptTokenCount"),
+                field("candidatesTokenCount"),
+                field("thoughtsTokenCount"),
+                field("cachedContentTokenCount"),
+            )
             if drafts:
                 drafts[0].usage = total
             else:
@@ -207,34 +207,57 @@ class GeminiAdapter(Adapter):
 
     def _candidate(self, candidate: Mapping[str, Any]) -> Draft:
         index = candidate.get("index", 0)
-        if not isinstance(index, int) or isinstance(index, bool) or index < 0:
+        # An exact int is the usual index: the full type check (a bool is no index) otherwise.
+        if (
+            type(index) is not int and (not isinstance(index, int) or isinstance(index, bool))
+        ) or index < 0:
             raise InvalidEvent(f"candidate index is not a non-negative integer: {index!r}")
-        draft = Draft(choice=index)
+        draft = Draft(index)
         content = candidate.get("content")
         parts = content.get("parts") if isinstance(content, dict) else None
-        text: list[str] = []
-        thoughts: list[str] = []
         if isinstance(parts, list):
-            for part in parts:
-                if not isinstance(part, dict):
-                    continue
+            part = parts[0] if len(parts) == 1 else None
+            if isinstance(part, dict) and "functionCall" not in part:  # the usual: one text
                 if "text" in part:
-                    (thoughts if part.get("thought") is True else text).append(as_str(part["text"]))
-                call = part.get("functionCall")
-                if isinstance(call, dict):
-                    draft.tools.extend(self._function_call(index, call))
-        draft.text = "".join(text)
-        draft.reasoning = "".join(thoughts)
+                    value = part["text"]
+                    if isinstance(value, str) and value:
+                        if part.get("thought") is True:
+                            draft.reasoning = value
+                        else:
+                            draft.text = value
+            else:
+                self._parts(draft, parts)
         raw = candidate.get("finishReason")
         if isinstance(raw, str) and raw:
             if index in self._open:
-                draft.tools.extend(self._close(index).tools)
+                draft.tools = [*draft.tools, *self._close(index).tools]
                 del self._open[index]
             draft.finish = map_gemini(raw)
             draft.finish_raw = raw
             if draft.finish is FinishReason.ERROR:
                 draft.error = as_str(candidate.get("finishMessage")) or raw
         return draft
+
+    def _parts(self, draft: Draft, parts: list[Any]) -> None:
+        """The text, thoughts and function calls of a candidate's parts, into its draft."""
+        text: list[str] = []
+        thoughts: list[str] = []
+        tools: list[ToolCallDelta] = []
+        for part in parts:
+            if not isinstance(part, dict):
+                continue
+            if "text" in part:
+                value = part["text"]
+                (thoughts if part.get("thought") is True else text).append(
+                    value if isinstance(value, str) else ""
+                )
+            call = part.get("functionCall")
+            if isinstance(call, dict):
+                tools.extend(self._function_call(draft.choice, call))
+        draft.text = "".join(text)
+        draft.reasoning = "".join(thoughts)
+        if tools:
+            draft.tools = tools
 
     def _function_call(self, candidate: int, call: Mapping[str, Any]) -> list[ToolCallDelta]:
         name = as_str(call.get("name"))
