@@ -10,6 +10,7 @@ variable                            meaning                                     
 ==================================  ==============================================  =========
 ``KAFKA_BOOTSTRAP_SERVERS``         Kafka to use                                    local stack
 ``REDIS_URL``                       Redis to use                                    local stack
+``REDIS_CLUSTER``                   that Redis is a Redis Cluster (``1``/``0``)     ``0``
 ``STREAMTALLY_NAMESPACE``           prefix of topic names and the consumer group    ``streamtally``
 ``STREAMTALLY_PRICES``              price table (JSON)                              packaged
 ``STREAMTALLY_REQUEST_TIMEOUT``     seconds a request may stay quiet                ``300``
@@ -39,6 +40,7 @@ from streamtally.errors import InputError
 
 __all__ = [
     "ENV_BOOTSTRAP_SERVERS",
+    "ENV_REDIS_CLUSTER",
     "ENV_REDIS_URL",
     "LOCAL_HOST",
     "VARIABLES",
@@ -50,6 +52,8 @@ LOCAL_HOST: Final = "127.0.0.1"
 #: The variables that point every client at a stack of the user's own.
 ENV_BOOTSTRAP_SERVERS: Final = "KAFKA_BOOTSTRAP_SERVERS"
 ENV_REDIS_URL: Final = "REDIS_URL"
+#: Says that the Redis of ``REDIS_URL`` (or the local stack's) is a Redis Cluster.
+ENV_REDIS_CLUSTER: Final = "REDIS_CLUSTER"
 
 
 def project_root() -> Path | None:
@@ -77,6 +81,9 @@ class Settings(BaseSettings):
     redis_url_setting: str | None = Field(
         None, validation_alias=_env("REDIS_URL", "redis_url_setting")
     )
+    #: The Redis at `redis_url` is a Redis Cluster: clients must use cluster mode
+    #: (`streamtally stack up --redis-cluster` runs one and prints ``REDIS_CLUSTER=1``).
+    redis_cluster: bool = Field(False, validation_alias=_env("REDIS_CLUSTER", "redis_cluster"))
     namespace: str = Field(
         "streamtally",
         pattern=r"^[A-Za-z0-9._-]+$",

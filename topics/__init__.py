@@ -22,6 +22,12 @@ Names: each topic is declared with its name inside a namespace (``raw.sse``);
 the namespace as a prefix (``streamtally.raw.sse`` by default, another with
 ``STREAMTALLY_NAMESPACE`` so that a test or a second deployment can share a
 broker).  The processors' consumer group is named in the same namespace.
+
+Replication: the declarations hold no broker count.  `ensure_topics`
+(`streamtally.wire.kafka`) creates each topic with `Topic.on_cluster` of the
+brokers it finds: as many copies as brokers, up to `MAX_REPLICATION_FACTOR`
+(`replication_factor_for`), and on the topics the worker writes
+``min.insync.replicas`` 2 once there are three copies (`Topic.min_insync`).
 """
 
 from __future__ import annotations
@@ -38,13 +44,17 @@ __all__ = [
     "DECLARED",
     "DEFAULT_NAMESPACE",
     "FOREVER",
+    "MAX_REPLICATION_FACTOR",
     "MIB",
+    "OUTPUT_MIN_INSYNC",
     "Topic",
     "Topics",
     "decode_key",
     "encode_key",
     "kafka_config",
+    "min_insync_for",
     "output_key",
+    "replication_factor_for",
 ]
 
 #: Prefix of every topic name (and of the worker's consumer group) unless the settings name another.
@@ -54,6 +64,29 @@ DAY_MS: Final = 24 * 60 * 60 * 1000
 #: `retention.ms` meaning "keep forever".
 FOREVER: Final = -1
 MIB: Final = 1024 * 1024
+
+#: Most copies of a partition streamtally asks for: with three, one broker can fail or
+#: restart while writes with ``min.insync.replicas`` 2 go on and nothing is lost.
+MAX_REPLICATION_FACTOR: Final = 3
+#: ``min.insync.replicas`` of the topics the worker writes, once they have enough copies.
+OUTPUT_MIN_INSYNC: Final = 2
+
+
+def replication_factor_for(brokers: int) -> int:
+    """The replication factor of streamtally's topics on a cluster of `brokers` brokers.
+
+    One copy per broker, up to `MAX_REPLICATION_FACTOR`: 1 on a single broker, 3 on
+    three brokers or more.
+    """
+    return max(1, min(MAX_REPLICATION_FACTOR, brokers))
+
+
+def min_insync_for(replication_factor: int, wanted: int = OUTPUT_MIN_INSYNC) -> int:
+    """``min.insync.replicas`` of `wanted` on `replication_factor` copies: at most one less
+    than the copies (so that one broker can always be down), at least 1.
+    """
+    return max(1, min(wanted, replication_factor - 1))
+
 
 CleanupPolicy = Literal["delete", "compact"]
 TimestampType = Literal["CreateTime", "LogAppendTime"]
@@ -65,6 +98,8 @@ class Topic:
 
     name: str
     partitions: int
+    #: Copies of each partition, at least; `on_cluster` raises it to what the cluster
+    #: can hold (`replication_factor_for`), which is what `ensure_topics` creates.
     replication_factor: int = 1
     retention_ms: int
     cleanup_policy: CleanupPolicy = "delete"
@@ -80,23 +115,45 @@ class Topic:
     #: `LogAppendTime` on the raw topics, the input clock by which quiet requests
     #: are closed (no producer can set it); None: the broker default (CreateTime).
     timestamp_type: TimestampType | None = None
+    #: In-sync replicas an ``acks=all`` write needs (`min.insync.replicas`) once the topic
+    #: has more copies than that; see `min_insync`.  2 on the topics the worker writes (a
+    #: write then waits rather than rest on one broker), 1 on the raw topics (producers
+    #: keep writing while one replica is left).
+    min_insync_replicas: int = 1
 
     def __post_init__(self) -> None:
         if not self.name or any(not (c.isalnum() or c in "._-") for c in self.name):
             raise ValueError(f"bad topic name {self.name!r}")
-        if self.partitions < 1 or self.replication_factor < 1:
-            raise ValueError(f"{self.name}: partitions and replication_factor must be >= 1")
+        if self.partitions < 1 or self.replication_factor < 1 or self.min_insync_replicas < 1:
+            raise ValueError(
+                f"{self.name}: partitions, replication_factor and min_insync_replicas must be >= 1"
+            )
         if self.retention_ms < FOREVER or self.retention_ms == 0:
             raise ValueError(f"{self.name}: retention_ms must be -1 (forever) or > 0")
         if self.cleanup_policy not in ("delete", "compact"):
             raise ValueError(f"{self.name}: cleanup_policy must be delete or compact")
 
+    @property
+    def min_insync(self) -> int:
+        """The topic's ``min.insync.replicas``: `min_insync_for` its copies."""
+        return min_insync_for(self.replication_factor, self.min_insync_replicas)
+
+    def on_cluster(self, brokers: int) -> Topic:
+        """This topic as created on a cluster of `brokers` brokers (`replication_factor_for`)."""
+        wanted = max(self.replication_factor, replication_factor_for(brokers))
+        return dataclasses.replace(self, replication_factor=wanted)
+
     def config(self) -> dict[str, str]:
-        """The topic-level Kafka configs, as strings (what `kafka-topics --config` takes)."""
+        """The topic-level Kafka configs, as strings (what `kafka-topics --config` takes).
+
+        ``min.insync.replicas`` is given only above the broker default of 1.
+        """
         out = {
             "cleanup.policy": self.cleanup_policy,
             "retention.ms": str(self.retention_ms),
         }
+        if self.min_insync > 1:
+            out["min.insync.replicas"] = str(self.min_insync)
         if self.max_message_bytes is not None:
             out["max.message.bytes"] = str(self.max_message_bytes)
         if self.timestamp_type is not None:
@@ -138,6 +195,7 @@ _CHUNKS: Final = Topic(
     key=OUTPUT_KEY,
     value_schema="Chunk",
     description="One normalised Chunk per raw event that carried anything, in request order.",
+    min_insync_replicas=OUTPUT_MIN_INSYNC,
 )
 
 _TOKENS: Final = Topic(
@@ -152,6 +210,7 @@ _TOKENS: Final = Topic(
         "(tenant and request id) is kept forever; a tombstone (null value) deletes a request."
     ),
     max_message_bytes=8 * MIB,
+    min_insync_replicas=OUTPUT_MIN_INSYNC,
 )
 
 _BILLING: Final = Topic(
@@ -164,6 +223,7 @@ _BILLING: Final = Topic(
         "One priced BillingEvent per finished request; kept forever. Consumers drop "
         "replays by event_id (the deterministic idempotency key)."
     ),
+    min_insync_replicas=OUTPUT_MIN_INSYNC,
 )
 
 _DEADLETTER: Final = Topic(
@@ -176,6 +236,7 @@ _DEADLETTER: Final = Topic(
         "with the original key and value bytes and the reason. Keyed by the original key."
     ),
     max_message_bytes=16 * MIB,
+    min_insync_replicas=OUTPUT_MIN_INSYNC,
 )
 
 #: Every topic as declared (names inside a namespace), in pipeline order.

@@ -1,5 +1,8 @@
 """``streamtally stack up|down|status``: the local Kafka (KRaft) + Redis stack.
 
+``up --brokers 3`` runs three Kafka nodes, ``up --redis-cluster`` a Redis Cluster
+of three masters; the stack remembers its shape (`streamtally.ops.stack.config`).
+
 Also runnable on its own: ``python -m streamtally.cli.stack up``.
 """
 
@@ -14,7 +17,19 @@ from collections.abc import Callable, Sequence
 from streamtally.cli._args import Parser
 from streamtally.cli._output import say
 from streamtally.ops.stack import StackConfig, StackError, kafka, redis
-from streamtally.settings import Settings
+from streamtally.ops.stack.config import (
+    BROKER_COUNTS,
+    KAFKA_PORT_STEP,
+    REDIS_BUS_OFFSET,
+    REDIS_CLUSTER_MASTERS,
+    StackShape,
+)
+from streamtally.settings import (
+    ENV_BOOTSTRAP_SERVERS,
+    ENV_REDIS_CLUSTER,
+    ENV_REDIS_URL,
+    Settings,
+)
 
 EXIT_OK = 0
 EXIT_ERROR = 1
@@ -44,27 +59,42 @@ def _guarded(command: str, handler: Handler) -> Handler:
     return run
 
 
-def _note_overrides(settings: Settings) -> None:
+def _env_line(cfg: StackConfig) -> str:
+    """The variables that point a client at this stack (the defaults need none of them)."""
+    line = (
+        f"KAFKA_BOOTSTRAP_SERVERS={cfg.all_bootstrap_servers()} REDIS_URL={cfg.local_redis_url()}"
+    )
+    return line + (f" {ENV_REDIS_CLUSTER}=1" if cfg.redis_cluster else "")
+
+
+def _note_overrides(settings: Settings, cfg: StackConfig) -> None:
     for name, value in (
-        ("KAFKA_BOOTSTRAP_SERVERS", settings.kafka_bootstrap_servers),
-        ("REDIS_URL", settings.redis_url_setting),
+        (ENV_BOOTSTRAP_SERVERS, settings.kafka_bootstrap_servers),
+        (ENV_REDIS_URL, settings.redis_url_setting),
     ):
         if value:
             _say(f"note: {name}={value} is set, so the app uses that, not this local stack")
+    if cfg.redis_cluster and not settings.redis_cluster:
+        _say(
+            f"note: Redis is a Redis Cluster: export {ENV_REDIS_CLUSTER}=1 so that clients use "
+            "cluster mode"
+        )
+    elif settings.redis_cluster and not cfg.redis_cluster and not settings.redis_url_setting:
+        _say(f"note: {ENV_REDIS_CLUSTER}=1 is set but this stack runs one Redis, not a cluster")
 
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
-    cfg = StackConfig.from_settings(settings)
+    cfg = StackConfig.from_settings(
+        settings, brokers=args.brokers, redis_cluster=args.redis_cluster
+    )
     start = time.monotonic()
     _say(f"stack: state dir {cfg.state_dir}")
+    if cfg.shape != StackShape():
+        _say(f"stack: {cfg.shape.describe()}")
     kafka.up(cfg, _say, timeout=args.timeout)
     redis.up(cfg, _say, timeout=args.timeout)
-    _say(
-        f"stack: up in {time.monotonic() - start:.1f} s: "
-        f"KAFKA_BOOTSTRAP_SERVERS={cfg.local_bootstrap_servers()} "
-        f"REDIS_URL={cfg.local_redis_url()}"
-    )
-    _note_overrides(settings)
+    _say(f"stack: up in {time.monotonic() - start:.1f} s: {_env_line(cfg)}")
+    _note_overrides(settings, cfg)
     return EXIT_OK
 
 
@@ -81,17 +111,31 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     del args
     cfg = StackConfig.from_settings(settings)
-    statuses = [kafka.status(cfg), redis.status(cfg)]
+    statuses = [*kafka.statuses(cfg), *redis.statuses(cfg)]
     for st in statuses:
         _say(st.describe())
-    _say(f"state dir: {cfg.state_dir}")
-    return EXIT_OK if all(st.running for st in statuses) else EXIT_NOT_RUNNING
+    _say(f"state dir: {cfg.state_dir} ({cfg.shape.describe()})")
+    running = all(st.running for st in statuses)
+    if running:
+        _say(_env_line(cfg))
+    return EXIT_OK if running else EXIT_NOT_RUNNING
 
 
 _DESCRIPTION = (
-    "Local single-node Kafka (broker+controller, jars from Maven Central) and Redis under "
-    "$STREAMTALLY_STATE_DIR (default <repo>/.stack). Ports: STREAMTALLY_KAFKA_PORT (9092), "
-    "STREAMTALLY_CONTROLLER_PORT (9093), STREAMTALLY_REDIS_PORT (6379)."
+    "Local Kafka (KRaft; each node a broker and a controller, jars from Maven Central) and "
+    "Redis under $STREAMTALLY_STATE_DIR (default <repo>/.stack). Ports: STREAMTALLY_KAFKA_PORT "
+    "(9092), STREAMTALLY_CONTROLLER_PORT (9093), STREAMTALLY_REDIS_PORT (6379). With --brokers "
+    f"N, node i listens on those + {KAFKA_PORT_STEP}(i-1) (3 brokers: 9092/9093, 9094/9095, "
+    "9096/9097); with --redis-cluster, master i on the redis port + (i-1) (6379, 6380, 6381) and "
+    f"its cluster bus on that + {REDIS_BUS_OFFSET}. `up` remembers the shape in "
+    "<state>/stack.json: `status`, `down` and a plain `up` use it."
+)
+
+_UP_EPILOG = (
+    "Three brokers: streamtally's topics are created with replication factor 3, and "
+    "min.insync.replicas 2 on the topics the worker writes. Each broker count and the Redis "
+    "Cluster keep their own data; change the shape after `streamtally stack down`. "
+    f"Clients of the Redis Cluster need {ENV_REDIS_CLUSTER}=1."
 )
 
 
@@ -99,22 +143,41 @@ def _add_commands(stack: argparse.ArgumentParser) -> None:
     commands = stack.add_subparsers(dest="stack_command", metavar="{up,down,status}")
     commands.required = True
 
-    up = commands.add_parser("up", help="start Kafka and Redis (idempotent), wait until ready")
+    up = commands.add_parser(
+        "up",
+        help="start Kafka and Redis (idempotent), wait until ready",
+        description="Start the local Kafka and Redis (what is running already is kept) and "
+        "wait until every node answers.",
+        epilog=_UP_EPILOG,
+    )
+    up.add_argument(
+        "--brokers", type=int, choices=BROKER_COUNTS, default=None, metavar="N",
+        help="Kafka nodes, each a broker and a KRaft controller: "
+        f"{', '.join(map(str, BROKER_COUNTS))} (default: as last started, else 1)",
+    )  # fmt: skip
+    up.add_argument(
+        "--redis-cluster", action=argparse.BooleanOptionalAction, default=None,
+        help=f"a Redis Cluster of {REDIS_CLUSTER_MASTERS} masters instead of one Redis "
+        "(default: as last started, else one Redis)",
+    )  # fmt: skip
     up.add_argument(
         "--timeout", type=float, default=kafka.READY_TIMEOUT_S, metavar="SECONDS",
         help="how long to wait for each service to answer (default %(default)s)",
     )  # fmt: skip
     up.set_defaults(func=_guarded("up", cmd_up))
 
-    down = commands.add_parser("down", help="stop Kafka and Redis (data is kept)")
-    down.add_argument("--wipe", action="store_true", help="also delete topics, data and logs")
+    down = commands.add_parser("down", help="stop Kafka and Redis, every node (data is kept)")
+    down.add_argument(
+        "--wipe", action="store_true",
+        help="also delete topics, data and logs (of every broker count and the Redis Cluster)",
+    )  # fmt: skip
     down.add_argument(
         "--timeout", type=float, default=kafka.STOP_TIMEOUT_S, metavar="SECONDS",
         help="seconds to wait after SIGTERM before SIGKILL (default %(default)s)",
     )  # fmt: skip
     down.set_defaults(func=_guarded("down", cmd_down))
 
-    status = commands.add_parser("status", help="show each service; exit 3 unless both run")
+    status = commands.add_parser("status", help="show each node; exit 3 unless all run")
     status.set_defaults(func=_guarded("status", cmd_status))
 
 

@@ -17,7 +17,7 @@ from typing import Any, Final, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError
+from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError, for_code
 
 from streamtally.errors import StackError
 from streamtally.topics import Topic, kafka_config
@@ -62,8 +62,16 @@ def idempotent_producer(bootstrap_servers: str, *, linger_ms: int = 5) -> AIOKaf
     )
 
 
-async def ensure_topics(bootstrap_servers: str, wanted: tuple[Topic, ...]) -> list[str]:
-    """Create the declared topics that do not exist yet; return the names created."""
+async def ensure_topics(
+    bootstrap_servers: str, wanted: tuple[Topic, ...], *, brokers: int | None = None
+) -> list[str]:
+    """Create the declared topics that do not exist yet; return the names created.
+
+    Each is created as `Topic.on_cluster` of `brokers` (default: the brokers the
+    cluster lists now): one copy per broker up to three, and on the topics the
+    worker writes ``min.insync.replicas`` 2 once there are three.  Topics that
+    exist already are left as they are.
+    """
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=15000)
     try:
         await admin.start()
@@ -76,9 +84,12 @@ async def ensure_topics(bootstrap_servers: str, wanted: tuple[Topic, ...]) -> li
         existing = set(await admin.list_topics())
         missing = [t for t in wanted if t.name not in existing]
         if missing:
+            if brokers is None:
+                brokers = len((await admin.describe_cluster())["brokers"])
+            created = [topic.on_cluster(brokers) for topic in missing]
             # Another process may create them concurrently: that is what we wanted.
             with contextlib.suppress(TopicAlreadyExistsError):
-                await admin.create_topics(
+                response = await admin.create_topics(
                     [
                         NewTopic(
                             name=t.name,
@@ -86,12 +97,29 @@ async def ensure_topics(bootstrap_servers: str, wanted: tuple[Topic, ...]) -> li
                             replication_factor=t.replication_factor,
                             topic_configs=kafka_config(t),
                         )
-                        for t in missing
+                        for t in created
                     ]
                 )
+                _raise_creation_errors(bootstrap_servers, brokers, response)
         return [t.name for t in missing]
     finally:
         await admin.close()
+
+
+def _raise_creation_errors(servers: str, brokers: int, response: object) -> None:
+    """`StackError` naming each topic the broker did not create (existing ones aside)."""
+    failed = []
+    for error in getattr(response, "topic_errors", ()):
+        name, code = error[0], error[1]
+        if code in (0, TopicAlreadyExistsError.errno):
+            continue
+        message = error[2] if len(error) > 2 and error[2] else ""
+        failed.append(f"{name}: {for_code(code).__name__} {message}".rstrip())
+    if failed:
+        raise StackError(
+            f"Kafka at {servers} refused topics for a cluster of {brokers} broker(s): "
+            + "; ".join(failed)
+        )
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,7 +2,9 @@
 
 Uses ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` when set (an existing cluster);
 otherwise brings the local stack up first (idempotent, same as
-``streamtally stack up``) and leaves it running.
+``streamtally stack up``: in the shape it was last started with) and leaves it
+running.  `test_stack_cluster.py` starts a 3-broker stack and a Redis Cluster of
+its own.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ def stack() -> StackConfig:
 def test_local_services_report_running(stack: StackConfig) -> None:
     if not _uses_local_stack():
         pytest.skip("KAFKA_BOOTSTRAP_SERVERS/REDIS_URL point at an external stack")
-    assert kafka.status(stack).running
-    assert redis.status(stack).running
+    assert all(st.running for st in kafka.statuses(stack))
+    assert all(st.running for st in redis.statuses(stack))
+    assert len(kafka.statuses(stack)) == stack.brokers
     assert Settings.load().bootstrap_servers == stack.local_bootstrap_servers()
     assert Settings.load().redis_url == stack.local_redis_url()
 

@@ -1,11 +1,16 @@
-"""Local development stack: one Kafka broker (KRaft, broker+controller) and one Redis.
+"""Local development stack: Kafka (KRaft, each node a broker and a controller) and Redis.
+
+By default one Kafka node and one Redis; ``stack up --brokers 3`` runs three
+Kafka nodes (a 3-voter quorum) and ``--redis-cluster`` a Redis Cluster of three
+masters (`streamtally.ops.stack.config` has the ports and the remembered shape).
 
 ``streamtally stack up|down|status`` drives it (see :mod:`streamtally.cli.stack`);
-:mod:`streamtally.ops.stack.kafka` and :mod:`streamtally.ops.stack.redis` hold the two
-services. Application code reads the endpoints from `streamtally.settings.Settings`
-(``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL``, else this stack's).
+:mod:`streamtally.ops.stack.kafka` (with ``kafka_jars`` and ``kafka_node``) and
+:mod:`streamtally.ops.stack.redis` (with ``redis_cluster``) hold the services.
+Application code reads the endpoints from `streamtally.settings.Settings`
+(``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` / ``REDIS_CLUSTER``, else this stack's).
 
-This module also holds the small process toolkit both services share: pid files,
+This module also holds the small process toolkit the services share: pid files,
 detached start (own session, output to a log file), liveness, the wait until a
 started service answers, stop with SIGTERM then SIGKILL, port checks.
 """
@@ -13,6 +18,7 @@ started service answers, stop with SIGTERM then SIGKILL, port checks.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import os
 import signal
@@ -43,6 +49,7 @@ __all__ = [
     "spawn_detached",
     "stop_process",
     "stop_service",
+    "stop_services",
     "tail",
     "wait_answering",
     "write_pid_file",
@@ -189,25 +196,28 @@ def already_running(name: str, current: ServiceStatus, address: str, say: Say) -
 def wait_answering(
     answers: Callable[[], bool],
     *,
-    proc: subprocess.Popen[bytes] | None,
-    pid_file: Path,
     timeout: float,
     every: float,
-    exited: Callable[[int], StackError],
     timed_out: Callable[[], StackError],
+    proc: subprocess.Popen[bytes] | None = None,
+    pid_file: Path | None = None,
+    exited: Callable[[int], StackError] | None = None,
 ) -> float:
     """Poll `answers` every `every` s until it is true; returns the seconds waited.
 
-    `proc` is the process just started (None: one found running).  If it
-    exits first, its pid file is removed and `exited(exit status)` raised;
-    after `timeout` s, `timed_out()` is raised.
+    `proc` is the process just started (None: one found running, or `answers`
+    watches the processes itself).  If it exits first, its `pid_file` is removed
+    and `exited(exit status)` raised; after `timeout` s, `timed_out()` is raised.
     """
     start = time.monotonic()
     deadline = start + timeout
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            remove_pid_file(pid_file)
-            raise exited(proc.returncode)
+            if pid_file is not None:
+                remove_pid_file(pid_file)
+            if exited is not None:
+                raise exited(proc.returncode)
+            raise StackError(f"{proc.args!r} exited with code {proc.returncode} while starting")
         if answers():
             return time.monotonic() - start
         time.sleep(every)
@@ -247,18 +257,40 @@ def stop_process(pid: int, timeout: float) -> bool:
 
 def stop_service(name: str, current: ServiceStatus, say: Say, timeout: float) -> None:
     """Stop a service of the stack: SIGTERM, then SIGKILL after `timeout`; clear its pid file."""
-    if current.pid is None or not current.running:
-        if current.pid_file.exists():
-            say(f"{name}: removing stale pid file {current.pid_file}")
-            remove_pid_file(current.pid_file)
-        say(f"{name}: not running")
-        return
-    say(f"{name}: stopping (pid {current.pid}) ...")
+    stop_services([dataclasses.replace(current, name=name)], say, timeout)
+
+
+def stop_services(services: Sequence[ServiceStatus], say: Say, timeout: float) -> None:
+    """Stop several services at once: SIGTERM to all, SIGKILL to those still there after
+    `timeout` s; clear their pid files.
+
+    At once, so that the nodes of a cluster shut down while their peers still answer.
+    """
+    running = []
+    for current in services:
+        if current.pid is None or not current.running:
+            if current.pid_file.exists():
+                say(f"{current.name}: removing stale pid file {current.pid_file}")
+                remove_pid_file(current.pid_file)
+            say(f"{current.name}: not running")
+        else:
+            say(f"{current.name}: stopping (pid {current.pid}) ...")
+            running.append((current, current.pid))
     start = time.monotonic()
-    graceful = stop_process(current.pid, timeout)
-    remove_pid_file(current.pid_file)
-    how = "stopped" if graceful else f"killed (no exit within {timeout:.0f} s of SIGTERM)"
-    say(f"{name}: {how} in {time.monotonic() - start:.1f} s")
+    for _, pid in running:
+        _signal(pid, signal.SIGTERM)
+    for current, pid in running:
+        graceful = _wait_gone(pid, max(0.0, start + timeout - time.monotonic()))
+        if not graceful:
+            _signal(pid, signal.SIGKILL)
+            if not _wait_gone(pid, _KILL_WAIT_S):
+                raise StackError(
+                    f"{current.name}: pid {pid} survived SIGKILL; check it with "
+                    f"`ps -o pid,stat,cmd -p {pid}`"
+                )
+        remove_pid_file(current.pid_file)
+        how = "stopped" if graceful else f"killed (no exit within {timeout:.0f} s of SIGTERM)"
+        say(f"{current.name}: {how} in {time.monotonic() - start:.1f} s")
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -1,31 +1,26 @@
-"""Single-node Apache Kafka (KRaft: broker and controller in one JVM) for local work.
+"""The local Apache Kafka: 1, 3 or 5 KRaft nodes, each a broker and a controller voter.
 
-Layout under ``<state>/kafka``::
-
-    pom.xml           copy of streamtally/stack/pom.xml used to resolve the jars
-    lib/              the broker's jars (mvn dependency:copy-dependencies), .resolved stamp
-    config/           server.properties and log4j2.xml, rewritten on every start
-    cluster.id        KRaft cluster id, generated once
-    data/             log.dirs (topics and the __cluster_metadata log)
-    logs/             server.log, controller.log, state-change.log, kafka.out, maven.log
-    kafka.pid
+The jars come from Maven Central (`streamtally.ops.stack.kafka_jars`); each node
+is one ``java`` process with its own config, data and logs
+(`streamtally.ops.stack.kafka_node` has the layout); node ``i`` listens on the
+ports of `streamtally.ops.stack.config` (9092/9093 for node 1, 9094/9095 for
+node 2, ...).  Every node of a cluster shares one KRaft cluster id and a static
+quorum of all the nodes; ``up`` starts the nodes that do not run and returns
+once every node answers and lists all the brokers; ``down`` stops them together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
+import dataclasses
 import logging
-import re
 import shutil
 import subprocess
 import time
 import uuid
-import xml.etree.ElementTree as ET
-from dataclasses import dataclass
-from pathlib import Path
-from xml.sax.saxutils import escape
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from streamtally.errors import StackError
 from streamtally.ops.stack import (
@@ -37,18 +32,35 @@ from streamtally.ops.stack import (
     port_in_use_error,
     port_open,
     process_status,
+    remove_pid_file,
     spawn_detached,
-    stop_service,
+    stop_services,
     tail,
     wait_answering,
 )
-from streamtally.ops.stack.config import StackConfig
+from streamtally.ops.stack.config import BROKER_COUNTS, StackConfig, read_shape, record_shape
+from streamtally.ops.stack.kafka_jars import (
+    KafkaHome,
+    find_java,
+    kafka_version,
+    resolve_jars,
+)
+from streamtally.ops.stack.kafka_node import KAFKA_MAIN, NodePaths, node_paths, write_configs
 
-POM = Path(__file__).with_name("pom.xml")
-KAFKA_MAIN = "kafka.Kafka"
+__all__ = [
+    "READY_TIMEOUT_S",
+    "STOP_TIMEOUT_S",
+    "broker_count",
+    "down",
+    "kafka_version",
+    "paths",
+    "status",
+    "statuses",
+    "up",
+    "wipe",
+]
+
 STORAGE_TOOL = "kafka.tools.StorageTool"
-NODE_ID = 1
-MIN_JAVA = 17
 HEAP_OPTS = ("-Xms256m", "-Xmx1g")
 JVM_OPTS = (
     "-XX:+UseG1GC",
@@ -61,247 +73,16 @@ JVM_OPTS = (
 READY_TIMEOUT_S = 120.0
 STOP_TIMEOUT_S = 60.0
 PROBE_TIMEOUT_S = 5.0
-_MAVEN_TIMEOUT_S = 1800.0
-_ANSI = re.compile(r"\x1b\[[0-9;]*m")
-_JAVA_INSTALL_HINT = "install a JDK/JRE 17+ (apt-get install -y openjdk-17-jre-headless)"
+_FORMAT_TIMEOUT_S = 300.0
 
 
-@dataclass(frozen=True, slots=True)
-class KafkaPaths:
-    root: Path
-
-    @property
-    def pom(self) -> Path:
-        return self.root / "pom.xml"
-
-    @property
-    def lib(self) -> Path:
-        return self.root / "lib"
-
-    @property
-    def stamp(self) -> Path:
-        return self.lib / ".resolved"
-
-    @property
-    def config_dir(self) -> Path:
-        return self.root / "config"
-
-    @property
-    def server_properties(self) -> Path:
-        return self.config_dir / "server.properties"
-
-    @property
-    def log4j_config(self) -> Path:
-        return self.config_dir / "log4j2.xml"
-
-    @property
-    def cluster_id_file(self) -> Path:
-        return self.root / "cluster.id"
-
-    @property
-    def data_dir(self) -> Path:
-        return self.root / "data"
-
-    @property
-    def logs_dir(self) -> Path:
-        return self.root / "logs"
-
-    @property
-    def server_log(self) -> Path:
-        return self.logs_dir / "server.log"
-
-    @property
-    def out_log(self) -> Path:
-        return self.logs_dir / "kafka.out"
-
-    @property
-    def maven_log(self) -> Path:
-        return self.logs_dir / "maven.log"
-
-    @property
-    def pid_file(self) -> Path:
-        return self.root / "kafka.pid"
+def home(cfg: StackConfig) -> KafkaHome:
+    return KafkaHome(cfg.kafka_dir)
 
 
-def paths(cfg: StackConfig) -> KafkaPaths:
-    return KafkaPaths(cfg.kafka_dir)
-
-
-def kafka_version() -> str:
-    """The Kafka version pinned in ``pom.xml`` (``kafka.version`` property)."""
-    ns = {"m": "http://maven.apache.org/POM/4.0.0"}
-    node = ET.parse(POM).getroot().find("m:properties/m:kafka.version", ns)
-    if node is None or not node.text:
-        raise StackError(f"{POM} has no <kafka.version> property")
-    return node.text.strip()
-
-
-# --------------------------------------------------------------------------- tools
-
-
-def find_java() -> str:
-    java = shutil.which("java")
-    if java is None:
-        raise StackError(f"java not found: {_JAVA_INSTALL_HINT}")
-    result = subprocess.run(
-        [java, "-version"], capture_output=True, text=True, check=False, timeout=60
-    )
-    match = re.search(r'version "(\d+)(?:\.(\d+))?', result.stderr + result.stdout)
-    if match is None:
-        raise StackError(f"cannot tell the version of {java}: {result.stderr.strip()}")
-    major = int(match.group(1))
-    if major == 1:  # "1.8.0_x" style
-        major = int(match.group(2) or 0)
-    if major < MIN_JAVA:
-        raise StackError(f"{java} is Java {major}; Kafka 4 needs {MIN_JAVA}+: {_JAVA_INSTALL_HINT}")
-    return java
-
-
-def find_maven() -> str:
-    mvn = shutil.which("mvn")
-    if mvn is None:
-        raise StackError(
-            "mvn not found: install maven (apt-get install -y maven); it downloads the "
-            "Kafka jars from Maven Central once"
-        )
-    return mvn
-
-
-# --------------------------------------------------------------------------- jars
-
-
-def _pom_digest() -> str:
-    return hashlib.sha256(POM.read_bytes()).hexdigest()
-
-
-def jars_resolved(kp: KafkaPaths) -> bool:
-    try:
-        stamp = kp.stamp.read_text(encoding="ascii").strip()
-    except FileNotFoundError:
-        return False
-    return stamp == _pom_digest() and any(kp.lib.glob("kafka_2.13-*.jar"))
-
-
-def resolve_jars(kp: KafkaPaths, say: Say) -> None:
-    """Copy Kafka and its runtime dependencies into ``lib/``; no-op when already there."""
-    version = kafka_version()
-    if jars_resolved(kp):
-        say(f"kafka: jars for {version} already in {kp.lib}")
-        return
-    mvn = find_maven()
-    say(f"kafka: resolving jars for kafka_2.13:{version} with Maven into {kp.lib} ...")
-    kp.root.mkdir(parents=True, exist_ok=True)
-    kp.logs_dir.mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(POM, kp.pom)
-    start = time.monotonic()
-    staging = kp.root / "lib.partial"
-    shutil.rmtree(staging, ignore_errors=True)
-    argv = [
-        mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(kp.pom),
-        "dependency:copy-dependencies", "-DincludeScope=runtime",
-        f"-DoutputDirectory={staging}",
-    ]  # fmt: skip
-    result = subprocess.run(
-        argv, cwd=kp.root, capture_output=True, text=True, check=False, timeout=_MAVEN_TIMEOUT_S
-    )
-    kp.maven_log.write_text(_ANSI.sub("", result.stdout + result.stderr), encoding="utf-8")
-    if result.returncode != 0 or not any(staging.glob("kafka_2.13-*.jar")):
-        raise StackError(
-            f"Maven could not resolve the Kafka jars (exit {result.returncode}); Maven Central "
-            f"must be reachable. Full output: {kp.maven_log}\n{indent(tail(kp.maven_log))}"
-        )
-    (staging / ".resolved").write_text(_pom_digest() + "\n", encoding="ascii")
-    shutil.rmtree(kp.lib, ignore_errors=True)
-    staging.replace(kp.lib)
-    jars = sum(1 for _ in kp.lib.glob("*.jar"))
-    say(f"kafka: {jars} jars resolved in {time.monotonic() - start:.1f} s")
-
-
-# --------------------------------------------------------------------------- configs
-
-
-def server_properties(cfg: StackConfig, kp: KafkaPaths) -> str:
-    host, port, cport = cfg.host, cfg.kafka_port, cfg.controller_port
-    settings = {
-        "process.roles": "broker,controller",
-        "node.id": str(NODE_ID),
-        "controller.quorum.voters": f"{NODE_ID}@{host}:{cport}",
-        "listeners": f"PLAINTEXT://{host}:{port},CONTROLLER://{host}:{cport}",
-        "advertised.listeners": f"PLAINTEXT://{host}:{port}",
-        "inter.broker.listener.name": "PLAINTEXT",
-        "controller.listener.names": "CONTROLLER",
-        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,PLAINTEXT:PLAINTEXT",
-        "log.dirs": str(kp.data_dir),
-        "num.partitions": "1",
-        "auto.create.topics.enable": "false",
-        "offsets.topic.replication.factor": "1",
-        "transaction.state.log.replication.factor": "1",
-        "transaction.state.log.min.isr": "1",
-        "share.coordinator.state.topic.replication.factor": "1",
-        "share.coordinator.state.topic.min.isr": "1",
-        "group.initial.rebalance.delay.ms": "0",
-    }
-    body = "\n".join(f"{key}={value}" for key, value in settings.items())
-    return f"# Written by `streamtally stack up` on every start; edit config.py/kafka.py.\n{body}\n"
-
-
-_LOG4J2_XML = """\
-<?xml version="1.0" encoding="UTF-8"?>
-<!-- Written by `streamtally stack up` on every start. -->
-<Configuration status="WARN">
-  <Properties>
-    <Property name="logDir">@LOG_DIR@</Property>
-    <Property name="pattern">[%d] %p %m (%c)%n</Property>
-  </Properties>
-  <Appenders>
-    <RollingFile name="server" fileName="${logDir}/server.log"
-                 filePattern="${logDir}/server.log.%i">
-      <PatternLayout pattern="${pattern}"/>
-      <SizeBasedTriggeringPolicy size="50MB"/>
-      <DefaultRolloverStrategy max="5"/>
-    </RollingFile>
-    <RollingFile name="controller" fileName="${logDir}/controller.log"
-                 filePattern="${logDir}/controller.log.%i">
-      <PatternLayout pattern="${pattern}"/>
-      <SizeBasedTriggeringPolicy size="50MB"/>
-      <DefaultRolloverStrategy max="3"/>
-    </RollingFile>
-    <RollingFile name="stateChange" fileName="${logDir}/state-change.log"
-                 filePattern="${logDir}/state-change.log.%i">
-      <PatternLayout pattern="${pattern}"/>
-      <SizeBasedTriggeringPolicy size="50MB"/>
-      <DefaultRolloverStrategy max="3"/>
-    </RollingFile>
-  </Appenders>
-  <Loggers>
-    <Root level="INFO">
-      <AppenderRef ref="server"/>
-    </Root>
-    <Logger name="org.apache.kafka.controller" level="INFO" additivity="false">
-      <AppenderRef ref="controller"/>
-    </Logger>
-    <Logger name="kafka.controller" level="INFO" additivity="false">
-      <AppenderRef ref="controller"/>
-    </Logger>
-    <Logger name="state.change.logger" level="INFO" additivity="false">
-      <AppenderRef ref="stateChange"/>
-    </Logger>
-    <Logger name="kafka.request.logger" level="WARN"/>
-    <Logger name="kafka.log.LogCleaner" level="INFO"/>
-  </Loggers>
-</Configuration>
-"""
-
-
-def log4j2_xml(kp: KafkaPaths) -> str:
-    return _LOG4J2_XML.replace("@LOG_DIR@", escape(str(kp.logs_dir)))
-
-
-def write_configs(cfg: StackConfig, kp: KafkaPaths) -> None:
-    kp.config_dir.mkdir(parents=True, exist_ok=True)
-    kp.logs_dir.mkdir(parents=True, exist_ok=True)
-    kp.server_properties.write_text(server_properties(cfg, kp), encoding="utf-8")
-    kp.log4j_config.write_text(log4j2_xml(kp), encoding="utf-8")
+def paths(cfg: StackConfig) -> list[NodePaths]:
+    """The files of each node of `cfg`'s broker count."""
+    return node_paths(cfg)
 
 
 # --------------------------------------------------------------------------- storage
@@ -315,10 +96,9 @@ def _new_cluster_id() -> str:
             return cid
 
 
-def _formatted_cluster_id(kp: KafkaPaths) -> str | None:
-    meta = kp.data_dir / "meta.properties"
+def _formatted_cluster_id(np: NodePaths) -> str | None:
     try:
-        lines = meta.read_text(encoding="utf-8").splitlines()
+        lines = np.meta_properties.read_text(encoding="utf-8").splitlines()
     except FileNotFoundError:
         return None
     for line in lines:
@@ -328,47 +108,65 @@ def _formatted_cluster_id(kp: KafkaPaths) -> str | None:
     return None
 
 
-def cluster_id(kp: KafkaPaths) -> str:
+def cluster_id(nodes: Sequence[NodePaths]) -> str:
     """The cluster id kept in ``cluster.id`` (taken from formatted storage if that exists)."""
-    cid = _formatted_cluster_id(kp)
-    if cid is None and kp.cluster_id_file.exists():
-        cid = kp.cluster_id_file.read_text(encoding="ascii").strip() or None
+    formatted = {cid for np in nodes if (cid := _formatted_cluster_id(np)) is not None}
+    if len(formatted) > 1:
+        raise StackError(
+            f"the Kafka nodes under {nodes[0].cluster_dir} belong to different clusters "
+            f"({', '.join(sorted(formatted))}): `streamtally stack down --wipe` resets them"
+        )
+    id_file = nodes[0].cluster_id_file
+    cid = next(iter(formatted), None)
+    if cid is None and id_file.exists():
+        cid = id_file.read_text(encoding="ascii").strip() or None
     cid = cid or _new_cluster_id()
-    kp.cluster_id_file.write_text(cid + "\n", encoding="ascii")
+    id_file.parent.mkdir(parents=True, exist_ok=True)
+    id_file.write_text(cid + "\n", encoding="ascii")
     return cid
 
 
-def _java_argv(java: str, kp: KafkaPaths, main: str, *args: str) -> list[str]:
+def _java_argv(java: str, kh: KafkaHome, np: NodePaths, main: str, *args: str) -> list[str]:
     return [
         java, *HEAP_OPTS, *JVM_OPTS,
-        f"-Dlog4j2.configurationFile={kp.log4j_config}",
-        f"-Dkafka.logs.dir={kp.logs_dir}",
-        "-cp", str(kp.lib / "*"),
+        f"-Dlog4j2.configurationFile={np.log4j_config}",
+        f"-Dkafka.logs.dir={np.logs_dir}",
+        "-cp", str(kh.lib / "*"),
         main, *args,
     ]  # fmt: skip
 
 
-def format_storage(java: str, kp: KafkaPaths, say: Say) -> None:
-    """``StorageTool format`` once; an already formatted ``data/`` is left alone."""
-    cid = cluster_id(kp)
-    if _formatted_cluster_id(kp) is not None:
-        say(f"kafka: storage already formatted (cluster id {cid})")
-        return
-    say(f"kafka: formatting storage in {kp.data_dir} (cluster id {cid}) ...")
-    kp.data_dir.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
+def _format_one(java: str, kh: KafkaHome, np: NodePaths, cid: str) -> None:
+    np.data_dir.mkdir(parents=True, exist_ok=True)
     argv = _java_argv(
-        java, kp, STORAGE_TOOL,
-        "format", "--cluster-id", cid, "--config", str(kp.server_properties),
+        java, kh, np, STORAGE_TOOL,
+        "format", "--cluster-id", cid, "--config", str(np.server_properties),
         "--ignore-formatted",
     )  # fmt: skip
-    result = subprocess.run(argv, capture_output=True, text=True, check=False, timeout=300)
+    result = subprocess.run(
+        argv, capture_output=True, text=True, check=False, timeout=_FORMAT_TIMEOUT_S
+    )
     if result.returncode != 0:
         output = (result.stdout + result.stderr).strip()
         raise StackError(
-            f"formatting Kafka storage failed (exit {result.returncode}):\n{indent(output)}\n"
-            f"If {kp.data_dir} is from another cluster, `streamtally stack down --wipe` resets it."
+            f"formatting {np.name} storage failed (exit {result.returncode}):\n{indent(output)}\n"
+            f"If {np.data_dir} is from another cluster, `streamtally stack down --wipe` resets it."
         )
+
+
+def format_storage(java: str, kh: KafkaHome, nodes: Sequence[NodePaths], say: Say) -> None:
+    """``StorageTool format`` of the nodes not formatted yet (at once); others are left alone."""
+    cid = cluster_id(nodes)
+    todo = [np for np in nodes if _formatted_cluster_id(np) is None]
+    if not todo:
+        say(f"kafka: storage already formatted (cluster id {cid})")
+        return
+    where = ", ".join(str(np.data_dir) for np in todo)
+    say(f"kafka: formatting storage in {where} (cluster id {cid}) ...")
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=len(todo)) as pool:
+        for future in [pool.submit(_format_one, java, kh, np, cid) for np in todo]:
+            future.result()
     say(f"kafka: formatted in {time.monotonic() - start:.1f} s")
 
 
@@ -386,106 +184,194 @@ async def _probe_async(bootstrap: str, timeout: float) -> int:
         await client.close()
 
 
-def broker_answers(bootstrap: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
-    """True if a metadata request to ``bootstrap`` lists at least one broker."""
+def broker_count(bootstrap: str, timeout: float = PROBE_TIMEOUT_S) -> int:
+    """The brokers a metadata request to ``bootstrap`` lists (0: no answer)."""
     from aiokafka.errors import KafkaError
 
     aiokafka_log = logging.getLogger("aiokafka")
     previous = aiokafka_log.level
     aiokafka_log.setLevel(logging.CRITICAL)  # connection refusals while starting are expected
     try:
-        return asyncio.run(_probe_async(bootstrap, timeout)) > 0
+        return asyncio.run(_probe_async(bootstrap, timeout))
     except (OSError, KafkaError):  # OSError covers refused connections and timeouts
-        return False
+        return 0
     finally:
         aiokafka_log.setLevel(previous)
 
 
-def _startup_failure(kp: KafkaPaths, what: str, hint: str) -> StackError:
+def broker_answers(bootstrap: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+    """True if a metadata request to ``bootstrap`` lists at least one broker."""
+    return broker_count(bootstrap, timeout) > 0
+
+
+def _startup_failure(np: NodePaths, what: str, hint: str) -> StackError:
     details = [
         f"  {log.name}:\n{indent(text, '    ')}"
-        for log, lines in ((kp.server_log, 15), (kp.out_log, 10))
+        for log, lines in ((np.server_log, 15), (np.out_log, 10))
         if (text := tail(log, lines))
     ]
     return StackError(
-        f"kafka {what}. Logs: {kp.server_log}, {kp.out_log}"
+        f"{np.name} {what}. Logs: {np.server_log}, {np.out_log}"
         + ("; last lines:\n" + "\n".join(details) if details else "")
         + f"\n{hint}"
     )
 
 
 def wait_ready(
-    cfg: StackConfig, kp: KafkaPaths, proc: subprocess.Popen[bytes] | None, timeout: float
+    cfg: StackConfig,
+    nodes: Sequence[NodePaths],
+    started: Sequence[tuple[NodePaths, subprocess.Popen[bytes]]],
+    timeout: float,
 ) -> float:
-    """Poll until the broker answers metadata; returns the seconds waited."""
-    return wait_answering(
-        lambda: (
-            port_open(cfg.host, cfg.kafka_port) and broker_answers(cfg.local_bootstrap_servers())
-        ),
-        proc=proc,
-        pid_file=kp.pid_file,
-        timeout=timeout,
-        every=0.25,
-        exited=lambda code: _startup_failure(
-            kp,
-            f"exited with code {code} while starting",
-            "Fix the cause above; `streamtally stack down --wipe` resets data and logs.",
-        ),
-        timed_out=lambda: _startup_failure(
-            kp,
-            f"did not answer on {cfg.local_bootstrap_servers()} within {timeout:g} s",
+    """Poll until every node answers metadata listing all the brokers; the seconds waited.
+
+    A node of `started` (the processes just started) that exits first fails it.
+    """
+    pending = list(nodes)
+
+    def answers() -> bool:
+        for np, proc in started:
+            if proc.poll() is not None:
+                remove_pid_file(np.pid_file)
+                raise _startup_failure(
+                    np,
+                    f"exited with code {proc.returncode} while starting",
+                    "Fix the cause above; `streamtally stack down --wipe` resets data and logs.",
+                )
+        pending[:] = [
+            np
+            for np in pending
+            if not (
+                port_open(cfg.host, np.node.port)
+                and broker_count(f"{cfg.host}:{np.node.port}") >= cfg.brokers
+            )
+        ]
+        return not pending
+
+    def timed_out() -> StackError:
+        late = pending[0]
+        many = "" if cfg.brokers == 1 else f" with all {cfg.brokers} brokers"
+        return _startup_failure(
+            late,
+            f"did not answer on {cfg.host}:{late.node.port}{many} within {timeout:g} s",
             "It may still be starting: `streamtally stack up` again waits for it; "
             "`streamtally stack down` stops it.",
-        ),
-    )
+        )
+
+    return wait_answering(answers, timeout=timeout, every=0.25, timed_out=timed_out)
 
 
 # --------------------------------------------------------------------------- lifecycle
 
 
+def _status(np: NodePaths) -> ServiceStatus:
+    return process_status(np.name, np.pid_file, np.marker, np.node.port)
+
+
+def statuses(cfg: StackConfig) -> list[ServiceStatus]:
+    """Each node's status, in node id order."""
+    return [_status(np) for np in paths(cfg)]
+
+
 def status(cfg: StackConfig) -> ServiceStatus:
-    kp = paths(cfg)
-    return process_status("kafka", kp.pid_file, KAFKA_MAIN, cfg.kafka_port)
+    """The status of the first node (the only one of a single broker)."""
+    return statuses(cfg)[0]
 
 
-def _check_ports_free(cfg: StackConfig) -> None:
-    for name, port in (("kafka", cfg.kafka_port), ("controller", cfg.controller_port)):
-        if port_in_use(cfg.host, port):
-            raise port_in_use_error(
-                cfg.host,
-                port,
-                "pick other ports with STREAMTALLY_KAFKA_PORT / STREAMTALLY_CONTROLLER_PORT",
-                what=f" ({name})",
+def _brokers(count: int) -> str:
+    return "1 broker" if count == 1 else f"{count} brokers"
+
+
+def _refuse_other_counts(cfg: StackConfig) -> None:
+    """A `StackError` if nodes of another broker count run in this state dir."""
+    remembered = read_shape(cfg.state_dir).brokers
+    for count in sorted(BROKER_COUNTS, key=lambda n: n != remembered):
+        if count == cfg.brokers:
+            continue
+        try:
+            other = dataclasses.replace(cfg, brokers=count)
+        except StackError:  # ports this count cannot have: it cannot run with them
+            continue
+        running = [st for st in statuses(other) if st.running]
+        if running:
+            pids = ", ".join(str(st.pid) for st in running)
+            raise StackError(
+                f"kafka runs as {_brokers(count)} (pid {pids}): stop it with `streamtally stack "
+                f"down`, then `streamtally stack up --brokers {cfg.brokers}` (each broker count "
+                f"keeps its own topics, under {other.kafka_cluster_dir} and "
+                f"{cfg.kafka_cluster_dir})"
             )
 
 
+def _check_ports_free(cfg: StackConfig, nodes: Sequence[NodePaths]) -> None:
+    for np in nodes:
+        node = np.node
+        for what, port in (("kafka", node.port), ("controller", node.controller_port)):
+            if port_in_use(cfg.host, port):
+                label = what if cfg.brokers == 1 else f"{np.name} {what}"
+                raise port_in_use_error(
+                    cfg.host,
+                    port,
+                    "pick other ports with STREAMTALLY_KAFKA_PORT / STREAMTALLY_CONTROLLER_PORT",
+                    what=f" ({label})",
+                )
+
+
+def _address(cfg: StackConfig, np: NodePaths) -> str:
+    return f"{cfg.host}:{np.node.port}"
+
+
 def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
-    """Start the broker unless it runs already; return once it answers metadata requests."""
-    kp = paths(cfg)
-    if already_running("kafka", status(cfg), cfg.local_bootstrap_servers(), say):
-        wait_ready(cfg, kp, None, timeout)
+    """Start the nodes that do not run; return once every node answers metadata requests."""
+    _refuse_other_counts(cfg)
+    record_shape(cfg.state_dir, brokers=cfg.brokers)
+    nodes = paths(cfg)
+    missing = [
+        np for np in nodes if not already_running(np.name, _status(np), _address(cfg, np), say)
+    ]
+    if not missing:
+        wait_ready(cfg, nodes, [], timeout)
         return
     java = find_java()
-    resolve_jars(kp, say)
-    _check_ports_free(cfg)
-    write_configs(cfg, kp)
-    format_storage(java, kp, say)
-    say(f"kafka: starting kafka {kafka_version()} on {cfg.local_bootstrap_servers()} ...")
-    argv = _java_argv(java, kp, KAFKA_MAIN, str(kp.server_properties))
-    proc = spawn_detached(argv, cwd=kp.root, log_file=kp.out_log, pid_file=kp.pid_file)
-    waited = wait_ready(cfg, kp, proc, timeout)
-    say(f"kafka: ready in {waited:.1f} s (pid {proc.pid}, {cfg.local_bootstrap_servers()})")
+    kh = home(cfg)
+    resolve_jars(kh, say)
+    _check_ports_free(cfg, missing)
+    for np in nodes:
+        write_configs(cfg, np)
+    format_storage(java, kh, nodes, say)
+    started = []
+    for np in missing:
+        controller = "" if cfg.brokers == 1 else f" (controller {np.node.controller_port})"
+        say(f"{np.name}: starting kafka {kafka_version()} on {_address(cfg, np)}{controller} ...")
+        argv = _java_argv(java, kh, np, KAFKA_MAIN, str(np.server_properties))
+        proc = spawn_detached(argv, cwd=np.root, log_file=np.out_log, pid_file=np.pid_file)
+        started.append((np, proc))
+    try:
+        waited = wait_ready(cfg, nodes, started, timeout)
+    except BaseException:
+        if cfg.brokers > 1:
+            say("kafka: not ready; the nodes started stay up (`streamtally stack down` stops them)")
+        raise
+    if cfg.brokers == 1:
+        say(f"kafka: ready in {waited:.1f} s (pid {started[0][1].pid}, {_address(cfg, nodes[0])})")
+    else:
+        pids = ", ".join(str(_status(np).pid) for np in nodes)
+        say(
+            f"kafka: {cfg.brokers} brokers ready in {waited:.1f} s (pids {pids}; "
+            f"{cfg.all_bootstrap_servers()})"
+        )
 
 
 def down(cfg: StackConfig, say: Say, timeout: float = STOP_TIMEOUT_S) -> None:
-    stop_service("kafka", status(cfg), say, timeout)
+    """Stop every node (at once: a node stops cleanly only while a quorum answers)."""
+    stop_services(statuses(cfg), say, timeout)
 
 
 def wipe(cfg: StackConfig, say: Say) -> None:
-    """Remove topics, metadata, cluster id and logs; keep the resolved jars."""
-    kp = paths(cfg)
-    for target in (kp.data_dir, kp.logs_dir, kp.config_dir):
+    """Remove the topics, metadata, cluster ids and logs of every broker count; keep the jars."""
+    np = paths(dataclasses.replace(cfg, brokers=1))[0]
+    for target in (np.data_dir, np.logs_dir, np.config_dir, *cfg.kafka_dir.glob("brokers-*")):
         if target.exists():
             shutil.rmtree(target)
-    kp.cluster_id_file.unlink(missing_ok=True)
-    say(f"kafka: wiped data, logs and cluster id under {kp.root} (jars kept)")
+    np.cluster_id_file.unlink(missing_ok=True)
+    say(f"kafka: wiped data, logs and cluster ids under {cfg.kafka_dir} (jars kept)")

@@ -1,5 +1,9 @@
 """Redis for local work: Debian's ``redis-server``, run by us on a loopback port.
 
+One server by default; with ``stack up --redis-cluster`` a Redis Cluster of three
+masters instead (`streamtally.ops.stack.redis_cluster`): `up`, `down`,
+`statuses` and `wipe` here handle either, as the config says.
+
 Layout under ``<state>/redis``::
 
     redis.conf    rewritten on every start (AOF everysec + RDB save points)
@@ -29,11 +33,11 @@ from streamtally.ops.stack import (
     process_status,
     read_pid,
     spawn_detached,
-    stop_service,
+    stop_services,
     tail,
     wait_answering,
 )
-from streamtally.ops.stack.config import StackConfig
+from streamtally.ops.stack.config import StackConfig, record_shape
 
 REDIS_SERVER = "redis-server"
 DEBIAN_PACKAGE = "redis-server"
@@ -146,11 +150,12 @@ def _quote(value: Path | str) -> str:
     return f'"{text}"'
 
 
-def redis_conf(cfg: StackConfig, rp: RedisPaths) -> str:
+def server_conf(host: str, port: int, rp: RedisPaths, *extra: str) -> str:
+    """A ``redis.conf`` on ``host:port`` with its files in `rp`: AOF everysec + RDB saves."""
     lines = [
         "# Written by `streamtally stack up` on every start.",
-        f"bind {cfg.host}",
-        f"port {cfg.redis_port}",
+        f"bind {host}",
+        f"port {port}",
         "protected-mode yes",
         "daemonize no",
         "supervised no",
@@ -164,26 +169,34 @@ def redis_conf(cfg: StackConfig, rp: RedisPaths) -> str:
         "appendfsync everysec",
         'appendfilename "appendonly.aof"',
         'appenddirname "appendonlydir"',
+        *extra,
     ]
     return "\n".join(lines) + "\n"
+
+
+def redis_conf(cfg: StackConfig, rp: RedisPaths) -> str:
+    return server_conf(cfg.host, cfg.redis_port, rp)
 
 
 # --------------------------------------------------------------------------- readiness
 
 
-def redis_answers(cfg: StackConfig) -> bool:
+def answers(host: str, port: int) -> bool:
+    """True if a redis-server on ``host:port`` answers PING (not while it loads its data)."""
     import redis
     import redis.exceptions
 
-    client = redis.Redis(
-        host=cfg.host, port=cfg.redis_port, socket_timeout=1.0, socket_connect_timeout=1.0
-    )
+    client = redis.Redis(host=host, port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
     try:
         return bool(client.ping())
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
         return False  # includes BusyLoadingError while the AOF is replayed
     finally:
         client.close()
+
+
+def redis_answers(cfg: StackConfig) -> bool:
+    return answers(cfg.host, cfg.redis_port)
 
 
 def _startup_failure(rp: RedisPaths, what: str) -> StackError:
@@ -214,34 +227,66 @@ def wait_ready(
 # --------------------------------------------------------------------------- lifecycle
 
 
+def _single_status(cfg: StackConfig) -> ServiceStatus:
+    return process_status("redis", paths(cfg).pid_file, REDIS_SERVER, cfg.redis_port)
+
+
+def statuses(cfg: StackConfig) -> list[ServiceStatus]:
+    """The status of the one server, or of each master of the Redis Cluster."""
+    if cfg.redis_cluster:
+        from streamtally.ops.stack import redis_cluster
+
+        return redis_cluster.statuses(cfg)
+    return [_single_status(cfg)]
+
+
 def status(cfg: StackConfig) -> ServiceStatus:
-    rp = paths(cfg)
-    return process_status("redis", rp.pid_file, REDIS_SERVER, cfg.redis_port)
+    """The status of the one server (of the first master of the Redis Cluster)."""
+    return statuses(cfg)[0]
 
 
-def _free_port(cfg: StackConfig, say: Say) -> None:
-    if not port_in_use(cfg.host, cfg.redis_port):
+def free_port(host: str, port: int, say: Say) -> None:
+    """Make sure nothing listens on ``host:port``: stop the distro's service if it does."""
+    if not port_in_use(host, port):
         return
     if _debian_service_pid() is not None:
-        say(f"redis: the distro's redis-server service holds port {cfg.redis_port}; stopping it")
+        say(f"redis: the distro's redis-server service holds port {port}; stopping it")
         stop_debian_service(say)
         deadline = time.monotonic() + STOP_TIMEOUT_S
-        while port_in_use(cfg.host, cfg.redis_port) and time.monotonic() < deadline:
+        while port_in_use(host, port) and time.monotonic() < deadline:
             time.sleep(0.1)
-    if port_in_use(cfg.host, cfg.redis_port):
-        raise port_in_use_error(
-            cfg.host, cfg.redis_port, "pick another port with STREAMTALLY_REDIS_PORT"
+    if port_in_use(host, port):
+        raise port_in_use_error(host, port, "pick another port with STREAMTALLY_REDIS_PORT")
+
+
+def _refuse_cluster(cfg: StackConfig) -> None:
+    from streamtally.ops.stack import redis_cluster
+
+    running = [st for st in redis_cluster.statuses(cfg) if st.running]
+    if running:
+        pids = ", ".join(str(st.pid) for st in running)
+        raise StackError(
+            f"redis runs as a Redis Cluster (pid {pids}): stop it with `streamtally stack down`, "
+            "then `streamtally stack up --no-redis-cluster` (the cluster keeps its own data, "
+            f"under {cfg.redis_cluster_dir})"
         )
 
 
 def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
-    """Start redis-server unless it runs already; return once it answers PING."""
+    """Start redis-server (or the cluster) unless it runs already; return once it answers."""
+    if cfg.redis_cluster:
+        from streamtally.ops.stack import redis_cluster
+
+        redis_cluster.up(cfg, say, timeout)
+        return
+    _refuse_cluster(cfg)
+    record_shape(cfg.state_dir, redis_cluster=False)
     rp = paths(cfg)
-    if already_running("redis", status(cfg), cfg.local_redis_url(), say):
+    if already_running("redis", _single_status(cfg), cfg.local_redis_url(), say):
         wait_ready(cfg, rp, None, timeout)
         return
     server = find_redis_server(say)
-    _free_port(cfg, say)
+    free_port(cfg.host, cfg.redis_port, say)
     rp.data_dir.mkdir(parents=True, exist_ok=True)
     rp.conf.write_text(redis_conf(cfg, rp), encoding="utf-8")
     say(f"redis: starting {server} on {cfg.host}:{cfg.redis_port} ...")
@@ -253,13 +298,17 @@ def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
 
 
 def down(cfg: StackConfig, say: Say, timeout: float = STOP_TIMEOUT_S) -> None:
-    stop_service("redis", status(cfg), say, timeout)
+    stop_services(statuses(cfg), say, timeout)
 
 
 def wipe(cfg: StackConfig, say: Say) -> None:
+    """Remove the data and logs of the one server and of the Redis Cluster."""
     rp = paths(cfg)
     if rp.data_dir.exists():
         shutil.rmtree(rp.data_dir)
     for leftover in (rp.log_file, rp.out_log, rp.conf):
         leftover.unlink(missing_ok=True)
     say(f"redis: wiped data and logs under {rp.root}")
+    if cfg.redis_cluster_dir.exists():
+        shutil.rmtree(cfg.redis_cluster_dir)
+        say(f"redis: wiped the Redis Cluster under {cfg.redis_cluster_dir}")
