@@ -32,6 +32,7 @@ COMMANDS = (
     "tokens",
     "usage",
     "billing",
+    "audit",
     "deadletter",
     "rebuild",
     "migrate",

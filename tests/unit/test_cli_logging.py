@@ -84,6 +84,7 @@ EVERY_COMMAND = [
     ["tokens", "get", "r1"],
     ["usage"],
     ["billing", "export"],
+    ["audit"],
     ["deadletter"],
     ["rebuild"],
     ["migrate"],

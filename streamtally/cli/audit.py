@@ -1,0 +1,196 @@
+"""`streamtally audit`: replay the raw topics and prove every bill (`streamtally.ops.audit`).
+
+Read-only: the raw and billing topics are read with consumers of no group, the
+processors' committed offsets with an admin request, Redis through `RedisStore` reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Final
+
+from streamtally.cli import _output
+from streamtally.cli._args import add_kafka_to_read, file_or_stdin
+from streamtally.cli._output import escape, json_text, write_stdout
+from streamtally.cli.tokens import add_redis_url, run_redis
+from streamtally.errors import InputError
+from streamtally.ops.audit import (
+    CSV_COLUMNS,
+    AuditOptions,
+    Report,
+    TimeRange,
+    parse_time,
+    run_audit,
+)
+from streamtally.settings import Settings
+
+__all__ = ["add_parser", "format_report"]
+
+#: Discrepancies the text output lists (``--json`` and ``--out`` list all).
+SHOWN: Final = 50
+
+_EPILOG = """\
+TIME is RFC 3339 with an offset (2026-11-23T10:00:00Z) or a UTC date (2026-11-23,
+its midnight); --since is included, --until excluded; both select raw records by
+their receive time.  --tenant may be repeated.
+
+discrepancy kinds:
+  missing_billing      a request the replay closed has no billing event (field cost:
+                       what it should have cost)
+  unexpected_billing   a billing event in range names no request the replay found
+  conflicting_billing  a request has two different billing events (field: where one
+                       differs from the replay)
+  usage_mismatch       its one billing event differs in a usage field, the model,
+                       source, finish reason or event time (field names it)
+  cost_mismatch        its one billing event differs in cost, priced or currency
+  usage_row_mismatch   a Redis usage row (tenant, model, day) differs from the sum of
+                       the replayed requests (field names it; request_id is null)
+partial requests (straddling the range, still open or not yet processed at the
+snapshot) are counted, never mismatches; usage rows are checked only for audited
+tenants, whole UTC days inside the range, and days no partial request ended on.
+
+--out FILE writes the report as JSON, or the discrepancies as CSV when FILE ends
+in .csv.  Progress (rate, ETA) goes to stderr on a terminal, never with --json.
+exit status: 0 no discrepancy, 1 discrepancies, 2 a bad argument, Kafka or Redis
+             unreachable, or a topic missing
+"""
+
+
+def _time(text: str) -> datetime:
+    try:
+        return parse_time(text)
+    except InputError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "audit",
+        help="replay the raw topics and check every billing event and usage row",
+        description=(
+            "Replay the raw topics up to their current end (read-only) with the processors' "
+            "own fold and pricing, and compare each request with its billing event and the "
+            "usage rows in Redis."
+        ),
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--since", type=_time, metavar="TIME", help="first receive time audited")
+    parser.add_argument("--until", type=_time, metavar="TIME", help="receive time audited before")
+    parser.add_argument(
+        "--tenant", action="append", metavar="T", help="audit this tenant (repeatable)"
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
+    parser.add_argument(
+        "--out", type=file_or_stdin, metavar="FILE", help="also write the report (.csv: CSV)"
+    )
+    add_kafka_to_read(parser)
+    add_redis_url(parser)
+    parser.set_defaults(func=run)
+
+
+class _ProgressLine:
+    """One line on stderr, rewritten: records read, rate, time left."""
+
+    def __init__(self) -> None:
+        self._start = time.monotonic()
+        self._shown = False
+
+    def __call__(self, done: int, total: int) -> None:
+        took = max(time.monotonic() - self._start, 1e-6)
+        rate = done / took
+        left = f"{(total - done) / rate:.0f} s" if rate > 0 and total > done else "-"
+        sys.stderr.write(
+            f"\rstreamtally audit: {done:,} of {total:,} records, {rate:,.0f}/s, ETA {left}\x1b[K"
+        )
+        sys.stderr.flush()
+        self._shown = True
+
+    def end(self) -> None:
+        if self._shown:
+            sys.stderr.write("\r\x1b[K")
+            sys.stderr.flush()
+
+
+def _out_path(name: str | None) -> Path | None:
+    if name is None:
+        return None
+    path = Path(name)
+    folder = path.parent
+    if path.is_dir() or not folder.is_dir() or not os.access(folder, os.W_OK):
+        raise InputError(f"--out {escape(name)}: not a file in a writable folder")
+    return path
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    # aiokafka logs every failed connection attempt; the error raised says it in one line.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    options = AuditOptions(
+        window=TimeRange(args.since, args.until),
+        tenants=frozenset(args.tenant) if args.tenant else None,
+    )
+    out = _out_path(args.out)
+    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    progress = None if args.json or not sys.stderr.isatty() else _ProgressLine()
+    try:
+        report = run_redis(
+            args.redis_url or settings.redis_url,
+            lambda store: run_audit(settings, store, options, servers=servers, progress=progress),
+        )
+    finally:
+        if progress is not None:
+            progress.end()
+    if args.json:
+        write_stdout(json_text(report.to_json()) + "\n")
+    else:
+        write_stdout(format_report(report))
+    if out is not None:
+        text = (
+            report.csv_text()
+            if out.suffix.lower() == ".csv"
+            else (json_text(report.to_json(), indent=2) + "\n")
+        )
+        try:
+            out.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise InputError(f"cannot write {escape(str(out))}: {exc.strerror or exc}") from exc
+    return 0 if report.clean else 1
+
+
+def format_report(report: Report) -> str:
+    """A short summary and the table of discrepancies (every value escaped)."""
+    doc = report.to_json()
+    r, rows, snap = doc["requests"], doc["usage_rows"], doc["snapshot"]
+    since, until = snap["since"] or "the beginning", snap["until"] or "the snapshot"
+    tenants = ", ".join(snap["tenants"]) if snap["tenants"] else "all tenants"
+    lines = [
+        f"audit of {snap['raw_records']['read']:,} raw records received from {since} to "
+        f"{until} ({tenants}), snapshot at {snap['taken_at']}",
+        f"requests: {r['replayed']:,} replayed, {r['billed']:,} billed: {r['matched']:,} matched, "
+        f"{r['mismatched']:,} mismatched, {r['missing_billing']:,} missing billing, "
+        f"{r['unexpected_billing']:,} unexpected billing, {r['conflicting_billing']:,} "
+        f"conflicting billing; {r['partial']:,} partial, {r['dead_lettered']:,} dead-lettered",
+        f"usage rows: {rows['checked']:,} checked: {rows['matched']:,} matched, "
+        f"{rows['mismatched']:,} mismatched ({rows['skipped']:,} not checked: a partial "
+        "request may be counted in them)",
+    ]
+    text = "".join(escape(line) + "\n" for line in lines)
+    found = report.discrepancies
+    if not found:
+        return text + "no discrepancies\n"
+    text += f"{len(found):,} discrepanc{'y' if len(found) == 1 else 'ies'}:\n"
+    headers = [c.upper() for c in CSV_COLUMNS]
+    body = [
+        ["-" if v is None else str(v) for v in (d.to_json()[c] for c in CSV_COLUMNS)]
+        for d in found[:SHOWN]
+    ]
+    text += _output.format_table(headers, body)
+    if len(found) > SHOWN:
+        text += f"... and {len(found) - SHOWN:,} more (--json or --out lists all)\n"
+    return text

@@ -1,0 +1,194 @@
+"""The comparison of billing events, as pure functions, and what a discrepancy is.
+
+A billing event is compared on `EVENT_FIELDS` (every field but `event_id`, its key, and
+`price_table_version`: the replay prices with the table of today, see the package
+docstring).  A difference in `COST_FIELDS` is a ``cost_mismatch``, in any other field a
+``usage_mismatch``; each `Discrepancy` names one field.  Token counts are JSON numbers,
+costs decimal strings with 12 places.  Usage rows are compared in `_rows`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any, Final
+
+from streamtally.core.models import USAGE_FIELDS
+from streamtally.core.money import scaled_cost
+from streamtally.wire.records import BillingEvent
+
+__all__ = [
+    "COST_FIELDS",
+    "EVENT_FIELDS",
+    "Discrepancy",
+    "Kind",
+    "billing_discrepancies",
+    "event_digest",
+    "event_key",
+    "event_values",
+    "missing_billing",
+    "unexpected_billing",
+]
+
+#: The fields of a billing event the audit compares, in report order.
+EVENT_FIELDS: Final = (
+    "request_id",
+    "tenant",
+    "model",
+    "source",
+    "finish_reason",
+    *USAGE_FIELDS,
+    "cost",
+    "priced",
+    "currency",
+    "event_time",
+)
+#: Fields whose difference is a ``cost_mismatch`` (any other: ``usage_mismatch``).
+COST_FIELDS: Final = frozenset({"cost", "priced", "currency"})
+
+
+class Kind(StrEnum):
+    """What a discrepancy is."""
+
+    MISSING_BILLING = "missing_billing"
+    UNEXPECTED_BILLING = "unexpected_billing"
+    CONFLICTING_BILLING = "conflicting_billing"
+    USAGE_MISMATCH = "usage_mismatch"
+    COST_MISMATCH = "cost_mismatch"
+    USAGE_ROW_MISMATCH = "usage_row_mismatch"
+
+
+@dataclass(frozen=True, slots=True)
+class Discrepancy:
+    """One difference: a request's billing (`day` None) or a usage row (`request_id` None)."""
+
+    kind: Kind
+    request_id: str | None
+    tenant: str
+    model: str | None
+    day: str | None
+    field: str | None
+    expected: Any
+    found: Any
+
+    def sort_key(self) -> tuple[str, ...]:
+        return (
+            self.tenant,
+            self.day or "",
+            self.request_id or "",
+            self.model or "",
+            self.kind.value,
+            self.field or "",
+            json.dumps(self.found),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "kind": self.kind.value,
+            "request_id": self.request_id,
+            "tenant": self.tenant,
+            "model": self.model,
+            "day": self.day,
+            "field": self.field,
+            "expected": self.expected,
+            "found": self.found,
+        }
+
+
+def _cost(value: Any) -> str:
+    return format(scaled_cost(value), "f")
+
+
+def event_values(event: BillingEvent) -> dict[str, Any]:
+    """The compared fields of `event` as JSON values (counts numbers, the cost a string)."""
+    return {
+        "request_id": event.request_id,
+        "tenant": event.tenant,
+        "model": event.model,
+        "source": event.source.value,
+        "finish_reason": event.finish_reason.value,
+        **event.usage_counts(),
+        "cost": _cost(event.cost),
+        "priced": event.priced,
+        "currency": event.currency,
+        "event_time": event.event_time.isoformat(),
+    }
+
+
+def event_digest(event: BillingEvent) -> int:
+    """64 bits of a hash of the compared fields: equal digests, equal events (to 2**-64)."""
+    text = json.dumps(list(event_values(event).values()), ensure_ascii=False)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+def event_key(event_id: str) -> int:
+    """The index key of an `event_id` (its first 64 bits; 32 hex digits name a request)."""
+    return int(event_id[:16], 16)
+
+
+def _kind(name: str) -> Kind:
+    return Kind.COST_MISMATCH if name in COST_FIELDS else Kind.USAGE_MISMATCH
+
+
+def _differences(expected: BillingEvent, found: BillingEvent) -> list[tuple[str, Any, Any]]:
+    want, got = event_values(expected), event_values(found)
+    return [(name, want[name], got[name]) for name in EVENT_FIELDS if want[name] != got[name]]
+
+
+def billing_discrepancies(
+    expected: BillingEvent, found: Sequence[BillingEvent], *, conflicting: bool
+) -> list[Discrepancy]:
+    """How the distinct billing events `found` for a request differ from the replay's.
+
+    With one event (`conflicting` False) each differing field is a ``usage_mismatch`` or a
+    ``cost_mismatch``; with several, each field in which one of them differs from the
+    replay is a ``conflicting_billing``.
+    """
+    out = []
+    for event in found:
+        for name, want, got in _differences(expected, event):
+            kind = Kind.CONFLICTING_BILLING if conflicting else _kind(name)
+            out.append(
+                Discrepancy(
+                    kind,
+                    expected.request_id,
+                    expected.tenant,
+                    expected.model,
+                    None,
+                    name,
+                    want,
+                    got,
+                )
+            )
+    return out
+
+
+def missing_billing(expected: BillingEvent) -> Discrepancy:
+    """A request the replay closed and priced, with no billing event: what it should cost."""
+    return Discrepancy(
+        Kind.MISSING_BILLING,
+        expected.request_id,
+        expected.tenant,
+        expected.model,
+        None,
+        "cost",
+        _cost(expected.cost),
+        None,
+    )
+
+
+def unexpected_billing(found: BillingEvent) -> Discrepancy:
+    """A billing event of no request the replay found: what it charged."""
+    return Discrepancy(
+        Kind.UNEXPECTED_BILLING,
+        found.request_id,
+        found.tenant,
+        found.model,
+        None,
+        "cost",
+        None,
+        _cost(found.cost),
+    )

@@ -1,0 +1,171 @@
+"""The audit's account: each request the replay closed, set against the billing index.
+
+`Ledger` receives the replay's outcomes one request at a time (`closed`, `partial`,
+`dead_lettered`) and keeps only what the report needs: the counts, the discrepancies
+found so far, the replay's sums per usage row and per tenant, the (tenant, day) pairs a
+partial request may be counted in (their rows cannot be checked), and the expected event
+of each request whose billing differs (read again whole at the end: `resolve`).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from streamtally.core.identity import RequestRef
+from streamtally.ops.audit._billing import BillingIndex
+from streamtally.ops.audit._compare import (
+    Discrepancy,
+    billing_discrepancies,
+    event_digest,
+    event_key,
+    missing_billing,
+    unexpected_billing,
+)
+from streamtally.ops.audit._range import TimeRange
+from streamtally.ops.audit._rows import (
+    RowComparison,
+    RowKey,
+    RowSum,
+    compare_rows,
+    row_key,
+    stored_row,
+)
+from streamtally.wire.billing import event_id
+from streamtally.wire.records import BillingEvent
+
+__all__ = ["Ledger", "RequestCounts", "Scope"]
+
+
+@dataclass(frozen=True, slots=True)
+class Scope:
+    """What the audit covers: receive times, and the tenants (None: every tenant)."""
+
+    window: TimeRange
+    tenants: frozenset[str] | None = None
+
+    def has_tenant(self, tenant: str) -> bool:
+        return self.tenants is None or tenant in self.tenants
+
+    def accepts(self, event: BillingEvent) -> bool:
+        """Whether a billing event is of a request the audit must find."""
+        return self.has_tenant(event.tenant) and self.window.contains(event.event_time)
+
+    def checks_row(self, key: RowKey) -> bool:
+        """Whether a usage row is built only from requests the audit covers."""
+        tenant, _, day = key
+        return self.has_tenant(tenant) and self.window.holds_day(day)
+
+
+@dataclass(slots=True)
+class RequestCounts:
+    replayed: int = 0
+    billed: int = 0
+    matched: int = 0
+    mismatched: int = 0
+    missing_billing: int = 0
+    unexpected_billing: int = 0
+    conflicting_billing: int = 0
+    partial: int = 0
+    dead_lettered: int = 0
+
+    def to_json(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True)
+class Ledger:
+    index: BillingIndex
+    scope: Scope
+    counts: RequestCounts = field(default_factory=RequestCounts)
+    discrepancies: list[Discrepancy] = field(default_factory=list)
+    #: Why requests were partial (straddling the start, open at the end, not yet processed).
+    partial_reasons: Counter[str] = field(default_factory=Counter)
+    _rows: dict[RowKey, RowSum] = field(default_factory=dict)
+    _totals: dict[str, RowSum] = field(default_factory=dict)
+    _unsure: set[tuple[str, str]] = field(default_factory=set)
+    #: event key -> the replay's event, for requests whose billing differs.
+    _suspects: dict[int, BillingEvent] = field(default_factory=dict)
+    _conflicting: set[int] = field(default_factory=set)
+    _unexpected: set[int] = field(default_factory=set)
+
+    # -- the replay's outcomes -----------------------------------------------------------
+
+    def closed(self, expected: BillingEvent) -> None:
+        """A request the replay closed and priced: `expected` is its billing event."""
+        counts = self.counts
+        counts.replayed += 1
+        self._rows.setdefault(row_key(expected), RowSum()).add(expected)
+        self._totals.setdefault(expected.tenant, RowSum()).add(expected)
+        key = event_key(expected.event_id)
+        entry = self.index.take(key)
+        if entry is None:
+            counts.missing_billing += 1
+            self.discrepancies.append(missing_billing(expected))
+        elif entry.conflicting:
+            counts.conflicting_billing += 1
+            self._suspects[key] = expected
+            self._conflicting.add(key)
+        elif entry.digest == event_digest(expected):
+            counts.matched += 1
+        else:
+            counts.mismatched += 1
+            self._suspects[key] = expected
+
+    def partial(self, ref: RequestRef, day: str, reason: str) -> None:
+        """A request the audit cannot judge; its billing (if any) and its row are not checked."""
+        self.counts.partial += 1
+        self.partial_reasons[reason] += 1
+        self.index.take(event_key(event_id(ref.tenant, ref.request_id)))
+        self._unsure.add((ref.tenant, day))
+
+    def dead_lettered(self, ref: RequestRef) -> None:
+        """A request whose records were all refused: nothing may bill it."""
+        del ref
+        self.counts.dead_lettered += 1
+
+    # -- the end -------------------------------------------------------------------------
+
+    def close_index(self) -> set[int]:
+        """After the replay: what was billed for no request found; returns every key whose
+        events `resolve` needs whole."""
+        self.counts.billed = self.index.billed
+        self._unexpected = self.index.remaining()
+        self.counts.unexpected_billing = len(self._unexpected)
+        return set(self._suspects) | self._unexpected
+
+    def resolve(self, found: Mapping[int, Sequence[BillingEvent]]) -> None:
+        """The discrepancies of the events `close_index` asked for, read whole."""
+        for key, expected in self._suspects.items():
+            events = found.get(key, ())
+            conflicting = key in self._conflicting
+            if conflicting:
+                mine = event_digest(expected)
+                events = [e for e in events if event_digest(e) != mine]
+            self.discrepancies.extend(
+                billing_discrepancies(expected, events, conflicting=conflicting)
+            )
+        for key in self._unexpected:
+            for event in found.get(key, ())[:1]:
+                self.discrepancies.append(unexpected_billing(event))
+
+    def compare_rows(self, stored: Sequence[Mapping[str, Any]]) -> tuple[RowComparison, int]:
+        """The replay's usage rows against `stored` (`RedisStore.usage_rows`), those the
+        audit covers fully; also returns how many rows in its tenants and days it skipped
+        because a partial request may be counted in them."""
+        found = dict(stored_row(row) for row in stored)
+        keys = {k for k in set(found) | set(self._rows) if self.scope.checks_row(k)}
+        unsure = {k for k in keys if (k[0], k[2]) in self._unsure}
+        expected = {k: self._rows[k].values() for k in keys - unsure if k in self._rows}
+        return compare_rows(expected, found, keys - unsure), len(unsure)
+
+    def totals(self) -> dict[str, dict[str, Any]]:
+        """Per tenant: requests replayed, the five usage fields and the cost."""
+        out = {}
+        for tenant, total in sorted(self._totals.items()):
+            values = total.values()
+            del values["unpriced_requests"]
+            out[tenant] = values
+        return out

@@ -1,0 +1,72 @@
+"""The audit's report: one JSON document, or the discrepancies as CSV.
+
+`Report.to_json` is the document ``streamtally audit --json`` prints: `requests` (counts),
+`usage_rows` (counts), `discrepancies`, `totals` (per tenant, from the replay) and
+`snapshot` (what was read: topics, partitions, offset ranges, and how the raw records
+were used).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import dataclass
+from typing import Any, Final
+
+from streamtally.ops.audit._compare import Discrepancy
+from streamtally.ops.audit._ledger import RequestCounts
+from streamtally.ops.audit._rows import RowComparison
+
+__all__ = ["CSV_COLUMNS", "Report"]
+
+CSV_COLUMNS: Final = ("kind", "request_id", "tenant", "model", "day", "field", "expected", "found")
+#: What a spreadsheet would take for a formula at the start of a text cell.
+_FORMULA_START: Final = ("=", "+", "-", "@", "\t", "\r")
+
+
+def _cell(column: str, value: Any) -> str:
+    if value is None:
+        return ""
+    text = str(value).lower() if isinstance(value, bool) else str(value)
+    if column in ("request_id", "tenant", "model") and text.startswith(_FORMULA_START):
+        return "'" + text  # kept as text when the file is opened as a spreadsheet
+    return text
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    requests: RequestCounts
+    rows: RowComparison
+    #: Rows of the audited tenants and days not checked: a partial request may be in them.
+    rows_skipped: int
+    discrepancies: tuple[Discrepancy, ...]
+    totals: dict[str, dict[str, Any]]
+    snapshot: dict[str, Any]
+
+    @property
+    def clean(self) -> bool:
+        return not self.discrepancies
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "requests": self.requests.to_json(),
+            "usage_rows": {
+                "checked": self.rows.checked,
+                "matched": self.rows.matched,
+                "mismatched": self.rows.mismatched,
+                "skipped": self.rows_skipped,
+            },
+            "discrepancies": [d.to_json() for d in self.discrepancies],
+            "totals": self.totals,
+            "snapshot": self.snapshot,
+        }
+
+    def csv_text(self) -> str:
+        """The discrepancies as CSV with a header line (empty cells for null)."""
+        out = io.StringIO()
+        writer = csv.writer(out, lineterminator="\n")
+        writer.writerow(CSV_COLUMNS)
+        for d in self.discrepancies:
+            row = d.to_json()
+            writer.writerow([_cell(c, row[c]) for c in CSV_COLUMNS])
+        return out.getvalue()

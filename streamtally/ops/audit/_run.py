@@ -1,0 +1,185 @@
+"""One audit from start to end: snapshot, billing index, replay, comparisons, report.
+
+Reads only: a consumer without a group for every topic, an admin request for the
+processors' committed offsets, and Redis reads through `RedisStore` (the usage rows,
+right after the snapshot, and the close markers of the requests replayed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+
+from streamtally.core.identity import RequestRef
+from streamtally.core.pricing import PriceTable
+from streamtally.ops.audit._billing import BillingIndex, find_events, index_billing
+from streamtally.ops.audit._ledger import Ledger, Scope
+from streamtally.ops.audit._range import TimeRange
+from streamtally.ops.audit._replay import Replay
+from streamtally.ops.audit._report import Report
+from streamtally.ops.audit._snapshot import Snapshot, take_snapshot
+from streamtally.processors.requests import Limits, RequestProcessor
+from streamtally.settings import Settings
+from streamtally.store import RedisStore
+from streamtally.topics import Topics
+from streamtally.wire.kafka import TopicRecord, read_topic
+
+__all__ = ["AuditOptions", "Progress", "run_audit"]
+
+#: `progress(done, total)`: records read so far of the snapshot's, at most twice a second.
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True, slots=True)
+class AuditOptions:
+    window: TimeRange = field(default_factory=TimeRange)
+    #: None: every tenant.
+    tenants: frozenset[str] | None = None
+    #: Raw records per replay step (one Redis look-up and one timeout check each).
+    batch_size: int = 2000
+
+
+class _Meter:
+    def __init__(self, total: int, progress: Progress | None) -> None:
+        self.done, self.total = 0, total
+        self._progress = progress
+        self._next = time.monotonic() + 0.5  # nothing to say in the first half second
+
+    def __call__(self, n: int) -> None:
+        self.done += n
+        if self._progress is not None and time.monotonic() >= self._next:
+            self._next = time.monotonic() + 0.5
+            self._progress(self.done, self.total)
+
+
+def _frozen() -> float:
+    """The replay's wall clock: it never moves (the input's times alone do)."""
+    return 0.0
+
+
+async def _batches(
+    records: AsyncIterator[TopicRecord], size: int
+) -> AsyncIterator[list[TopicRecord]]:
+    batch: list[TopicRecord] = []
+    async for record in records:
+        batch.append(record)
+        if len(batch) >= size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+async def run_audit(
+    settings: Settings,
+    store: RedisStore,
+    options: AuditOptions,
+    *,
+    servers: str | None = None,
+    progress: Progress | None = None,
+) -> Report:
+    """Audit the namespace of `settings` (see `streamtally.ops.audit`)."""
+    servers = servers or settings.bootstrap_servers
+    topics = Topics.in_namespace(settings.namespace)
+    prices = PriceTable.load_or_default(settings.prices_path)
+    snapshot = await take_snapshot(
+        servers, topics, options.window, request_timeout=settings.request_timeout
+    )
+    stored_rows = await store.usage_rows()  # at the snapshot (see the package docstring)
+    scope = Scope(snapshot.window, options.tenants)
+    meter = _Meter(snapshot.raw_records() + snapshot.billing_records(), progress)
+    index = BillingIndex()
+    if snapshot.billing_records():
+        await index_billing(
+            servers,
+            snapshot.billing_topic,
+            snapshot.billing,
+            scope.accepts,
+            index,
+            progress=meter,
+        )
+    ledger = Ledger(index, scope)
+    processor = RequestProcessor(
+        prices,
+        timeout=settings.request_timeout,
+        clock=_frozen,
+        limits=Limits(
+            records_per_request=settings.max_records_per_request,
+            open_requests=sys.maxsize,
+            open_per_tenant=sys.maxsize,
+            text_bytes=settings.max_text_bytes,
+        ),
+    )
+
+    async def lookup(refs: list[RequestRef]) -> dict[RequestRef, tuple[str, bool]]:
+        return await store.closed_markers(refs)
+
+    replay = Replay(
+        processor,
+        sse_topic=topics.raw_sse.name,
+        window=snapshot.window,
+        tenants=options.tenants,
+        lookup=lookup,
+        committed=snapshot.committed,
+        outcomes=ledger,
+    )
+    for name, ranges in snapshot.raw.items():
+        if not any(end > start for start, end in ranges.values()):
+            continue
+        start = {p: r[0] for p, r in ranges.items()}
+        end = {p: r[1] for p, r in ranges.items()}
+        reading = read_topic(servers, name, start=start, end=end)
+        async with contextlib.aclosing(reading) as records:
+            async for batch in _batches(records, options.batch_size):
+                await replay.feed(batch)
+                meter(len(batch))
+    replay.finish()
+    wanted = ledger.close_index()
+    if wanted:
+        ledger.resolve(await find_events(servers, snapshot.billing_topic, snapshot.billing, wanted))
+    rows, skipped = ledger.compare_rows(stored_rows)
+    if progress is not None:
+        progress(meter.done, meter.total)
+    discrepancies = sorted(ledger.discrepancies + rows.discrepancies, key=lambda d: d.sort_key())
+    return Report(
+        requests=ledger.counts,
+        rows=rows,
+        rows_skipped=skipped,
+        discrepancies=tuple(discrepancies),
+        totals=ledger.totals(),
+        snapshot=_snapshot_json(snapshot, replay, index, ledger, options),
+    )
+
+
+def _snapshot_json(
+    snapshot: Snapshot,
+    replay: Replay,
+    index: BillingIndex,
+    ledger: Ledger,
+    options: AuditOptions,
+) -> dict[str, object]:
+    stats, counters = replay.stats, replay.processor.counters
+    return {
+        **snapshot.to_json(),
+        "tenants": None if options.tenants is None else sorted(options.tenants),
+        "raw_records": {
+            "read": stats.read,
+            "outside_range": stats.outside,
+            "other_tenants": stats.other_tenants,
+            "straddling": stats.straddling,
+            "applied": counters.applied,
+            "duplicates": counters.duplicates,
+            "dead_lettered": counters.dead_lettered,
+            "replays": counters.replayed,
+        },
+        "billing_records": {
+            "in_scope": index.records,
+            "undecodable": [
+                {"partition": p, "offset": o, "reason": r} for p, o, r in index.bad[:100]
+            ],
+        },
+        "partial": dict(sorted(ledger.partial_reasons.items())),
+    }

@@ -1,0 +1,592 @@
+"""`streamtally audit` against the real broker and Redis, with a real worker.
+
+Its own topic namespace (``audit-<hex>``) and Redis database (`DB`), emptied before and
+after.  The module's traffic: every sample (44 requests, three tenants), a request with no
+end marker (the worker closes it by timeout, 20 s), one with a re-sent record, one whose
+records straddle a moment `T`, and three more requests after `T`.  Once every request is
+in Redis and the processors have committed everything:
+
+- the whole audit is clean, its counts are what was produced, and the selections
+  (``--tenant``, ``--since`` / ``--until`` around `T`, whole days) cover what they say;
+- then one tampering at a time, each of another tenant, and after each the audit reports
+  exactly the discrepancies so far: a usage row changed with HINCRBY, a forged billing
+  event for a request that never existed, a second, different billing event for an
+  existing request, and a request billed with altered usage (the worker stopped, the
+  request's outputs written as a worker would, its billing event altered, then a new
+  worker started, which finds the request closed and skips it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import dataclasses
+import io
+import json
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.partitioner import DefaultPartitioner
+
+from streamtally.core.identity import RequestRef
+from streamtally.core.models import FinishReason, Source
+from streamtally.core.pricing import PriceTable
+from streamtally.processors.requests import Position, RequestProcessor
+from streamtally.producers import RawProducer, raw_records
+from streamtally.store import RedisSink, RedisStore, usage_key
+from streamtally.topics import Topics, encode_key, output_key
+from streamtally.wire import avro
+from streamtally.wire.billing import event_id
+from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic
+from streamtally.wire.records import BillingEvent
+from tests.integration.worker import REQUEST_TIMEOUT_S, SAMPLES, WorkerProcess, cli
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+
+#: The Redis database of this module (no other test uses it).
+DB = 3
+#: Seconds the worker gets to put every request into Redis (one closes by timeout).
+SETTLE_S = 120.0
+#: Requests produced after `T`.
+LATE = ("openai/text_usage.sse", "anthropic/text_end_turn.sse", "gemini/thoughts_cached.sse")
+
+
+@dataclass(frozen=True, slots=True)
+class Sent:
+    ref: RequestRef
+    source: Source
+    path: Path
+    model: str | None = None
+
+
+@dataclass
+class Scene:
+    tag: str
+    env: dict[str, str]
+    log_dir: Path
+    worker: WorkerProcess
+    topics: Topics
+    servers: str
+    url: str
+    #: Received before T (the samples, the timed-out one, the one with a re-sent record).
+    early: list[Sent] = field(default_factory=list)
+    straddler: Sent | None = None
+    late: list[Sent] = field(default_factory=list)
+    t: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    @property
+    def everything(self) -> list[Sent]:
+        assert self.straddler is not None
+        return [*self.early, self.straddler, *self.late]
+
+    def tenant(self, name: str) -> str:
+        return f"{name}-{self.tag}"
+
+
+def _redis_url(base: str, db: int) -> str:
+    return base.rsplit("/", 1)[0] + f"/{db}"
+
+
+def _flush(url: str) -> None:
+    client = redis.Redis.from_url(url)
+    try:
+        client.flushdb()
+    finally:
+        client.close()
+
+
+def _records(sent: Sent, clock: Any = None) -> list[bytes]:
+    options: dict[str, Any] = {} if clock is None else {"clock": clock}
+    _, records = raw_records(
+        sent.source,
+        sent.path.read_bytes(),
+        tenant=sent.ref.tenant,
+        request_id=sent.ref.request_id,
+        model=sent.model,
+        **options,
+    )
+    return records
+
+
+async def _send(servers: str, namespace: str, batches: list[tuple[Sent, list[bytes]]]) -> None:
+    async with RawProducer(servers, namespace=namespace) as producer:
+        for sent, records in batches:
+            await producer.send_records(sent.source, sent.ref.request_id, records)
+
+
+def _samples(scene: Scene) -> list[Sent]:
+    out = []
+    for line in (SAMPLES / "manifest.jsonl").read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            ref = RequestRef(scene.tenant(row["tenant"]), f"{row['request_id']}-{scene.tag}")
+            out.append(Sent(ref, Source(row["source"]), SAMPLES / row["file"], row.get("model")))
+    return out
+
+
+def _produce(scene: Scene) -> None:
+    ns, servers = scene.topics.namespace, scene.servers
+    samples = _samples(scene)
+    quiet = Sent(
+        RequestRef(scene.tenant("acme"), f"quiet-{scene.tag}"),
+        Source.ANTHROPIC,
+        SAMPLES / "anthropic" / "text_end_turn.sse",
+    )
+    resent = Sent(
+        RequestRef(scene.tenant("globex"), f"resent-{scene.tag}"),
+        Source.OPENAI,
+        SAMPLES / "openai" / "text_usage.sse",
+    )
+    resent_records = _records(resent)
+    batches = [(s, _records(s)) for s in samples]
+    batches.append((quiet, _records(quiet)[:-1]))  # no end marker: closed by timeout
+    batches.append((resent, [*resent_records[:2], resent_records[1], *resent_records[2:]]))
+    asyncio.run(_send(servers, ns, batches))
+    scene.early = [*samples, quiet, resent]
+    # The straddler: its first events received before T, the rest after.
+    scene.t = datetime.now(UTC) + timedelta(seconds=1)
+    after = scene.t + timedelta(seconds=1)
+    straddler = Sent(
+        RequestRef(scene.tenant("initech"), f"straddler-{scene.tag}"),
+        Source.OPENAI,
+        SAMPLES / "openai" / "text_usage.sse",
+    )
+    calls = iter(range(10_000))
+    records = _records(straddler, clock=lambda: datetime.now(UTC) if next(calls) < 2 else after)
+    asyncio.run(_send(servers, ns, [(straddler, records[:2])]))
+    time.sleep(max(0.0, (after - datetime.now(UTC)).total_seconds()) + 0.5)
+    asyncio.run(_send(servers, ns, [(straddler, records[2:])]))
+    scene.straddler = straddler
+    scene.late = [
+        Sent(
+            RequestRef(scene.tenant("acme"), f"late-{i}-{scene.tag}"),
+            Source(path.split("/")[0]),
+            SAMPLES / path,
+        )
+        for i, path in enumerate(LATE)
+    ]
+    asyncio.run(_send(servers, ns, [(s, _records(s)) for s in scene.late]))
+
+
+async def _settled(scene: Scene, timeout: float) -> None:
+    """Every request's Tokens in Redis, and every raw record committed by the processors."""
+    store = RedisStore.from_url(scene.url, connect_timeout=5)
+    admin = AIOKafkaAdminClient(bootstrap_servers=scene.servers)
+    consumer = AIOKafkaConsumer(bootstrap_servers=scene.servers)
+    await admin.start()
+    await consumer.start()
+    deadline = time.monotonic() + timeout
+    try:
+        refs = [s.ref for s in scene.everything]
+        tps = [TopicPartition(t.name, p) for t in scene.topics.raw for p in range(t.partitions)]
+        while True:
+            missing = await store.missing_tokens(refs)
+            ends = await consumer.end_offsets(tps)
+            committed = await admin.list_consumer_group_offsets(scene.topics.processors_group)
+            behind = [
+                tp
+                for tp in tps
+                if ends[tp] and (committed.get(tp) is None or committed[tp].offset < ends[tp])
+            ]
+            if not missing and not behind:
+                return
+            assert time.monotonic() < deadline, (
+                f"not settled: {len(missing)} requests missing, {behind} behind\n"
+                f"{scene.worker.describe()}"
+            )
+            await asyncio.sleep(0.5)
+    finally:
+        await consumer.stop()
+        await admin.close()
+        await store.aclose()
+
+
+@pytest.fixture(scope="module")
+def scene(stack_endpoints: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
+    tag = uuid.uuid4().hex[:8]
+    namespace = f"audit-{tag}"
+    url = _redis_url(stack_endpoints.redis_url, DB)
+    servers = stack_endpoints.bootstrap_servers
+    env = {
+        "KAFKA_BOOTSTRAP_SERVERS": servers,
+        "REDIS_URL": url,
+        "STREAMTALLY_NAMESPACE": namespace,
+        "STREAMTALLY_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_S),
+    }
+    topics = Topics.in_namespace(namespace)
+    _flush(url)
+    asyncio.run(ensure_topics(servers, topics.all))
+    log_dir = tmp_path_factory.mktemp("audit")
+    worker = WorkerProcess(log_dir / "worker-1.log", env).start()
+    scene = Scene(tag, env, log_dir, worker, topics, servers, url)
+    try:
+        with pytest.MonkeyPatch.context() as patch:
+            for name, value in env.items():
+                patch.setenv(name, value)  # what the in-process `streamtally audit` reads
+            worker.wait_until_ready(60)
+            _produce(scene)
+            asyncio.run(_settled(scene, SETTLE_S))
+            yield scene
+    finally:
+        scene.worker.stop(timeout=30)
+        _flush(url)
+
+
+def audit(*args: str) -> tuple[int, dict[str, Any]]:
+    result = cli("audit", "--json", *args)
+    assert result.code in (0, 1), result.err
+    assert "\r" not in result.err  # no progress line under --json
+    return result.code, json.loads(result.out)
+
+
+def _found(report: dict[str, Any]) -> list[tuple[Any, ...]]:
+    keys = ("kind", "request_id", "tenant", "model", "day", "field", "expected", "found")
+    return sorted((tuple(d[k] for k in keys) for d in report["discrepancies"]), key=json.dumps)
+
+
+def _rows(url: str, tenant: str | None = None) -> list[dict[str, Any]]:
+    async def read() -> list[dict[str, Any]]:
+        store = RedisStore.from_url(url, connect_timeout=5)
+        try:
+            return await store.usage_rows(tenant=tenant)
+        finally:
+            await store.aclose()
+
+    return asyncio.run(read())
+
+
+# --------------------------------------------------------------------------- clean
+
+
+def test_a_clean_run_reports_no_discrepancy(scene: Scene, tmp_path: Path) -> None:
+    out = tmp_path / "report.json"
+    code, report = audit("--out", str(out))
+    assert code == 0, _found(report)
+    everything = scene.everything
+    assert report["discrepancies"] == []
+    r = report["requests"]
+    assert r == {
+        "replayed": len(everything),
+        "billed": len(everything),
+        "matched": len(everything),
+        "mismatched": 0,
+        "missing_billing": 0,
+        "unexpected_billing": 0,
+        "conflicting_billing": 0,
+        "partial": 0,
+        "dead_lettered": 0,
+    }
+    rows = _rows(scene.url)
+    assert report["usage_rows"] == {
+        "checked": len(rows),
+        "matched": len(rows),
+        "mismatched": 0,
+        "skipped": 0,
+    }
+    # Per tenant, the requests produced (not from Redis: from what this test sent).
+    produced: dict[str, int] = {}
+    for sent in everything:
+        produced[sent.ref.tenant] = produced.get(sent.ref.tenant, 0) + 1
+    assert {t: v["requests"] for t, v in report["totals"].items()} == produced
+    for tenant, totals in report["totals"].items():
+        mine = [row for row in rows if row["tenant"] == tenant]
+        assert totals["output_tokens"] == sum(row["output_tokens"] for row in mine)
+        assert Decimal(totals["cost"]) == sum(Decimal(row["cost"]) for row in mine)
+    # The snapshot names what was read: every raw partition from 0 to its end.
+    snap = report["snapshot"]
+    for topic in scene.topics.raw:
+        spans = snap["topics"][topic.name]
+        assert sorted(spans) == [str(p) for p in range(topic.partitions)]
+        assert all(s["start"] == 0 for s in spans.values())
+    read = sum(s["end"] for t in scene.topics.raw for s in snap["topics"][t.name].values())
+    assert snap["raw_records"]["read"] == read
+    assert snap["raw_records"]["duplicates"] == 1  # the re-sent record
+    assert json.loads(out.read_text()) == report
+
+
+def test_the_text_output_is_a_summary(scene: Scene) -> None:
+    result = cli("audit")
+    assert result.code == 0, result.err
+    text = result.out.decode()
+    assert f"{len(scene.everything)} replayed" in text
+    assert text.endswith("no discrepancies\n")
+
+
+def test_selections_cover_what_they_say(scene: Scene) -> None:
+    acme = scene.tenant("acme")
+    code, report = audit("--tenant", acme)
+    assert code == 0, _found(report)
+    mine = [s for s in scene.everything if s.ref.tenant == acme]
+    assert report["requests"]["replayed"] == report["requests"]["matched"] == len(mine)
+    assert report["requests"]["billed"] == len(mine)
+    assert list(report["totals"]) == [acme]
+    assert report["usage_rows"]["checked"] == len(_rows(scene.url, acme)) > 0
+
+    two = ("--tenant", acme, "--tenant", scene.tenant("globex"))
+    assert audit(*two)[1]["requests"]["replayed"] == len(
+        [s for s in scene.everything if s.ref.tenant in {acme, scene.tenant("globex")}]
+    )
+
+    since = scene.t.isoformat().replace("+00:00", "Z")
+    code, report = audit("--since", since)
+    assert code == 0, _found(report)
+    r = report["requests"]
+    assert (r["replayed"], r["matched"], r["partial"]) == (len(scene.late), len(scene.late), 1)
+    assert (r["missing_billing"], r["unexpected_billing"]) == (0, 0)
+    assert report["snapshot"]["partial"] == {"straddles the start": 1}
+    assert report["usage_rows"]["checked"] == 0  # no whole day after T
+
+    code, report = audit("--until", since)
+    assert code == 0, _found(report)
+    r = report["requests"]
+    assert (r["replayed"], r["matched"], r["partial"]) == (len(scene.early), len(scene.early), 1)
+    assert report["snapshot"]["partial"] == {"open at the snapshot": 1}
+    assert report["usage_rows"]["checked"] == 0
+
+    today = datetime.now(UTC).date()
+    code, report = audit("--since", today.isoformat())
+    assert code == 0, _found(report)
+    assert report["requests"]["matched"] == len(scene.everything)
+    assert report["usage_rows"]["checked"] == len(_rows(scene.url))
+
+    code, report = audit("--since", (today + timedelta(days=1)).isoformat())
+    assert code == 0
+    assert report["requests"]["replayed"] == report["requests"]["billed"] == 0
+
+
+# --------------------------------------------------------------------------- tampering
+
+
+async def _produce_billing(scene: Scene, event: BillingEvent) -> None:
+    producer = idempotent_producer(scene.servers)
+    await producer.start()
+    try:
+        partition = DefaultPartitioner()(
+            encode_key(event.request_id),
+            list(range(scene.topics.billing.partitions)),
+            list(range(scene.topics.billing.partitions)),
+        )
+        ref = RequestRef(event.tenant, event.request_id)
+        await producer.send_and_wait(
+            scene.topics.billing.name,
+            avro.encode_billing_event(event),
+            key=output_key(ref),
+            partition=partition,
+        )
+    finally:
+        await producer.stop()
+
+
+async def _billing_of(scene: Scene, ref: RequestRef) -> BillingEvent:
+    async for record in read_topic(scene.servers, scene.topics.billing.name):
+        assert record.value is not None
+        event = avro.decode_billing_event(record.value)
+        if (event.tenant, event.request_id) == ref:
+            return event
+    raise AssertionError(f"no billing event for {ref}")
+
+
+async def _bill_behind_the_workers_back(scene: Scene, sent: Sent) -> BillingEvent:
+    """Produce `sent` while no worker runs, write its outputs as a worker does (Tokens, row,
+    close marker), but bill it with altered usage; return the true billing event."""
+    await _send(scene.servers, scene.topics.namespace, [(sent, _records(sent))])
+    processor = RequestProcessor(PriceTable.default(), timeout=REQUEST_TIMEOUT_S)
+    completed = []
+    async for record in read_topic(scene.servers, scene.topics.raw_sse.name):
+        if record.key == sent.ref.request_id.encode():
+            position = Position(
+                record.topic, record.partition, record.offset, record.timestamp_ms / 1000
+            )
+            completed += processor.handle_sse(record.key, record.value, position).completed
+    assert len(completed) == 1
+    done = completed[0]
+    store = RedisStore.from_url(scene.url, connect_timeout=5)
+    try:
+        sink = RedisSink(store)
+        sink.add(done.tokens, done.billing, closed=done.closed.marker(), records=done.records)
+        assert await sink.flush() == [True]
+    finally:
+        await store.aclose()
+    altered = dataclasses.replace(done.billing, input_tokens=done.billing.input_tokens + 100)
+    await _produce_billing(scene, altered)
+    return done.billing
+
+
+def test_each_tampering_is_reported_exactly(scene: Scene, tmp_path: Path) -> None:
+    expected: list[tuple[Any, ...]] = []
+
+    def check(**counts: int) -> dict[str, Any]:
+        code, report = audit()
+        assert code == 1
+        assert _found(report) == sorted(expected, key=json.dumps)
+        for name, value in counts.items():
+            assert report["requests"][name] == value, name
+        return report
+
+    # 1. A usage row changed with HINCRBY.
+    row = _rows(scene.url, scene.tenant("acme"))[0]
+    client = redis.Redis.from_url(scene.url)
+    try:
+        client.hincrby(usage_key(row["day"], row["tenant"], row["model"]), "output_tokens", 5)
+    finally:
+        client.close()
+    out = row["output_tokens"]
+    expected.append(
+        (
+            "usage_row_mismatch",
+            None,
+            row["tenant"],
+            row["model"],
+            row["day"],
+            "output_tokens",
+            out,
+            out + 5,
+        )
+    )
+    report = check(matched=len(scene.everything))
+    assert report["usage_rows"]["mismatched"] == 1
+
+    # 2. A billing event for a request that never existed.
+    forged_tenant = scene.tenant("globex")
+    forged = BillingEvent(
+        event_id=event_id(forged_tenant, f"forged-{scene.tag}"),
+        request_id=f"forged-{scene.tag}",
+        tenant=forged_tenant,
+        model="gpt-4.1-mini",
+        source=Source.OPENAI,
+        finish_reason=FinishReason.STOP,
+        input_tokens=10,
+        output_tokens=20,
+        cost=Decimal("0.000123000000"),
+        price_table_version="forged",
+        event_time=datetime.now(UTC),
+    )
+    asyncio.run(_produce_billing(scene, forged))
+    expected.append(
+        (
+            "unexpected_billing",
+            forged.request_id,
+            forged_tenant,
+            "gpt-4.1-mini",
+            None,
+            "cost",
+            None,
+            "0.000123000000",
+        )
+    )
+    check(unexpected_billing=1, billed=len(scene.everything) + 1)
+
+    # 3. A second, different billing event for an existing request.
+    victim = next(s for s in scene.early if s.ref.tenant == scene.tenant("initech"))
+    true = asyncio.run(_billing_of(scene, victim.ref))
+    asyncio.run(
+        _produce_billing(scene, dataclasses.replace(true, output_tokens=true.output_tokens + 1))
+    )
+    expected.append(
+        (
+            "conflicting_billing",
+            true.request_id,
+            true.tenant,
+            true.model,
+            None,
+            "output_tokens",
+            true.output_tokens,
+            true.output_tokens + 1,
+        )
+    )
+    check(conflicting_billing=1, matched=len(scene.everything) - 1)
+
+    # 4. A request billed with altered usage.
+    scene.worker.stop(timeout=30)
+    altered = Sent(
+        RequestRef(scene.tenant("hooli"), f"altered-{scene.tag}"),
+        Source.OPENAI,
+        SAMPLES / "openai" / "text_usage.sse",
+    )
+    true = asyncio.run(_bill_behind_the_workers_back(scene, altered))
+    scene.worker = WorkerProcess(scene.log_dir / "worker-2.log", scene.env).start()
+    scene.worker.wait_until_ready(60)
+    scene.late.append(altered)
+    asyncio.run(_settled(scene, SETTLE_S))  # it skips the request: closed already
+    expected.append(
+        (
+            "usage_mismatch",
+            true.request_id,
+            true.tenant,
+            true.model,
+            None,
+            "input_tokens",
+            true.input_tokens,
+            true.input_tokens + 100,
+        )
+    )
+    report = check(mismatched=1, replayed=len(scene.everything), partial=0)
+    assert report["usage_rows"]["mismatched"] == 1  # the row of step 1 only
+
+    # Each tenant's audit holds that tenant's discrepancy alone.
+    code, mine = audit("--tenant", scene.tenant("hooli"))
+    assert code == 1
+    assert [d["kind"] for d in mine["discrepancies"]] == ["usage_mismatch"]
+
+    # The CSV of the discrepancies, and the table.
+    out = tmp_path / "found.csv"
+    result = cli("audit", "--out", str(out))
+    assert result.code == 1
+    rows = list(csv.DictReader(io.StringIO(out.read_text())))
+    assert sorted(r["kind"] for r in rows) == sorted(e[0] for e in expected)
+    by_kind = {r["kind"]: r for r in rows}
+    assert by_kind["usage_mismatch"]["expected"] == str(true.input_tokens)
+    assert by_kind["unexpected_billing"]["expected"] == ""
+    text = result.out.decode()
+    assert "4 discrepancies:" in text
+    assert f"altered-{scene.tag}" in text
+
+
+def test_the_audit_writes_nothing(scene: Scene) -> None:
+    """No topic grows, Redis does not change and no consumer group appears."""
+
+    async def ends() -> dict[Any, int]:
+        consumer = AIOKafkaConsumer(bootstrap_servers=scene.servers)
+        await consumer.start()
+        try:
+            tps = [TopicPartition(t.name, p) for t in scene.topics.all for p in range(t.partitions)]
+            return dict(await consumer.end_offsets(tps))
+        finally:
+            await consumer.stop()
+
+    def dump() -> dict[bytes, Any]:
+        client = redis.Redis.from_url(scene.url)
+        try:
+            return {key: client.dump(key) for key in sorted(client.scan_iter(count=1000))}
+        finally:
+            client.close()
+
+    async def groups() -> tuple[set[str], dict[Any, int]]:
+        """The consumer groups (others' tests add theirs) and the processors' offsets."""
+        admin = AIOKafkaAdminClient(bootstrap_servers=scene.servers)
+        await admin.start()
+        try:
+            names = {g[0] for g in await admin.list_consumer_groups()}
+            offsets = await admin.list_consumer_group_offsets(scene.topics.processors_group)
+            return names, {tp: m.offset for tp, m in offsets.items()}
+        finally:
+            await admin.close()
+
+    before, state, known = asyncio.run(ends()), dump(), asyncio.run(groups())
+    code, _ = audit()
+    assert code in (0, 1)
+    assert asyncio.run(ends()) == before
+    assert dump() == state
+    names, committed = asyncio.run(groups())
+    assert committed == known[1]  # the processors' group untouched
+    assert [n for n in names - known[0] if scene.tag in n or "audit" in n] == []

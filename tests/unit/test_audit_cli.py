@@ -1,0 +1,134 @@
+"""`streamtally audit`: its arguments, its text output and its CSV (no Kafka, no Redis)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from typing import Any
+
+import pytest
+
+from streamtally.cli import main
+from streamtally.cli.audit import SHOWN, format_report
+from streamtally.ops.audit import Discrepancy, Kind, Report, RequestCounts, RowComparison
+
+
+def report(*found: Discrepancy, tenants: list[str] | None = None) -> Report:
+    return Report(
+        requests=RequestCounts(replayed=3, billed=3, matched=2, mismatched=1),
+        rows=RowComparison(2, 2, 0, []),
+        rows_skipped=1,
+        discrepancies=found,
+        totals={},
+        snapshot={
+            "taken_at": "2026-11-24T12:00:00+00:00",
+            "since": None,
+            "until": "2026-11-24T00:00:00+00:00",
+            "tenants": tenants,
+            "raw_records": {"read": 1234},
+        },
+    )
+
+
+HOSTILE = "evil\n\x1b[2Jtenant\u202e"
+ROW = Discrepancy(Kind.USAGE_ROW_MISMATCH, None, HOSTILE, "m", "2026-11-23", "cost", "1.0", None)
+BILL = Discrepancy(Kind.USAGE_MISMATCH, "=HYPERLINK(1)", "acme", None, None, "input_tokens", 1, 2)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--since", "yesterday"], "is not an RFC 3339 time"),
+        (["--until", "2026-11-23T10:00:00"], "is not an RFC 3339 time"),
+        (["--since", "2026-11-24", "--until", "2026-11-24"], "must be before --until"),
+        (["--out", "/nonexistent-folder/report.json"], "not a file in a writable folder"),
+        (["--bootstrap-servers", "h:99999"], "port"),
+    ],
+)
+def test_bad_input_is_one_line_and_status_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code: Any
+    try:
+        code = main(["audit", *argv])
+    except SystemExit as exit_:
+        code = exit_.code
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert message in err
+
+
+def test_help_names_every_discrepancy_kind(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["audit", "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    for kind in Kind:
+        assert kind.value in text
+
+
+def test_the_text_report_is_a_summary_and_an_escaped_table() -> None:
+    clean = format_report(report())
+    assert "1,234 raw records" in clean
+    assert "from the beginning to 2026-11-24T00:00:00+00:00 (all tenants)" in clean
+    assert "3 replayed, 3 billed: 2 matched, 1 mismatched" in clean
+    assert "2 checked: 2 matched, 0 mismatched (1 not checked" in clean
+    assert clean.endswith("no discrepancies\n")
+    text = format_report(report(ROW, BILL, tenants=["acme", HOSTILE]))
+    assert "\x1b" not in text
+    assert "\u202e" not in text
+    assert "2 discrepancies:" in text
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("KIND"))
+    assert len(lines) == header + 3  # one line per discrepancy, whatever the tenant holds
+    assert "evil\\n\\x1b[2Jtenant\\u202e" in lines[header + 1]
+    assert lines[header + 2].split()[:3] == ["usage_mismatch", "=HYPERLINK(1)", "acme"]
+
+
+def test_a_long_list_is_cut_in_the_text_only() -> None:
+    many = [
+        Discrepancy(Kind.MISSING_BILLING, f"r{i:03}", "acme", "m", None, "cost", "1", None)
+        for i in range(SHOWN + 5)
+    ]
+    text = format_report(report(*many))
+    assert text.endswith("... and 5 more (--json or --out lists all)\n")
+    assert len(report(*many).to_json()["discrepancies"]) == SHOWN + 5
+
+
+def test_the_csv_lists_every_discrepancy_safely() -> None:
+    rows = list(csv.reader(io.StringIO(report(ROW, BILL).csv_text())))
+    assert rows[0] == ["kind", "request_id", "tenant", "model", "day", "field", "expected", "found"]
+    assert rows[1] == ["usage_row_mismatch", "", HOSTILE, "m", "2026-11-23", "cost", "1.0", ""]
+    # a request id a spreadsheet would run as a formula stays text
+    assert rows[2] == ["usage_mismatch", "'=HYPERLINK(1)", "acme", "", "", "input_tokens", "1", "2"]
+
+
+def test_the_json_report_has_the_documented_shape() -> None:
+    doc = json.loads(json.dumps(report(BILL).to_json()))
+    assert set(doc) == {"requests", "usage_rows", "discrepancies", "totals", "snapshot"}
+    assert set(doc["requests"]) == {
+        "replayed",
+        "billed",
+        "matched",
+        "mismatched",
+        "missing_billing",
+        "unexpected_billing",
+        "conflicting_billing",
+        "partial",
+        "dead_lettered",
+    }
+    assert {"checked", "matched", "mismatched"} <= set(doc["usage_rows"])
+    assert doc["discrepancies"] == [
+        {
+            "kind": "usage_mismatch",
+            "request_id": "=HYPERLINK(1)",
+            "tenant": "acme",
+            "model": None,
+            "day": None,
+            "field": "input_tokens",
+            "expected": 1,
+            "found": 2,
+        }
+    ]

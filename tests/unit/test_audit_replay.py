@@ -1,0 +1,349 @@
+"""`streamtally.ops.audit._replay`: raw records through the processors' own processor, without
+Kafka or Redis.  Each request must end in the one outcome the audit owes it: closed with the
+billing event `fold` + pricing give, partial (straddling the start, open at the end, not yet
+processed), or dead-lettered."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from streamtally.core.identity import RequestRef
+from streamtally.core.models import Source
+from streamtally.core.normalize import fold_stream, read_events
+from streamtally.core.pricing import PriceTable
+from streamtally.ops.audit import TimeRange
+from streamtally.ops.audit._replay import Replay
+from streamtally.processors.requests import Limits, RequestProcessor
+from streamtally.producers import raw_records
+from streamtally.topics import Topics
+from streamtally.wire import avro
+from streamtally.wire.billing import bill
+from streamtally.wire.kafka import TopicRecord
+from streamtally.wire.records import BillingEvent, RawSseEvent
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
+TOPICS = Topics.in_namespace()
+SSE, ENGINE = TOPICS.raw_sse.name, TOPICS.raw_engine.name
+PRICES = PriceTable.default()
+TIMEOUT = 60.0
+T0 = datetime(2026, 11, 23, 12, 0, tzinfo=UTC)
+STEP = timedelta(milliseconds=250)
+
+
+class Recorder:
+    """The outcomes the replay hands over, as lists."""
+
+    def __init__(self) -> None:
+        self.bills: list[BillingEvent] = []
+        self.partials: list[tuple[RequestRef, str, str]] = []
+        self.dead: list[RequestRef] = []
+
+    def closed(self, expected: BillingEvent) -> None:
+        self.bills.append(expected)
+
+    def partial(self, ref: RequestRef, day: str, reason: str) -> None:
+        self.partials.append((ref, day, reason))
+
+    def dead_lettered(self, ref: RequestRef) -> None:
+        self.dead.append(ref)
+
+
+@dataclass(frozen=True)
+class Request:
+    file: str
+    source: Source
+    ref: RequestRef
+    model: str | None
+    records: list[bytes]
+    #: Receive time of each record.
+    times: list[datetime]
+
+    def expected(self) -> BillingEvent:
+        """What `streamtally fold` prints, priced as the worker prices it."""
+        data = (SAMPLES / self.file).read_bytes()
+        tokens = fold_stream(
+            self.source,
+            read_events(self.source, io.BytesIO(data)),
+            request_id=self.ref.request_id,
+            model=self.model,
+        )
+        return bill(tokens, self.ref.tenant, self.times[-1], PRICES)
+
+
+def request(
+    file: str,
+    request_id: str,
+    *,
+    tenant: str = "acme",
+    start: datetime = T0,
+    model: str | None = None,
+) -> Request:
+    source = Source(file.split("/", maxsplit=1)[0])
+    times: list[datetime] = []
+
+    def clock() -> datetime:
+        times.append(start + len(times) * STEP)
+        return times[-1]
+
+    _, records = raw_records(
+        source,
+        (SAMPLES / file).read_bytes(),
+        tenant=tenant,
+        request_id=request_id,
+        model=model,
+        clock=clock,
+    )
+    return Request(file, source, RequestRef(tenant, request_id), model, records, times)
+
+
+class Log:
+    """Partitions of the raw topics: records get the next offset of their partition."""
+
+    def __init__(self) -> None:
+        self.next: dict[tuple[str, int], int] = {}
+
+    def put(
+        self, req: Request, indexes: range | list[int] | None = None, *, partition: int = 0
+    ) -> list[TopicRecord]:
+        topic = SSE if req.source.is_sse else ENGINE
+        out = []
+        for i in indexes if indexes is not None else range(len(req.records)):
+            offset = self.next.get((topic, partition), 0)
+            self.next[(topic, partition)] = offset + 1
+            appended = int((req.times[i] + timedelta(milliseconds=10)).timestamp() * 1000)
+            out.append(
+                TopicRecord(
+                    topic, partition, offset, req.ref.request_id.encode(), req.records[i], appended
+                )
+            )
+        return out
+
+
+def no_markers(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
+    return {}
+
+
+def replay(
+    *batches: list[TopicRecord],
+    window: TimeRange | None = None,
+    tenants: frozenset[str] | None = None,
+    markers: Callable[[list[RequestRef]], Mapping[RequestRef, tuple[str, bool]]] = no_markers,
+    committed: Mapping[tuple[str, int], int] | None = None,
+) -> tuple[Recorder, Replay]:
+    outcomes = Recorder()
+    processor = RequestProcessor(
+        PRICES,
+        timeout=TIMEOUT,
+        clock=lambda: 0.0,
+        limits=Limits(open_requests=sys.maxsize, open_per_tenant=sys.maxsize),
+    )
+    asked: list[list[RequestRef]] = []
+
+    async def lookup(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
+        asked.append(refs)
+        return markers(refs)
+
+    everything = [r for batch in batches for r in batch]
+    ends = {}
+    for r in everything:
+        ends[(r.topic, r.partition)] = max(ends.get((r.topic, r.partition), 0), r.offset + 1)
+    machine = Replay(
+        processor,
+        sse_topic=SSE,
+        window=window or TimeRange(),
+        tenants=tenants,
+        lookup=lookup,
+        committed=ends if committed is None else committed,
+        outcomes=outcomes,
+    )
+
+    async def run() -> None:
+        for batch in batches:
+            await machine.feed(batch)
+        machine.finish()
+
+    asyncio.run(run())
+    return outcomes, machine
+
+
+FILES = [
+    "openai/text_usage.sse",
+    "openai/parallel_tool_calls_cached.sse",
+    "anthropic/thinking_then_text.sse",
+    "gemini/thoughts_cached.sse",
+    "openai-responses/reasoning_parallel_calls.sse",
+    "vllm/delta_stop_cached.jsonl",
+    "atomr/text_stop.jsonl",
+]
+
+
+def test_the_replay_bills_what_fold_prints() -> None:
+    log = Log()
+    reqs = [
+        request(f, f"r{i}", tenant=f"t{i % 2}", start=T0 + i * STEP) for i, f in enumerate(FILES)
+    ]
+    # interleaved on two partitions of each topic, in small batches
+    records = []
+    for step in range(max(len(r.records) for r in reqs)):
+        for i, req in enumerate(reqs):
+            if step < len(req.records):
+                records += log.put(req, [step], partition=i % 2)
+    batches = [records[i : i + 7] for i in range(0, len(records), 7)]
+    outcomes, machine = replay(*batches)
+    assert sorted(outcomes.bills, key=lambda e: e.request_id) == sorted(
+        (r.expected() for r in reqs), key=lambda e: e.request_id
+    )
+    assert (outcomes.partials, outcomes.dead) == ([], [])
+    assert machine.processor.open_requests == 0
+
+
+def test_a_request_begun_before_the_range_is_partial() -> None:
+    log = Log()
+    cut = request("openai/text_usage.sse", "cut")
+    whole = request("anthropic/text_end_turn.sse", "whole", start=T0 + timedelta(seconds=1))
+    records = log.put(cut, range(2, len(cut.records))) + log.put(whole)
+    outcomes, machine = replay(records)
+    assert [e.request_id for e in outcomes.bills] == ["whole"]
+    assert outcomes.partials == [(cut.ref, "2026-11-23", "straddles the start")]
+    assert machine.stats.straddling == len(cut.records) - 2
+    # Cut by --since: its first records are received before the range.
+    since = cut.times[2]
+    outcomes, _ = replay(log.put(cut), window=TimeRange(since))
+    assert outcomes.partials == [(cut.ref, "2026-11-23", "straddles the start")]
+    assert outcomes.bills == []
+
+
+def test_a_request_still_open_at_the_end_is_partial() -> None:
+    log = Log()
+    req = request("openai/text_usage.sse", "open")
+    outcomes, _ = replay(log.put(req, range(len(req.records) - 1)))
+    assert outcomes.partials == [(req.ref, "2026-11-23", "open at the snapshot")]
+    # Cut by --until before its end marker: the same.
+    outcomes, _ = replay(Log().put(req), window=TimeRange(None, req.times[-1]))
+    assert outcomes.partials == [(req.ref, "2026-11-23", "open at the snapshot")]
+    assert outcomes.bills == []
+
+
+def test_a_quiet_request_closes_by_the_input_clock_of_its_partition() -> None:
+    log = Log()
+    quiet = request("openai/text_usage.sse", "quiet", tenant="acme")
+    later = request(
+        "anthropic/text_end_turn.sse",
+        "later",
+        tenant="globex",
+        start=T0 + timedelta(seconds=TIMEOUT + 5),
+    )
+    head = log.put(quiet, range(len(quiet.records) - 1))
+    outcomes, _ = replay(head, log.put(later, [0]))
+    (closed,) = outcomes.bills
+    assert closed.request_id == "quiet"
+    assert closed.usage == quiet.expected().usage
+    assert closed.event_time == quiet.times[-2]
+    # Another tenant's records move the clock even when only acme is audited.
+    outcomes, _ = replay(
+        Log().put(quiet, range(len(quiet.records) - 1)) + log.put(later, [1]),
+        tenants=frozenset({"acme"}),
+    )
+    assert [e.request_id for e in outcomes.bills] == ["quiet"]
+    assert [p[0].tenant for p in outcomes.partials] == []
+
+
+def test_a_request_is_closed_where_the_worker_decided() -> None:
+    req = request("openai/text_usage.sse", "timed-out")
+    records = Log().put(req, range(len(req.records) - 1))
+    last = records[-1].offset
+
+    def markers(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
+        return {req.ref: (f"{last} timeout", True)} if req.ref in refs else {}
+
+    outcomes, _ = replay(records, markers=markers)
+    (closed,) = outcomes.bills
+    assert closed.usage == req.expected().usage
+    assert closed.event_time == req.times[-2]  # its last record: no end marker came
+    # A worker that closed it at its third record, in this very place: the rest is late.
+    early = records[2].offset
+
+    def at_three(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
+        return {req.ref: (f"{early} timeout", True)}
+
+    outcomes, machine = replay(records, markers=at_three)
+    (closed,) = outcomes.bills
+    assert closed.event_time == req.times[2]
+    assert machine.processor.counters.dead_lettered == len(records) - 3
+
+
+def test_a_marker_before_a_request_makes_its_records_late() -> None:
+    log = Log()
+    other = request("anthropic/text_end_turn.sse", "other")
+    req = request("openai/text_usage.sse", "again", start=T0 + timedelta(seconds=5))
+    records = log.put(other) + log.put(req)
+
+    def markers(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
+        return {req.ref: ("3 end", True)} if req.ref in refs else {}
+
+    outcomes, machine = replay(records, markers=markers)
+    assert [e.request_id for e in outcomes.bills] == ["other"]
+    assert outcomes.partials == []
+    assert machine.processor.counters.dead_lettered == len(req.records)
+
+
+@pytest.mark.parametrize("marker", ["0 end", "garbage", "7 sideways"])
+def test_a_marker_that_names_no_close_is_ignored(marker: str) -> None:
+    """The marker a rebuild writes ("0 end": no offset known), or one no worker writes."""
+    req = request("openai/text_usage.sse", "rebuilt")
+
+    def markers(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
+        return {req.ref: (marker, True)}
+
+    outcomes, _ = replay(Log().put(req), markers=markers)
+    assert outcomes.bills == [req.expected()]
+
+
+def test_a_request_past_the_committed_offsets_is_not_yet_processed() -> None:
+    req = request("openai/text_usage.sse", "fresh")
+    records = Log().put(req)
+    end = records[-1].offset
+    outcomes, _ = replay(records, committed={(SSE, 0): end})
+    assert outcomes.partials == [(req.ref, "2026-11-23", "not yet processed")]
+    outcomes, _ = replay(records, committed={(SSE, 0): end + 1})
+    assert outcomes.bills == [req.expected()]
+
+
+def test_a_lone_end_marker_is_a_dead_lettered_request() -> None:
+    end = RawSseEvent.end(
+        request_id="lone", seq=0, source=Source.OPENAI, tenant="acme", received_at=T0
+    )
+    value = avro.encode_raw_sse_event(end)
+    outcomes, _ = replay([TopicRecord(SSE, 0, 0, b"lone", value, int(T0.timestamp() * 1000))])
+    assert outcomes.dead == [RequestRef("acme", "lone")]
+    assert (outcomes.bills, outcomes.partials) == ([], [])
+
+
+def test_other_tenants_and_other_times_are_not_audited() -> None:
+    log = Log()
+    mine = request("openai/text_usage.sse", "mine", tenant="acme")
+    theirs = request("openai/text_usage.sse", "theirs", tenant="globex")
+    outcomes, machine = replay(log.put(mine) + log.put(theirs), tenants=frozenset({"acme"}))
+    assert [e.request_id for e in outcomes.bills] == ["mine"]
+    assert machine.stats.other_tenants == len(theirs.records)
+    before = TimeRange(None, T0)
+    outcomes, machine = replay(Log().put(mine), window=before)
+    assert (outcomes.bills, outcomes.partials) == ([], [])
+    assert machine.stats.outside == len(mine.records)
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_batches_do_not_change_the_outcome(size: int) -> None:
+    log = Log()
+    reqs = [request(f, f"b{i}", start=T0 + i * STEP) for i, f in enumerate(FILES[:4])]
+    records = [r for req in reqs for r in log.put(req)]
+    outcomes, _ = replay(*[records[i : i + size] for i in range(0, len(records), size)])
+    assert outcomes.bills == [r.expected() for r in reqs]
