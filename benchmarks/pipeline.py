@@ -19,8 +19,8 @@ REDIS_URL):
 3. Ceiling.  The same raw messages (their offset range) are passed through
    unchanged by plain aiokafka (`benchmarks.passthrough`).
 4. Latency.  More requests are produced at a steady `rate` raw events/s for
-   `seconds`; each request's latency runs from the moment its END marker's send
-   future resolves to the moment its Tokens is readable in Redis.
+   `seconds`; each request's latency runs from the moment its END marker is
+   handed to the producer to the moment its Tokens is readable in Redis.
 5. Memory.  The worker's RSS is sampled all along; VmHWM is read at the end.
 
 Readability in Redis is observed through keyspace notifications

@@ -184,7 +184,14 @@ async def measure_ceiling(ctx: PhaseContext, start: dict[Any, int], end: dict[An
 
 
 async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> Latency:
-    """`requests` at `settings.rate` raw events/s; per request, END acked to Tokens readable."""
+    """`requests` at `settings.rate` raw events/s; per request, END sent to Tokens readable.
+
+    A request's latency starts when its END marker is handed to the producer,
+    which is always before the worker can see it, and ends when its Tokens is
+    readable in Redis.  (It used to start when the send's acknowledgement was
+    handled here, which can come after the worker has already written the
+    Tokens: negative latencies.)  Only requests whose END was acknowledged count.
+    """
     settings = ctx.settings
     lag = await ctx.kafka.wait_caught_up(ctx.worker, ctx.progress, timeout=120)
     if lag:
@@ -196,12 +203,13 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
         f"latency: {len(requests):,} requests ({raw_events:,} raw events) at "
         f"{settings.rate:,.0f} raw events/s for ~{settings.seconds:g} s …"
     )
-    acked: dict[str, float] = {}
+    sent_at: dict[str, float] = {}
+    acked: set[str] = set()
 
     def on_ack(request_id: str) -> Callable[[asyncio.Future[Any]], None]:
         def done(future: asyncio.Future[Any]) -> None:
             if not future.cancelled() and future.exception() is None:
-                acked[request_id] = time.perf_counter()
+                acked.add(request_id)
 
         return done
 
@@ -219,6 +227,8 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
             due = min(len(schedule), int((now - start) * settings.rate) + 1)
             while sent < due:
                 topic, key, value, end_of = schedule[sent]
+                if end_of is not None:
+                    sent_at[end_of] = time.perf_counter()
                 future = await producer.send(topic, value, key=key)
                 if end_of is not None:
                     future.add_done_callback(on_ack(end_of))
@@ -241,7 +251,7 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
     cpu = ctx.worker.cpu_seconds() - cpu_before
     seconds = last_send - start
     measured = [
-        (acked[r] - start, (ctx.watcher.seen[r] - acked[r]) * 1000)
+        (sent_at[r] - start, (ctx.watcher.seen[r] - sent_at[r]) * 1000)
         for r in ids
         if r in ctx.watcher.seen and r in acked
     ]
@@ -269,6 +279,7 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
         p50_ms=pick(50),
         p90_ms=pick(90),
         p99_ms=pick(99),
+        p999_ms=pick(99.9),
         max_ms=round(latencies[-1], 2) if latencies else None,
         min_ms=round(latencies[0], 2) if latencies else None,
         mean_ms=round(sum(latencies) / len(latencies), 2) if latencies else None,
