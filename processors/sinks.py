@@ -105,9 +105,17 @@ class KafkaSink:
             await self._producer.start()
             self._started = True
         by_partition: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
+        # murmur2 in pure Python costs more than the rest of a record's routing: once per
+        # request (its chunks share the key) and partition count, not once per record.
+        chosen: dict[tuple[bytes, int], int] = {}
         for topic, key, by, value in self._pending:
             partitions = self._partitions[topic]
-            partition = self._partitioner(by, partitions, partitions)
+            if by is None:  # a dead letter without key: any partition, as the client does
+                partition = self._partitioner(by, partitions, partitions)
+            elif (partition := chosen.get((by, len(partitions)), -1)) < 0:
+                partition = chosen[by, len(partitions)] = self._partitioner(
+                    by, partitions, partitions
+                )
             by_partition.setdefault((topic, partition), []).append((key, value))
         futures = []
         for (topic, partition), messages in by_partition.items():

@@ -22,6 +22,7 @@ from streamtally.core.models import (
     ToolCallDelta,
     Usage,
 )
+from streamtally.wire.avro._chunk_writer import check_schema, chunk_body
 from streamtally.wire.avro._codec import write
 from streamtally.wire.avro._errors import AvroEncodeError
 from streamtally.wire.avro._schemas import CURRENT, NAMESPACE
@@ -128,12 +129,17 @@ def encode_model(obj: Model) -> bytes:
 
 
 _CHUNK: Final = CURRENT["Chunk"]
+check_schema(_CHUNK.parsed)
+_CHUNK_HEADER: Final = _CHUNK.header
 _TOKENS: Final = CURRENT["Tokens"]
 
 
 def encode_chunk(chunk: Chunk) -> bytes:
-    """A `Chunk` as a single-object message (value of `streamtally.chunks`)."""
-    return write(_CHUNK, _chunk_out(chunk))
+    """A `Chunk` as a single-object message (value of `streamtally.chunks`).
+
+    Written by `_chunk_writer` (the same bytes as fastavro's writer, faster).
+    """
+    return _CHUNK_HEADER + chunk_body(chunk)
 
 
 def encode_tokens(tokens: Tokens) -> bytes:
