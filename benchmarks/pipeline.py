@@ -54,6 +54,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import time
 import uuid
 from typing import Final
 
@@ -88,7 +89,7 @@ from benchmarks.pipeline_report import (
     describe_machine,
     format_report,
 )
-from benchmarks.pipeline_worker import BenchWorker
+from benchmarks.pipeline_worker import BenchWorkers
 from benchmarks.pipeline_workload import (
     TENANT,
     BenchRequest,
@@ -117,6 +118,20 @@ __all__ = [
 WORKER_REQUEST_TIMEOUT: Final = 86_400
 
 
+async def _wait_for_members(
+    kafka: KafkaProbe, workers: BenchWorkers, count: int, progress: Progress
+) -> None:
+    """Wait until all `count` workers are members of the group (no rebalance mid-phase)."""
+    deadline = time.monotonic() + 120
+    while (members := await kafka.group_members()) != count:
+        workers.check()
+        if time.monotonic() > deadline:
+            raise StackError(f"the consumer group has {members} members, not {count}, after 120 s")
+        await asyncio.sleep(0.5)
+    if count > 1:
+        progress(f"  the consumer group has its {count} members")
+
+
 async def _bench(
     *,
     settings: PipelineSettings,
@@ -125,7 +140,7 @@ async def _bench(
     warm: list[BenchRequest],
     load: list[BenchRequest],
     steady: list[BenchRequest],
-    worker: BenchWorker,
+    worker: BenchWorkers,
     progress: Progress,
 ) -> tuple[Throughput, Ceiling, Latency, Memory, str | None, list[str]]:
     notes: list[str] = []
@@ -145,6 +160,7 @@ async def _bench(
         dead_tps = names.partitions(names.topics.deadletter)
         dead_start = await kafka.end_offsets(dead_tps)
 
+        await _wait_for_members(kafka, worker, settings.workers, progress)
         await warm_up(ctx, warm)
         idle_rss = worker.rss_kib() or 0
         throughput, raw_start, raw_end = await measure_throughput(ctx, load)
@@ -152,7 +168,7 @@ async def _bench(
         latency = await measure_latency(ctx, steady)
 
         members = await kafka.group_members()
-        if members is not None and members != 1:
+        if members is not None and members != settings.workers:
             notes.append(f"at the end, the consumer group {names.group!r} had {members} members")
         dead_end = await kafka.end_offsets(dead_tps)
         dead = sum(dead_end.values()) - sum(dead_start.values())
@@ -213,8 +229,9 @@ def run(
         STREAMTALLY_REQUEST_TIMEOUT=str(WORKER_REQUEST_TIMEOUT),
         STREAMTALLY_NAMESPACE=names.namespace,
     )
-    worker = BenchWorker(env, log)
-    progress(f"started the worker (pid {worker.pid}, log {log})")
+    worker = BenchWorkers(env, log, settings.workers)
+    pids = ", ".join(str(m.pid) for m in worker.members)
+    progress(f"started {settings.workers} worker(s) (pid {pids}, log {log})")
     try:
         throughput, ceiling, latency, memory, redis_version, notes = asyncio.run(
             _bench(
@@ -240,6 +257,7 @@ def run(
             concurrency=settings.concurrency,
             namespace=names.namespace,
             poison_events=workload.poison_events,
+            workers=settings.workers,
         ),
         throughput=throughput,
         ceiling=ceiling,

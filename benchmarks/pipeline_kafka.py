@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from benchmarks.pipeline_worker import BenchWorker
+from benchmarks.pipeline_worker import BenchWorkers
 from benchmarks.pipeline_workload import Names, Progress
 from streamtally.wire.kafka import read_topic
 
@@ -66,7 +66,7 @@ class KafkaProbe:
         except (KafkaError, IndexError, AttributeError, TypeError):  # diagnostics only
             return None
 
-    async def wait_caught_up(self, worker: BenchWorker, progress: Progress, timeout: float) -> int:
+    async def wait_caught_up(self, worker: BenchWorkers, progress: Progress, timeout: float) -> int:
         """Wait until the worker group has committed every raw message; the lag left."""
         deadline = time.monotonic() + timeout
         last_report = 0.0

@@ -24,7 +24,7 @@ from benchmarks import passthrough
 from benchmarks.pipeline_kafka import KafkaProbe
 from benchmarks.pipeline_redis import TokensWatcher
 from benchmarks.pipeline_report import WINDOW_SECONDS, Ceiling, Latency, Throughput
-from benchmarks.pipeline_worker import BenchWorker
+from benchmarks.pipeline_worker import BenchWorkers
 from benchmarks.pipeline_workload import (
     TENANT,
     BenchRequest,
@@ -73,7 +73,7 @@ class PhaseContext:
     settings: PipelineSettings
     names: Names
     progress: Progress
-    worker: BenchWorker
+    worker: BenchWorkers
     kafka: KafkaProbe
     watcher: TokensWatcher
     redis: aioredis.Redis
@@ -95,10 +95,11 @@ async def warm_up(ctx: PhaseContext, requests: list[BenchRequest]) -> None:
     if lag:
         ctx.notes.append(f"the worker was still {lag:,} raw messages behind when timing began")
     members = await ctx.kafka.group_members()
-    if members is not None and members != 1:
+    wanted = ctx.settings.workers
+    if members is not None and members != wanted:
         ctx.notes.append(
-            f"the consumer group {ctx.names.group!r} had {members} members: another worker "
-            "shared the partitions, so the figures are not those of one worker"
+            f"the consumer group {ctx.names.group!r} had {members} members, not {wanted}: "
+            "another worker shared the partitions, so the figures are not those of the run's"
         )
 
 

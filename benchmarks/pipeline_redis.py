@@ -20,7 +20,7 @@ from typing import Any, Final
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from benchmarks.pipeline_worker import BenchWorker
+from benchmarks.pipeline_worker import BenchWorkers
 from benchmarks.pipeline_workload import Progress
 from streamtally.errors import StackError
 from streamtally.store import LayoutError, RedisStore, parse_tokens_key, tokens_pattern
@@ -86,7 +86,7 @@ class TokensWatcher:
 
     async def wait(
         self,
-        worker: BenchWorker,
+        worker: BenchWorkers,
         progress: Progress,
         label: str,
         total: int,

@@ -67,6 +67,8 @@ class Workload:
     namespace: str
     #: Poison raw events among the throughput phase's (``--poison-every``), each dead-lettered.
     poison_events: int = 0
+    #: Worker processes in the consumer group (``--workers``).
+    workers: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,8 +264,10 @@ def format_report(report: PipelineReport) -> str:
         ("latency max", _ms(lat.max_ms), ""),
         ("worker peak RSS (VmHWM)", f"{mem.peak_rss_mib:,.1f} MiB", ""),
     ]  # fmt: skip
+    workers = report.workload.workers
     lines = [
-        f"streamtally pipeline benchmark, run {report.workload.run_id} (one worker)",
+        f"streamtally pipeline benchmark, run {report.workload.run_id} "
+        + (f"({workers} workers)" if workers > 1 else "(one worker)"),
         f"machine: {m.cores} cores ({m.cpu}), {m.system}, "
         f"load average {m.load_before:.2f} before, {m.load_after:.2f} after",
         f"         {m.python}, Kafka {m.kafka or '?'}, Redis {m.redis or '?'}, "
@@ -275,7 +279,13 @@ def format_report(report: PipelineReport) -> str:
             if report.workload.poison_events
             else ""
         ),
-        f"worker: one process, namespace {report.workload.namespace!r} "
+        (
+            "worker: one process"
+            if report.workload.workers == 1
+            else f"workers: {report.workload.workers} processes in one consumer group (CPU "
+            "summed, memory of the largest)"
+        )
+        + f", namespace {report.workload.namespace!r} "
         "(its own topics and consumer group on the running stack)",
         "",
         f"{'figure':<40}{'measured':>16}   {'target':<12}",

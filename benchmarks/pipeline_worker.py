@@ -1,8 +1,9 @@
-"""The pipeline benchmark's worker process, with its memory and CPU time.
+"""The pipeline benchmark's worker processes, with their memory and CPU time.
 
 `BenchWorker` is a `streamtally.ops.worker_process.WorkerProcess` started at
 once, whose resident set (sampled, and its peak) and CPU time are read from
-Linux' /proc.
+Linux' /proc; `BenchWorkers` is several of them in one consumer group, seen as
+one: CPU time summed, memory of the largest.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from benchmarks.pipeline_workload import Progress
 from streamtally.ops.worker_process import WorkerProcess
 
-__all__ = ["BenchWorker"]
+__all__ = ["BenchWorker", "BenchWorkers"]
 
 
 class BenchWorker(WorkerProcess):
@@ -70,3 +71,53 @@ class BenchWorker(WorkerProcess):
         code, _ = self.stop(timeout=30)
         if code is None:
             progress("the worker did not stop within 30 s: SIGKILL")
+
+
+class BenchWorkers:
+    """`count` workers in one consumer group, with the interface of one `BenchWorker`.
+
+    CPU time is the sum over the workers; RSS figures are the largest worker's
+    (what one worker needs); `check` raises once any worker has exited.
+    """
+
+    def __init__(self, env: dict[str, str], log: Path, count: int) -> None:
+        logs = (
+            [log]
+            if count == 1
+            else [log.with_name(f"{log.stem}-{i + 1}{log.suffix}") for i in range(count)]
+        )
+        self.members = [BenchWorker(env, path) for path in logs]
+        self.log = logs[0]
+        self.pid = self.members[0].pid
+        self.rss_samples: list[int] = []
+
+    @property
+    def returncode(self) -> int | None:
+        codes = [m.returncode for m in self.members]
+        return next((code for code in codes if code is not None), None)
+
+    def check(self) -> None:
+        for member in self.members:
+            member.check()
+
+    def rss_kib(self) -> int | None:
+        found = [rss for m in self.members if (rss := m.rss_kib()) is not None]
+        return max(found) if found else None
+
+    def hwm_kib(self) -> int | None:
+        found = [hwm for m in self.members if (hwm := m.hwm_kib()) is not None]
+        return max(found) if found else None
+
+    def cpu_seconds(self) -> float:
+        return sum(m.cpu_seconds() for m in self.members)
+
+    async def sample_rss(self, every: float = 0.2) -> None:
+        while True:
+            rss = self.rss_kib()
+            if rss is not None:
+                self.rss_samples.append(rss)
+            await asyncio.sleep(every)
+
+    def shut_down(self, progress: Progress) -> None:
+        for member in self.members:
+            member.shut_down(progress)

@@ -64,6 +64,8 @@ class PipelineSettings:
     concurrency: int = 16
     #: One poison raw event per this many raw events of the throughput phase (0: none).
     poison_every: int = 0
+    #: Worker processes in the consumer group (the raw topics have 6 partitions each).
+    workers: int = 1
     bootstrap_servers: str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
 
@@ -72,6 +74,8 @@ class PipelineSettings:
             raise ValueError("events, rate, seconds and concurrency must be positive")
         if self.poison_every < 0:
             raise ValueError("poison_every must be 0 (none) or positive")
+        if not 1 <= self.workers <= 6:
+            raise ValueError("workers must be 1 to 6 (the raw topics' partitions)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -53,6 +53,16 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "per N raw events of the throughput phase (0: none)"
         ),
     )
+    pipeline.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        metavar="N",
+        help=(
+            "worker processes in the consumer group, 1 to 6 (1); CPU time is their sum, "
+            "memory the largest one's"
+        ),
+    )
     pipeline.add_argument("--json", action="store_true", help="print results as JSON")
     pipeline.set_defaults(func=run_pipeline)
 
@@ -116,6 +126,7 @@ def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
             rate=args.rate,
             seconds=args.seconds,
             poison_every=args.poison_every,
+            workers=args.workers,
             bootstrap_servers=settings.bootstrap_servers,
             redis_url=settings.redis_url,
         )
