@@ -23,6 +23,7 @@ from redis.exceptions import RedisError
 from benchmarks.pipeline_worker import BenchWorkers
 from benchmarks.pipeline_workload import Progress
 from streamtally.errors import StackError
+from streamtally.redact import redact_url
 from streamtally.store import LayoutError, RedisStore, parse_tokens_key, tokens_pattern
 
 __all__ = ["TokensWatcher", "as_text", "check_layout", "keyspace_flags", "redis_client"]
@@ -147,7 +148,8 @@ async def redis_client(url: str) -> tuple[aioredis.Redis, int, str | None]:
     except (RedisError, OSError) as exc:
         await client.aclose()
         raise StackError(
-            f"cannot reach Redis at {url}: start it with `streamtally stack up` or set REDIS_URL"
+            f"cannot reach Redis at {redact_url(url)}: start it with `streamtally stack up` or "
+            "set REDIS_URL"
         ) from exc
     db = int(client.connection_pool.connection_kwargs.get("db", 0) or 0)
     version = info.get("redis_version")
@@ -165,12 +167,13 @@ async def check_layout(url: str) -> None:
         await store.ensure_layout()
     except LayoutError as exc:
         raise StackError(
-            f"the benchmark's worker cannot write to Redis at {url}: {exc} "
+            f"the benchmark's worker cannot write to Redis at {redact_url(url)}: {exc} "
             "(or set REDIS_URL to an empty database, e.g. redis://127.0.0.1:6379/15)"
         ) from exc
     except (RedisError, OSError) as exc:
         raise StackError(
-            f"cannot reach Redis at {url}: start it with `streamtally stack up` or set REDIS_URL"
+            f"cannot reach Redis at {redact_url(url)}: start it with `streamtally stack up` or "
+            "set REDIS_URL"
         ) from exc
     finally:
         await store.aclose()

@@ -29,14 +29,15 @@ from one (an editable install), else ``$XDG_STATE_HOME/streamtally`` (or
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from pydantic import AliasChoices, Field, ValidationError, model_validator
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from streamtally.errors import InputError
+from streamtally.redact import redact_servers, redact_text, redact_url
 
 __all__ = [
     "ENV_BOOTSTRAP_SERVERS",
@@ -159,6 +160,12 @@ class Settings(BaseSettings):
         del settings_cls, env_settings, dotenv_settings, file_secret_settings
         return (init_settings,)
 
+    def __repr_args__(self) -> Iterator[tuple[str | None, Any]]:
+        """The fields `repr` and `str` show, with the credentials of the endpoints hidden."""
+        for name, value in super().__repr_args__():
+            shown = _shown(name, value) if name is not None and isinstance(value, str) else value
+            yield name, shown
+
     @model_validator(mode="after")
     def _ports_differ(self) -> Settings:
         ports = [self.kafka_port, self.controller_port, self.redis_port]
@@ -243,13 +250,22 @@ def _from_environment(env: Mapping[str, str]) -> dict[str, str]:
     return {field: env[name].strip() for name, field in _VARIABLES.items() if name in env}
 
 
+def _shown(field: str, value: str) -> str:
+    """A field's value as printed: the endpoints' credentials hidden (`streamtally.redact`)."""
+    if field == "redis_url_setting":
+        return redact_url(value)
+    if field == "kafka_bootstrap_servers":
+        return redact_servers(value)
+    return redact_text(value)
+
+
 def _explain(exc: ValidationError) -> str:
     parts = []
     for error in exc.errors():
         field = str(error["loc"][0]) if error["loc"] else ""
         name = _FIELDS.get(field, field)
         value = error.get("input")
-        shown = f"={value!r}" if name and isinstance(value, str) else ""
+        shown = f"={_shown(field, value)!r}" if name and isinstance(value, str) else ""
         prefix = f"{name}{shown}: " if name else ""
         parts.append(f"{prefix}{error['msg']}")
     return "bad setting: " + "; ".join(parts)

@@ -6,6 +6,9 @@ lines (``--log-format``, `streamtally.cli._logging`), and what a user can get
 wrong (an argument, a file, a setting, an unreachable Kafka or Redis) ends in
 one line on stderr and exit status 2, never a traceback.  An exception of
 any other kind is a bug: it still shows its traceback, to be reported.
+Messages and log records never show a credential (`streamtally.redact`):
+URLs are redacted, and the password of the command's Redis URL is hidden
+wherever a library quotes it.
 """
 
 from __future__ import annotations
@@ -18,8 +21,9 @@ from importlib import import_module
 from streamtally import __version__
 from streamtally.cli._args import Parser, check_settings, check_text_arguments, leaf_parsers
 from streamtally.cli._logging import add_log_format, install
-from streamtally.cli._output import say
+from streamtally.cli._output import hiding, say
 from streamtally.errors import StreamtallyError
+from streamtally.redact import url_secrets
 from streamtally.settings import Settings
 
 __all__ = ["main"]
@@ -63,18 +67,31 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    with install(args.log_format):
+    # The password of --redis-url, then that of REDIS_URL once the settings are read, are
+    # hidden from every message and log record (the settings' own errors redact it).
+    given_url: str = getattr(args, "redis_url", None) or ""
+    with install(args.log_format), hiding(url_secrets(given_url)):
         try:
             # The one place the environment is read: every command gets these settings.
             settings = Settings.load()
-            check_settings(settings)
-            code: int = args.func(args, settings)
         except StreamtallyError as exc:
-            say(f"streamtally {args.command}: {exc}")
-            return 2
+            return _failed(args.command, exc)
         except KeyboardInterrupt:
             return 130
+        with hiding(url_secrets(settings.redis_url)):
+            try:
+                check_settings(settings)
+                code: int = args.func(args, settings)
+            except StreamtallyError as exc:
+                return _failed(args.command, exc)
+            except KeyboardInterrupt:
+                return 130
     return code
+
+
+def _failed(command: str, exc: StreamtallyError) -> int:
+    say(f"streamtally {command}: {exc}")
+    return 2
 
 
 if __name__ == "__main__":

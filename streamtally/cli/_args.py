@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from streamtally.cli._output import escape, has_surrogates
 from streamtally.errors import InputError
+from streamtally.redact import redact_servers, redact_url
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 
 __all__ = [
@@ -86,10 +87,15 @@ def file_or_stdin(value: str) -> str:
 
 
 def servers_problem(value: str) -> str | None:
-    """What is wrong with a Kafka ``host[:port][,...]`` list; None when nothing is."""
+    """What is wrong with a Kafka ``host[:port][,...]`` list; None when nothing is.
+
+    An entry is quoted with any credentials hidden (`streamtally.redact.redact_servers`).
+    """
     if has_surrogates(value):
         return "not UTF-8 text"
     for entry in value.split(","):
+        if "@" in entry:
+            return f"{redact_servers(entry.strip())!r}: no user or password here (HOST[:PORT])"
         item = entry.strip()
         if not item:
             return "an empty host in the list (HOST[:PORT][,HOST[:PORT]...])"
@@ -148,4 +154,4 @@ def check_settings(settings: Settings) -> None:
             raise InputError(f"{ENV_BOOTSTRAP_SERVERS}: {problem}")
     url = settings.redis_url_setting
     if url and has_surrogates(url):
-        raise InputError(f"{ENV_REDIS_URL}: '{escape(url)}' is not UTF-8 text")
+        raise InputError(f"{ENV_REDIS_URL}: '{escape(redact_url(url))}' is not UTF-8 text")

@@ -9,6 +9,10 @@ so a value quoted in a message cannot start a line of its own; an exception's
 traceback follows on lines indented by four spaces (each escaped too), so
 every record, and only a record, starts a line with ``[``.
 
+In both, credentials are hidden (`streamtally.cli._output.redacted`): those of
+any ``scheme://`` URL in the message or traceback, and the command's own Redis
+password wherever it is quoted.
+
 ``--log-format json`` writes one JSON object per record and per line:
 ``time`` (RFC 3339, UTC), ``level``, ``logger``, ``message``, and
 ``exception`` (the formatted traceback) when there is one; no value can end
@@ -30,7 +34,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from typing import Any, Final, TextIO
 
-from streamtally.cli._output import escape, json_text
+from streamtally.cli._output import escape, json_text, redacted
 
 __all__ = [
     "LOG_FORMATS",
@@ -64,12 +68,14 @@ class TextFormatter(logging.Formatter):
     def format(self, record: logging.LogRecord) -> str:
         head = (
             f"[{_time(record)}] [{record.process}] [{record.levelname}] "
-            f"{escape(record.name)}: {escape(record.getMessage())}"
+            f"{escape(record.name)}: {escape(redacted(record.getMessage()))}"
         )
         detail = _detail(self, record)
         if not detail:
             return head
-        return head + "".join(f"\n{_INDENT}{escape(line)}" for line in detail.splitlines())
+        return head + "".join(
+            f"\n{_INDENT}{escape(line)}" for line in redacted(detail).splitlines()
+        )
 
 
 class JsonFormatter(logging.Formatter):
@@ -80,14 +86,14 @@ class JsonFormatter(logging.Formatter):
             "time": _time(record),
             "level": record.levelname,
             "logger": record.name,
-            "message": record.getMessage(),
+            "message": redacted(record.getMessage()),
         }
         if record.exc_info or record.exc_text:
             if not record.exc_text and record.exc_info:
                 record.exc_text = self.formatException(record.exc_info)
-            out["exception"] = record.exc_text
+            out["exception"] = redacted(record.exc_text or "")
         if record.stack_info:
-            out["stack"] = self.formatStack(record.stack_info)
+            out["stack"] = redacted(self.formatStack(record.stack_info))
         return json_text(out)
 
 

@@ -25,14 +25,19 @@ import json
 import os
 import re
 import sys
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Final, TextIO
+
+from streamtally.redact import redact_text, scrub
 
 __all__ = [
     "escape",
     "format_table",
     "has_surrogates",
+    "hiding",
     "json_text",
+    "redacted",
     "safe_json",
     "say",
     "write_stdout",
@@ -47,6 +52,8 @@ _UNSAFE: Final = re.compile(
 _JSON_UNSAFE: Final = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 _SHORT: Final = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
+#: The secrets of this command (its Redis password), scrubbed out of messages (`hiding`).
+_HIDDEN: set[str] = set()
 
 
 def _visible(match: re.Match[str]) -> str:
@@ -89,9 +96,34 @@ def safe_json(text: str) -> str:
     return _JSON_UNSAFE.sub(_json_escape, text) if _JSON_UNSAFE.search(text) else text
 
 
+@contextmanager
+def hiding(secrets: Iterable[str]) -> Iterator[None]:
+    """While the block runs, `redacted` (so `say` and every log record) also hides `secrets`.
+
+    `streamtally.cli.main` hides the secrets of the command's Redis URL
+    (`streamtally.redact.url_secrets`): a library may quote a password it
+    took out of the URL, where no URL is left to redact.
+    """
+    before = set(_HIDDEN)
+    _HIDDEN.update(secrets)
+    try:
+        yield
+    finally:
+        _HIDDEN.intersection_update(before)
+
+
+def redacted(text: str) -> str:
+    """`text` with the credentials of every URL in it and the secrets being hidden as ``***``.
+
+    What every message and log record goes through (`say`, `streamtally.cli._logging`).
+    """
+    return scrub(redact_text(text), _HIDDEN) if _HIDDEN else redact_text(text)
+
+
 def say(text: str, *, file: TextIO | None = None) -> None:
-    """One line for people (stderr unless `file`), control characters escaped, flushed."""
-    print(escape(text), file=sys.stderr if file is None else file, flush=True)
+    """One line for people (stderr unless `file`): credentials hidden, control characters
+    escaped, flushed."""
+    print(escape(redacted(text)), file=sys.stderr if file is None else file, flush=True)
 
 
 def write_stdout(text: str | Iterable[str]) -> None:

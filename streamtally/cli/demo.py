@@ -18,11 +18,13 @@ from redis.exceptions import RedisError
 
 from streamtally.cli._output import say
 from streamtally.cli.produce import ManifestEntry, check_entries, prepare, read_manifest
+from streamtally.cli.tokens import redacted_error
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError, StackError
 from streamtally.ops.stack.config import StackConfig
 from streamtally.ops.worker_process import WorkerProcess, worker_command
 from streamtally.producers import RawProducer
+from streamtally.redact import redact_servers, redact_url
 from streamtally.settings import Settings, project_root
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
@@ -92,9 +94,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             _produce_and_wait(servers, url, settings.namespace, entries, args.timeout)
         )
     except KafkaError as exc:
-        raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc
+        raise StackError(f"Kafka at {redact_servers(servers)} failed: {exc!r}") from exc
     except (RedisError, OSError) as exc:
-        raise StackError(f"Redis at {url} failed: {exc}") from exc
+        raise StackError(f"Redis at {redact_url(url)} failed: {redacted_error(exc, url)}") from exc
     finally:
         _step("stopping the worker (SIGTERM)")
         worker.stop(timeout=30)  # SIGKILL after 30 s

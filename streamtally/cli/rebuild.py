@@ -23,6 +23,7 @@ from streamtally.cli._args import add_kafka_to_read, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import rebuild
+from streamtally.redact import redact_url
 from streamtally.settings import Settings
 from streamtally.store import (
     CLOSED_KEY,
@@ -111,7 +112,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     present = run_redis(url, _check_redis)
     if present and not args.yes:
         _say(
-            f"Redis at {url} already holds the Tokens of {present} "
+            f"Redis at {redact_url(url)} already holds the Tokens of {present} "
             f"request{'s' if present != 1 else ''}; the rebuild would leave them untouched "
             "and add only what is missing: pass --yes to go on"
         )

@@ -24,6 +24,7 @@ from streamtally.ops.stack.config import (
     REDIS_CLUSTER_MASTERS,
     StackShape,
 )
+from streamtally.redact import redact_servers, redact_url
 from streamtally.settings import (
     ENV_BOOTSTRAP_SERVERS,
     ENV_REDIS_CLUSTER,
@@ -73,7 +74,8 @@ def _note_overrides(settings: Settings, cfg: StackConfig) -> None:
         (ENV_REDIS_URL, settings.redis_url_setting),
     ):
         if value:
-            _say(f"note: {name}={value} is set, so the app uses that, not this local stack")
+            shown = redact_url(value) if name == ENV_REDIS_URL else redact_servers(value)
+            _say(f"note: {name}={shown} is set, so the app uses that, not this local stack")
     if cfg.redis_cluster and not settings.redis_cluster:
         _say(
             f"note: Redis is a Redis Cluster: export {ENV_REDIS_CLUSTER}=1 so that clients use "

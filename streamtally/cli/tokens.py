@@ -13,6 +13,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from redis.exceptions import AuthenticationError as RedisAuthenticationError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -20,10 +21,11 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from streamtally.cli._output import escape, safe_json
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError, StackError
+from streamtally.redact import redact_text, redact_url, scrub, url_secrets
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
 
-__all__ = ["add_parser", "add_redis_url", "run_redis"]
+__all__ = ["add_parser", "add_redis_url", "redacted_error", "run_redis"]
 
 T = TypeVar("T")
 
@@ -48,30 +50,50 @@ def run_redis(url: str, work: Callable[[RedisStore], Awaitable[T]]) -> T:
     """Run `work` with the store of the Redis at `url`, with clear errors.
 
     Raises `StackError` when Redis cannot be reached or fails, `InputError`
-    for a URL that is not a Redis URL.
+    for a URL that is not a Redis URL; their messages show the URL without its
+    password (`redacted_error`).
     """
     target = url
+    shown = redact_url(url)
+
+    def detail(exc: BaseException) -> str:
+        return redacted_error(exc, url)
 
     async def main() -> T:
         try:
             store = RedisStore.from_url(target, connect_timeout=5, timeout=30)
         except ValueError as exc:
-            raise InputError(f"bad Redis URL {target!r}: {exc}") from exc
+            raise InputError(f"bad Redis URL {shown!r}: {detail(exc)}") from exc
         try:
             return await work(store)
+        except RedisAuthenticationError as exc:  # a ConnectionError: before those
+            raise StackError(
+                f"Redis at {shown} refused the credentials ({detail(exc)}): check the "
+                "password of --redis-url / REDIS_URL"
+            ) from exc
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise StackError(
-                f"cannot reach Redis at {target} ({exc}): start the local stack with "
+                f"cannot reach Redis at {shown} ({detail(exc)}): start the local stack with "
                 "`streamtally stack up`, or pass --redis-url / set REDIS_URL"
             ) from exc
         except RedisError as exc:
-            raise StackError(f"Redis at {target} failed: {exc}") from exc
+            raise StackError(f"Redis at {shown} failed: {detail(exc)}") from exc
         except UnicodeDecodeError as exc:  # not written by streamtally: say so, no traceback
-            raise StackError(f"Redis at {target} holds text that is not UTF-8: {exc}") from exc
+            raise StackError(
+                f"Redis at {shown} holds text that is not UTF-8: {detail(exc)}"
+            ) from exc
         finally:
             await store.aclose()
 
     return asyncio.run(main())
+
+
+def redacted_error(exc: BaseException, url: str) -> str:
+    """``str(exc)`` of a Redis client of `url`, with no credential of `url` in it.
+
+    redis-py's messages may quote the URL, or a part of it, or its decoded password.
+    """
+    return scrub(redact_text(str(exc)), url_secrets(url))
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -17,7 +17,8 @@ import logging
 from typing import Any, Final, NoReturn
 
 from streamtally.cli._logging import STATUS_LOGGER, dict_config
-from streamtally.errors import StackError
+from streamtally.errors import InputError, StackError
+from streamtally.redact import redact_servers, redact_text, redact_url, scrub, url_secrets
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
@@ -30,26 +31,39 @@ REDIS_START_WAIT_S = 30.0
 
 async def _check_layout(url: str) -> None:
     """Refuse to start on Redis data of another layout; wait a while for a Redis starting up."""
+    from redis.exceptions import AuthenticationError as RedisAuthenticationError
     from redis.exceptions import ConnectionError as RedisConnectionError
     from redis.exceptions import TimeoutError as RedisTimeoutError
 
     from streamtally.store import RedisStore
 
-    store = RedisStore.from_url(url, connect_timeout=5, timeout=30)
+    shown, secrets = redact_url(url), url_secrets(url)
+    try:
+        store = RedisStore.from_url(url, connect_timeout=5, timeout=30)
+    except ValueError as exc:  # one line, the URL's password hidden, not a traceback
+        raise InputError(
+            f"REDIS_URL: bad Redis URL {shown!r}: {scrub(redact_text(str(exc)), secrets)}"
+        ) from exc
     deadline = asyncio.get_running_loop().time() + REDIS_START_WAIT_S
     try:
         while True:
             try:
                 await store.ensure_layout()  # LayoutError: another layout, say what to do
                 return
+            except RedisAuthenticationError as exc:  # waiting would not help
+                raise StackError(
+                    f"Redis at {shown} refused the credentials "
+                    f"({scrub(redact_text(str(exc)), secrets)}): check the password of REDIS_URL"
+                ) from exc
             except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+                said = scrub(redact_text(str(exc)), secrets)
                 if asyncio.get_running_loop().time() > deadline:
                     raise StackError(
-                        f"cannot reach Redis at {url} ({exc}): start the stack "
+                        f"cannot reach Redis at {shown} ({said}): start the stack "
                         "(`streamtally stack up`) or set REDIS_URL"
                     ) from exc
                 logging.getLogger(STATUS_LOGGER).warning(
-                    "Redis at %s does not answer (%s); waiting", url, exc
+                    "Redis at %s does not answer (%s); waiting", shown, said
                 )
                 await asyncio.sleep(1.0)
     finally:
@@ -124,8 +138,8 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     pipeline = create_app(settings, make_sinks)
     logging.getLogger(STATUS_LOGGER).info(
         "streamtally worker: kafka %s, redis %s, prices %s",
-        settings.bootstrap_servers,
-        settings.redis_url,
+        redact_servers(settings.bootstrap_servers),
+        redact_url(settings.redis_url),
         settings.prices_path or "(packaged)",
     )
     level = args.loglevel.upper()
