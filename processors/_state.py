@@ -37,16 +37,9 @@ class _ProcessorState:
         limits: Limits | None = None,
     ) -> None:
         self.prices = prices
-        #: The same table without a single price: what an unpriceable request is billed by.
-        self._no_prices = PriceTable.from_dict(
-            {
-                "version": prices.version,
-                "currency": prices.currency,
-                "unit": prices.unit,
-                "models": {},
-            },
-            origin="no prices",
-        )
+        #: The same table without a single price (same versions and dates): what an
+        #: unpriceable request is billed by.
+        self._no_prices = prices.without_prices()
         self.timeout = timeout
         self.limits = Limits() if limits is None else limits
         self._open_by_tenant: CounterOf[str] = CounterOf()

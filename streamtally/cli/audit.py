@@ -13,12 +13,13 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 from streamtally.cli import _output
 from streamtally.cli._args import add_kafka_to_read, file_or_stdin
 from streamtally.cli._output import escape, json_text, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
+from streamtally.core.pricing import PriceTable, PriceTableError
 from streamtally.errors import InputError
 from streamtally.ops.audit import (
     CSV_COLUMNS,
@@ -30,7 +31,7 @@ from streamtally.ops.audit import (
 )
 from streamtally.settings import Settings
 
-__all__ = ["add_parser", "format_report"]
+__all__ = ["add_parser", "format_report", "format_rerating", "rerate_prices"]
 
 #: Discrepancies the text output lists (``--json`` and ``--out`` list all).
 SHOWN: Final = 50
@@ -54,6 +55,12 @@ discrepancy kinds:
 partial requests (straddling the range, still open or not yet processed at the
 snapshot) are counted, never mismatches; usage rows are checked only for audited
 tenants, whole UTC days inside the range, and days no partial request ended on.
+
+--prices FILE re-rates the period: every request the replay closed is priced again
+at FILE's prices (a price table, with or without history), at its receive time, and
+the report shows per tenant the cost billed (the replay, at the prices in force),
+the cost at FILE's prices and the difference (FILE's minus billed), under "rerating"
+with --json.  It changes nothing; FILE must price in the settings' currency.
 
 --out FILE writes the report as JSON, or the discrepancies as CSV when FILE ends
 in .csv.  Progress (rate, ETA) goes to stderr on a terminal, never with --json.
@@ -85,6 +92,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument("--until", type=_time, metavar="TIME", help="receive time audited before")
     parser.add_argument(
         "--tenant", action="append", metavar="T", help="audit this tenant (repeatable)"
+    )
+    parser.add_argument(
+        "--prices",
+        type=file_or_stdin,
+        metavar="FILE",
+        help="also re-rate the period at the prices of this price table (changes nothing)",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
     parser.add_argument(
@@ -128,12 +141,31 @@ def _out_path(name: str | None) -> Path | None:
     return path
 
 
+def rerate_prices(name: str | None, settings: Settings) -> PriceTable | None:
+    """The table of ``--prices`` (None without it); `PriceTableError` when it is not a valid
+    price table or prices in another currency than the settings' table."""
+    if name is None:
+        return None
+    if name == "-":
+        raise InputError("--prices: give a file, not - (standard input)")
+    other = PriceTable.load(name)
+    billed = PriceTable.load_or_default(settings.prices_path)
+    if other.currency != billed.currency:
+        raise PriceTableError(
+            f"--prices {name}: prices in {other.currency}, the bills in {billed.currency}: "
+            "re-rating compares costs in one currency"
+        )
+    return other
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     options = AuditOptions(
         window=TimeRange(args.since, args.until),
         tenants=frozenset(args.tenant) if args.tenant else None,
+        rerate=rerate_prices(args.prices, settings),
+        rerate_name=args.prices or "",
     )
     out = _out_path(args.out)
     servers: str = args.bootstrap_servers or settings.bootstrap_servers
@@ -181,6 +213,8 @@ def format_report(report: Report) -> str:
         "request may be counted in them)",
     ]
     text = "".join(escape(line) + "\n" for line in lines)
+    if doc["rerating"] is not None:
+        text += format_rerating(doc["rerating"])
     found = report.discrepancies
     if not found:
         return text + "no discrepancies\n"
@@ -194,3 +228,31 @@ def format_report(report: Report) -> str:
     if len(found) > SHOWN:
         text += f"... and {len(found) - SHOWN:,} more (--json or --out lists all)\n"
     return text
+
+
+def format_rerating(rerating: dict[str, Any]) -> str:
+    """``--prices``: one line naming the prices, then per tenant and in total the requests,
+    the cost billed, the cost at those prices and the difference (every value escaped)."""
+    versions = ", ".join(v["version"] for v in rerating["versions"])
+    text = escape(
+        f"re-rated at {rerating['prices']} (versions {versions}), {rerating['currency']}; "
+        "difference = re-rated - billed:"
+    )
+    headers = ["TENANT", "REQUESTS", "BILLED", "RERATED", "DIFFERENCE", "UNPRICED"]
+
+    def row(name: str, t: dict[str, Any]) -> list[str]:
+        unpriced = f"{t['unpriced_billed']:,} -> {t['unpriced_rerated']:,}"
+        counts = [f"{t['requests']:,}", t["billed"], t["rerated"], t["difference"]]
+        return [name, *counts, unpriced]
+
+    return (
+        text
+        + "\n"
+        + _output.format_table(
+            headers,
+            [row(name, t) for name, t in rerating["tenants"].items()],
+            right=(1, 2, 3, 4),
+            footer=[row("total", rerating["total"])],
+            ruled=True,
+        )
+    )

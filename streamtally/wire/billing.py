@@ -9,15 +9,25 @@ identity (tenant and request id) alone, so replaying a request (after a crash,
 or a re-run of the pipeline) produces the same id and downstream consumers
 drop the duplicate, while two tenants that reuse one provider id get two ids.
 
+A request is priced at its *receive time*: the receive time of its last raw
+record, which is also its billing event's `event_time` (see `price_request`).
+The event's `price_table_version` names the version of the price table in
+force then (`streamtally.core.pricing.PriceTable.in_force`), or
+``"(none in force)"`` (`NO_VERSION`) before the table's first version.
+`charge` is the one pricing function: the worker, the audit's replay (both
+through `RequestProcessor`) and the audit's re-rating all go through it.
+
 Unpriced requests are still billed, with cost ``Decimal(0)`` and
 ``BillingEvent.priced`` False, so their usage is never lost and never hidden:
 a model no entry of the price table matches (exact name or wildcard, see
 `streamtally.core.pricing`; a request without a model matches only ``"*"``),
-and a cost the billing record cannot carry (beyond decimal(38, 12), a price
-table error).  A warning is logged on the ``streamtally.wire.billing`` logger
-(once per model and price table for an unknown model, every time for a cost
-that does not fit).  Re-price them from the event's token counts once the
-price table knows the model.
+a request received before the table's first version took effect, and a cost
+the billing record cannot carry (beyond decimal(38, 12), a price table
+error).  A warning is logged on the ``streamtally.wire.billing`` logger (once
+per model and price version for an unknown model or a time before the first
+version, every time for a cost that does not fit).  Re-price them from the
+event's token counts once the price table knows the model (``streamtally
+audit --prices``).
 """
 
 from __future__ import annotations
@@ -30,12 +40,20 @@ from decimal import Decimal
 from typing import Final
 
 from streamtally.core.identity import RequestRef
-from streamtally.core.models import USAGE_FIELDS, Tokens
+from streamtally.core.models import USAGE_FIELDS, Tokens, Usage
 from streamtally.core.money import COST_SCALE, scaled_cost
-from streamtally.core.pricing import PriceTable, Quote
+from streamtally.core.pricing import NO_VERSION, PriceTable, Quote
 from streamtally.wire.records import BillingEvent
 
-__all__ = ["EVENT_ID_PREFIX", "Billed", "bill", "event_id", "price_request"]
+__all__ = [
+    "EVENT_ID_PREFIX",
+    "Billed",
+    "Charge",
+    "bill",
+    "charge",
+    "event_id",
+    "price_request",
+]
 
 log = logging.getLogger("streamtally.wire.billing")
 
@@ -72,39 +90,97 @@ class Billed:
         return self.event.priced
 
 
+@dataclass(frozen=True, slots=True)
+class Charge:
+    """What one request is charged under a price table, and why."""
+
+    quote: Quote
+    #: The cost billed: None when unpriced (no entry, no version in force, or `overflow`).
+    cost: Decimal | None
+    #: The price version in force at the request's receive time, or `NO_VERSION`.
+    version: str
+    #: True when the quote's cost does not fit the billing record (decimal(38,12)).
+    overflow: bool = False
+
+    @property
+    def billed_cost(self) -> Decimal:
+        """The event's cost: `cost`, or 0 at the Avro scale when unpriced."""
+        return _ZERO if self.cost is None else self.cost
+
+
+def charge(model: str | None, usage: Usage, received: datetime, prices: PriceTable) -> Charge:
+    """What a request of `model` with `usage`, received at `received`, is charged by `prices`.
+
+    The one pricing function of streamtally (pure: no logging): `received` selects the
+    version in force (`PriceTable.in_force`), which prices the usage exactly; a cost
+    the billing record cannot carry is charged as unpriced (`overflow`).
+    """
+    if received.tzinfo is None or received.utcoffset() is None:
+        raise ValueError(f"the receive time must be timezone-aware, got {received!r}")
+    quote = prices.quote(model, usage, received)
+    version = NO_VERSION if quote.version is None else quote.version
+    cost = quote.cost
+    if cost is not None and not _carried(cost):
+        return Charge(quote=quote, cost=None, version=version, overflow=True)
+    return Charge(quote=quote, cost=cost, version=version)
+
+
 _WARNED: set[tuple[str | None, str]] = set()
 
 
 def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: PriceTable) -> Billed:
-    """The billing event of the finished request `tokens`, and the quote behind its cost."""
+    """The billing event of the finished request `tokens`, and the quote behind its cost.
+
+    `event_time` is the request's receive time, and the time it is priced at: the
+    receive time of its last raw record (the worker's and the replay's
+    ``state.last_time``).  The last, not the first, because a request's usage is known
+    only when it ends (the usage arrives in its last events), and because the billing
+    event carries that time as `event_time` (and its usage row's day derives from it):
+    event, row and price version agree, and anyone holding the event alone can tell
+    which version priced it, as the audit's re-rating does.
+    """
     if event_time.tzinfo is None or event_time.utcoffset() is None:
         raise ValueError(f"event_time must be timezone-aware, got {event_time!r}")
     usage = tokens.usage
-    quote = prices.quote(tokens.model, usage)
-    cost = quote.cost
-    if cost is not None and not _carried(cost):
+    charged = charge(tokens.model, usage, event_time, prices)
+    quote, version = charged.quote, charged.version
+    if charged.overflow:
         log.warning(
             "request %r (tenant %r, model %r): cost %s does not fit the billing record "
             "(decimal(38,12)); billed at 0 as unpriced with price table %s entry %r",
             tokens.request_id,
             tenant,
             tokens.model,
-            cost,
-            prices.version,
+            quote.cost,
+            version,
             quote.entry,
         )
-        cost = None
-    elif cost is None and (tokens.model, prices.version) not in _WARNED:
-        _WARNED.add((tokens.model, prices.version))  # once per model: not a log flood
-        log.warning(
-            "unpriced model %r (first seen in request %s, tenant %s): billed at 0 %s with "
-            "price table %s; add it to the price table",
-            tokens.model,
-            tokens.request_id,
-            tenant,
-            prices.currency,
-            prices.version,
-        )
+    elif charged.cost is None and (tokens.model, version) not in _WARNED:
+        _WARNED.add((tokens.model, version))  # once per model: not a log flood
+        if quote.version is None:
+            first = prices.versions[0].effective_from
+            log.warning(
+                "request %s (tenant %s, model %r) received at %s, before the first version "
+                "of the price table (%s, effective from %s): billed at 0 %s as unpriced; "
+                "add a version in force then",
+                tokens.request_id,
+                tenant,
+                tokens.model,
+                event_time.isoformat(),
+                prices.versions[0].version,
+                first.isoformat() if first is not None else "-",
+                prices.currency,
+            )
+        else:
+            log.warning(
+                "unpriced model %r (first seen in request %s, tenant %s): billed at 0 %s with "
+                "price table %s; add it to the price table",
+                tokens.model,
+                tokens.request_id,
+                tenant,
+                prices.currency,
+                version,
+            )
     event = BillingEvent(
         event_id=event_id(tenant, tokens.request_id),
         request_id=tokens.request_id,
@@ -113,10 +189,10 @@ def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: Pri
         source=tokens.source,
         finish_reason=tokens.finish_reason,
         **dict(zip(USAGE_FIELDS, usage.counts(), strict=True)),
-        cost=_ZERO if cost is None else cost,
-        priced=cost is not None,
+        cost=charged.billed_cost,
+        priced=charged.cost is not None,
         currency=prices.currency,
-        price_table_version=prices.version,
+        price_table_version=version,
         event_time=event_time,
     )
     return Billed(event=event, quote=quote)

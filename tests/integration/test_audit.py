@@ -322,6 +322,53 @@ def test_the_text_output_is_a_summary(scene: Scene) -> None:
     assert text.endswith("no discrepancies\n")
 
 
+def test_prices_re_rate_each_request_at_its_receive_time(scene: Scene, tmp_path: Path) -> None:
+    """A history whose second version (every rate doubled) starts at T: requests received
+    before T re-rate at what they were billed, those after at twice that."""
+    packaged = json.loads(
+        (Path(__file__).parents[2] / "streamtally" / "core" / "prices.json").read_text()
+    )
+
+    def doubled(entry: dict[str, str | None]) -> dict[str, str | None]:
+        return {k: None if v is None else str(Decimal(v) * 2) for k, v in entry.items()}
+
+    history = {
+        "currency": packaged["currency"],
+        "versions": [
+            {"version": "as-billed", "unit": packaged["unit"], "models": packaged["models"]},
+            {
+                "version": "doubled",
+                "effective_from": scene.t.isoformat(),
+                "unit": packaged["unit"],
+                "models": {name: doubled(e) for name, e in packaged["models"].items()},
+            },
+        ],
+    }
+    path = tmp_path / "doubled.json"
+    path.write_text(json.dumps(history))
+    acme = scene.tenant("acme")
+    code, report = audit("--prices", str(path))
+    assert code == 0, _found(report)
+    rerating = report["rerating"]
+    assert rerating["prices"] == str(path)
+    tenants = rerating["tenants"]
+    assert {t: v["requests"] for t, v in tenants.items()} == {
+        t: v["requests"] for t, v in report["totals"].items()
+    }
+    for tenant, row in tenants.items():
+        assert row["billed"] == report["totals"][tenant]["cost"]
+        assert Decimal(row["difference"]) == Decimal(row["rerated"]) - Decimal(row["billed"])
+    globex = tenants[scene.tenant("globex")]  # every request received before T
+    assert globex["rerated"] == globex["billed"]
+    assert globex["difference"] == "0.000000000000"
+    # acme's requests received after T are the late ones: the difference is their cost.
+    _, late = audit("--since", scene.t.isoformat(), "--tenant", acme)
+    assert late["requests"]["replayed"] == len(scene.late)
+    assert tenants[acme]["difference"] == late["totals"][acme]["cost"]
+    assert Decimal(late["totals"][acme]["cost"]) > 0
+    assert late["rerating"] is None
+
+
 def test_selections_cover_what_they_say(scene: Scene) -> None:
     acme = scene.tenant("acme")
     code, report = audit("--tenant", acme)

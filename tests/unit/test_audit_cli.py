@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from streamtally.cli import main
-from streamtally.cli.audit import SHOWN, format_report
+from streamtally.cli.audit import SHOWN, format_report, rerate_prices
 from streamtally.ops.audit import Discrepancy, Kind, Report, RequestCounts, RowComparison
+from streamtally.settings import Settings
 
 
 def report(*found: Discrepancy, tenants: list[str] | None = None) -> Report:
@@ -107,7 +110,8 @@ def test_the_csv_lists_every_discrepancy_safely() -> None:
 
 def test_the_json_report_has_the_documented_shape() -> None:
     doc = json.loads(json.dumps(report(BILL).to_json()))
-    assert set(doc) == {"requests", "usage_rows", "discrepancies", "totals", "snapshot"}
+    assert set(doc) == {"requests", "usage_rows", "discrepancies", "totals", "rerating", "snapshot"}
+    assert doc["rerating"] is None  # without --prices
     assert set(doc["requests"]) == {
         "replayed",
         "billed",
@@ -132,3 +136,110 @@ def test_the_json_report_has_the_documented_shape() -> None:
             "found": 2,
         }
     ]
+
+
+def _prices_file(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "not valid JSON"),
+        (
+            '{"currency": "USD", "versions": [{"version": "a", "unit": 1, "models": {}}, '
+            '{"version": "b", "effective_from": "2026-11-01T00:00:00", "unit": 1, "models": {}}]}',
+            "versions.1.effective_from: effective_from '2026-11-01T00:00:00' has no time zone",
+        ),
+        (
+            '{"version": "v", "currency": "EUR", "unit": 1, "models": {}}',
+            "prices in EUR, the bills in USD",
+        ),
+    ],
+)
+def test_a_bad_prices_file_is_one_line_and_status_2_before_connecting(
+    tmp_path: Path, text: str, message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    name = _prices_file(tmp_path, "p.json", text)
+    # nothing listens on port 9: a connection attempt would fail with another message
+    code = main(["audit", "--prices", name, "--bootstrap-servers", "127.0.0.1:9"])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert err.startswith("streamtally audit: ")
+    assert message in err
+
+
+def test_a_missing_prices_file_is_status_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["audit", "--prices", str(tmp_path / "none.json")])
+    assert code == 2
+    assert "cannot read price table" in capsys.readouterr().err
+
+
+def test_rerate_prices_loads_the_file_in_the_settings_currency(tmp_path: Path) -> None:
+    name = _prices_file(
+        tmp_path, "p.json", '{"version": "v9", "currency": "USD", "unit": 1, "models": {}}'
+    )
+    table = rerate_prices(name, Settings())
+    assert table is not None
+    assert table.version == "v9"
+    assert rerate_prices(None, Settings()) is None
+
+
+RERATING = {
+    "prices": "new\x1b.json",
+    "currency": "USD",
+    "versions": [{"version": "a", "effective_from": None}],
+    "tenants": {
+        "acme": {
+            "requests": 1200,
+            "billed": "1.000000000000",
+            "rerated": "1.500000000000",
+            "difference": "0.500000000000",
+            "unpriced_billed": 2,
+            "unpriced_rerated": 0,
+        }
+    },
+    "total": {
+        "requests": 1200,
+        "billed": "1.000000000000",
+        "rerated": "1.500000000000",
+        "difference": "0.500000000000",
+        "unpriced_billed": 2,
+        "unpriced_rerated": 0,
+    },
+}
+
+
+def test_the_text_report_shows_the_rerating_as_a_short_table() -> None:
+    text = format_report(dataclasses.replace(report(), rerating=RERATING))
+    assert "\x1b" not in text
+    assert "re-rated at new\\x1b.json (versions a), USD; difference = re-rated - billed:" in text
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("TENANT"))
+    assert lines[header].split() == [
+        "TENANT",
+        "REQUESTS",
+        "BILLED",
+        "RERATED",
+        "DIFFERENCE",
+        "UNPRICED",
+    ]
+    assert lines[header + 2].split() == [
+        "acme",
+        "1,200",
+        "1.000000000000",
+        "1.500000000000",
+        "0.500000000000",
+        "2",
+        "->",
+        "0",
+    ]
+    assert lines[header + 4].split()[0] == "total"
+    assert "re-rated" not in format_report(report())
+    doc = json.loads(json.dumps(dataclasses.replace(report(), rerating=RERATING).to_json()))
+    assert doc["rerating"] == RERATING

@@ -33,9 +33,14 @@ partial request of that tenant ended on that day.  Without ``--since`` / ``--unt
 with nothing deleted yet, every row is checked.
 
 What is compared of a billing event: every field but `event_id` (its key) and
-`price_table_version`.  The replay prices with the price table of today (the settings'),
-so a bill made before a price change shows as a ``cost_mismatch``: price history is not
-part of this audit.
+`price_table_version`.  The replay prices with the settings' price table, each request by
+the version in force at its receive time (`streamtally.wire.billing.charge`), so a table
+that keeps its history re-bills the past as it was billed; a bill made under a version the
+table no longer holds shows as a ``cost_mismatch``.
+
+Re-rating (``--prices FILE``, `_rerate`): every request the replay closed is priced again
+at FILE's prices, at its receive time, and the report sums per tenant what was billed,
+what FILE charges and the difference.  Nothing is written.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from streamtally.ops.audit._compare import EVENT_FIELDS, Discrepancy, Kind
 from streamtally.ops.audit._ledger import RequestCounts
 from streamtally.ops.audit._range import TimeRange, parse_time
 from streamtally.ops.audit._report import CSV_COLUMNS, Report
+from streamtally.ops.audit._rerate import RerateSum, Rerating, rerated_cost
 from streamtally.ops.audit._rows import ROW_FIELDS, RowComparison, compare_rows
 from streamtally.ops.audit._run import AuditOptions, Progress, run_audit
 
@@ -57,9 +63,12 @@ __all__ = [
     "Progress",
     "Report",
     "RequestCounts",
+    "RerateSum",
+    "Rerating",
     "RowComparison",
     "TimeRange",
     "compare_rows",
     "parse_time",
+    "rerated_cost",
     "run_audit",
 ]

@@ -1,7 +1,7 @@
 """The comparison of billing events, as pure functions, and what a discrepancy is.
 
 A billing event is compared on `EVENT_FIELDS` (every field but `event_id`, its key, and
-`price_table_version`: the replay prices with the table of today, see the package
+`price_table_version`: the replay prices with the settings' table, see the package
 docstring).  A difference in `COST_FIELDS` is a ``cost_mismatch``, in any other field a
 ``usage_mismatch``; each `Discrepancy` names one field.  Token counts are JSON numbers,
 costs decimal strings with 12 places.  Usage rows are compared in `_rows`.

@@ -25,6 +25,7 @@ from streamtally.ops.audit._compare import (
     unexpected_billing,
 )
 from streamtally.ops.audit._range import TimeRange
+from streamtally.ops.audit._rerate import Rerating
 from streamtally.ops.audit._rows import (
     RowComparison,
     RowKey,
@@ -80,6 +81,8 @@ class Ledger:
     index: BillingIndex
     scope: Scope
     counts: RequestCounts = field(default_factory=RequestCounts)
+    #: ``--prices``: every request closed is also priced at other prices (None: not asked).
+    rerating: Rerating | None = None
     discrepancies: list[Discrepancy] = field(default_factory=list)
     #: Why requests were partial (straddling the start, open at the end, not yet processed).
     partial_reasons: Counter[str] = field(default_factory=Counter)
@@ -99,6 +102,8 @@ class Ledger:
         counts.replayed += 1
         self._rows.setdefault(row_key(expected), RowSum()).add(expected)
         self._totals.setdefault(expected.tenant, RowSum()).add(expected)
+        if self.rerating is not None:
+            self.rerating.add(expected)
         key = event_key(expected.event_id)
         entry = self.index.take(key)
         if entry is None:

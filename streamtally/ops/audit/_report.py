@@ -1,9 +1,10 @@
 """The audit's report: one JSON document, or the discrepancies as CSV.
 
 `Report.to_json` is the document ``streamtally audit --json`` prints: `requests` (counts),
-`usage_rows` (counts), `discrepancies`, `totals` (per tenant, from the replay) and
-`snapshot` (what was read: topics, partitions, offset ranges, and how the raw records
-were used).
+`usage_rows` (counts), `discrepancies`, `totals` (per tenant, from the replay),
+`rerating` (``--prices``: per tenant, billed, at the other prices and the difference; null
+without it) and `snapshot` (what was read: topics, partitions, offset ranges, and how the
+raw records were used).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ class Report:
     discrepancies: tuple[Discrepancy, ...]
     totals: dict[str, dict[str, Any]]
     snapshot: dict[str, Any]
+    #: `Rerating.to_json` with ``--prices``, else None.
+    rerating: dict[str, Any] | None = None
 
     @property
     def clean(self) -> bool:
@@ -58,6 +61,7 @@ class Report:
             },
             "discrepancies": [d.to_json() for d in self.discrepancies],
             "totals": self.totals,
+            "rerating": self.rerating,
             "snapshot": self.snapshot,
         }
 

@@ -20,6 +20,7 @@ from streamtally.ops.audit._ledger import Ledger, Scope
 from streamtally.ops.audit._range import TimeRange
 from streamtally.ops.audit._replay import Replay
 from streamtally.ops.audit._report import Report
+from streamtally.ops.audit._rerate import Rerating
 from streamtally.ops.audit._snapshot import Snapshot, take_snapshot
 from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.settings import Settings
@@ -40,6 +41,9 @@ class AuditOptions:
     tenants: frozenset[str] | None = None
     #: Raw records per replay step (one Redis look-up and one timeout check each).
     batch_size: int = 2000
+    #: ``--prices``: re-rate the period at these prices too (see `_rerate`), named so.
+    rerate: PriceTable | None = None
+    rerate_name: str = ""
 
 
 class _Meter:
@@ -101,7 +105,8 @@ async def run_audit(
             index,
             progress=meter,
         )
-    ledger = Ledger(index, scope)
+    rerating = None if options.rerate is None else Rerating(options.rerate, options.rerate_name)
+    ledger = Ledger(index, scope, rerating=rerating)
     processor = RequestProcessor(
         prices,
         timeout=settings.request_timeout,
@@ -151,6 +156,7 @@ async def run_audit(
         discrepancies=tuple(discrepancies),
         totals=ledger.totals(),
         snapshot=_snapshot_json(snapshot, replay, index, ledger, options),
+        rerating=None if rerating is None else rerating.to_json(),
     )
 
 
