@@ -21,6 +21,7 @@ finished.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,7 @@ from faust.app.base import BootStrategy
 from streamtally.core.identity import RequestRef
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
+from streamtally.processors.metrics import WorkerMetrics, serve
 from streamtally.processors.requests import Limits, Outputs, Position, RequestProcessor
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, RawMessage, RawSource, Revocations
@@ -55,6 +57,8 @@ class Pipeline:
     revocations: Revocations = field(default_factory=Revocations)
     #: Held while a batch (or the timer's closes) is applied and written; a revoke waits.
     batch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    #: Served on /metrics (`processors.metrics`); create_app reads the processor's counters.
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
 
 
 class _Boot(BootStrategy):
@@ -122,7 +126,13 @@ def create_app(
         timeout=settings.request_timeout,
         limits=Limits.from_settings(settings),
     )
-    pipeline = Pipeline(app=app, processor=processor, agents={})
+    pipeline = Pipeline(
+        app=app,
+        processor=processor,
+        agents={},
+        metrics=WorkerMetrics(lambda: processor.counters, lambda: processor.open_requests),
+    )
+    metrics = pipeline.metrics
     # Wall time counts towards a request's quiet time only while writes succeed.
     processor.input_clock.healthy = lambda: pipeline.sinks is None or not pipeline.sinks.failing
     gate = pipeline.gate
@@ -134,11 +144,13 @@ def create_app(
             if make_sinks is None:
                 raise RuntimeError("the pipeline has no sinks")
             pipeline.sinks = make_sinks(app)
+            pipeline.sinks.on_error = metrics.sink_error
         return pipeline.sinks
 
     async def finish(outputs: Outputs) -> None:
         """Write the outputs, then commit the records that are now done."""
         written = await sinks().write(outputs)
+        metrics.written(written)
         # A request whose close another owner decided first keeps its records held:
         # they are not committed here (that owner, or the next, accounts for them).
         gate.finished(done.ref for done in written.completed)
@@ -159,7 +171,9 @@ def create_app(
     async def process(stream: Any) -> None:
         async for fetched in stream:
             async with pipeline.batch_lock:  # a revoke waits for the batch in flight
+                started = time.perf_counter()
                 await apply(fetched)
+                metrics.batch_seconds.observe(time.perf_counter() - started)
 
     async def apply(fetched: FetchedBatch | Sequence[RawMessage]) -> None:
         batch: Sequence[RawMessage]
@@ -197,7 +211,9 @@ def create_app(
         if make_sinks is not None:
             await sinks().probe()  # an outage with nothing to write stops the clocks too
         async with pipeline.batch_lock:
+            started = time.perf_counter()
             await finish(processor.expire())
+            metrics.close_seconds.observe(time.perf_counter() - started)
 
     app.timer(interval=1.0)(close_quiet_requests)
 
@@ -207,6 +223,7 @@ def create_app(
         Waits for the batch in flight (it may hold records of these partitions),
         so nothing of theirs is applied after their requests are dropped.
         """
+        metrics.revoked()
         async with pipeline.batch_lock:
             await _revoke(tps)
 
@@ -221,6 +238,8 @@ def create_app(
     async def consume_raw_topics() -> None:
         source = RawSource(settings, topics, revoked)
         source.revocations = pipeline.revocations
+        source.on_assigned = metrics.assigned
+        source.on_commit_error = lambda exc: metrics.sink_error("kafka", exc, False)
         await source.start()
         pipeline.source = source
         processor.live = source.is_live  # a partition's clock runs only while caught up
@@ -241,6 +260,17 @@ def create_app(
     # Not on faust's `on_before_shutdown`: that fires before the agent stops, and a
     # batch in flight would meet a closed producer (and retry it forever).
     app.after_stop.append(close_sinks)
+
+    async def serve_metrics() -> None:
+        await serve(
+            metrics,
+            settings.web_host,
+            settings.web_port,
+            lambda: pipeline.source,
+            lambda: pipeline.sinks,
+        )
+
     if consume:
         app.task(consume_raw_topics)
+        app.task(serve_metrics)
     return pipeline

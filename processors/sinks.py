@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
@@ -206,6 +207,10 @@ class Sinks:
         self.lookup = lookup
         self._write_failing = False
         self._probe_failing = False
+        #: Monotonic time the stores last all answered (a write, a lookup or a probe).
+        self.answered_at: float | None = None
+        #: Told of every failed step: (store, exception, retried) (the metrics).
+        self.on_error: Callable[[str, BaseException, bool], None] | None = None
         # The agents (raw SSE, raw engine) and the timer share the sinks: one write
         # at a time, or a flush would send another writer's half-added batch.
         self._lock = asyncio.Lock()
@@ -230,7 +235,10 @@ class Sinks:
             decided_otherwise: set[RequestRef] = set()
             for sink in self._sinks:
                 found = await retry(
-                    functools.partial(sink.begin, outputs), type(sink).__name__, self._health
+                    functools.partial(sink.begin, outputs),
+                    type(sink).__name__,
+                    self._health,
+                    self._failed(sink),
                 )
                 decided_otherwise |= found or set()
             if decided_otherwise:  # one close decision per request, whoever made it first
@@ -238,13 +246,13 @@ class Sinks:
             for sink in self._sinks:
                 sink.add(outputs)
             for sink in self._sinks:
-                await retry(sink.flush, type(sink).__name__, self._health)
+                await retry(sink.flush, type(sink).__name__, self._health, self._failed(sink))
         return outputs
 
     async def find_closed(self, refs: list[RequestRef]) -> dict[RequestRef, Closed]:
         """The lookup of closed requests, retried as the writes are."""
         found: dict[RequestRef, Closed] = await retry(
-            lambda: self.lookup(refs), "closed-request lookup", self._health
+            lambda: self.lookup(refs), "closed-request lookup", self._health, self._failed("redis")
         )
         return found
 
@@ -270,10 +278,30 @@ class Sinks:
                 if not self._probe_failing:
                     log.warning("%s does not answer (%s): clocks stopped", type(sink).__name__, exc)
                 failing = True
+                if self.on_error is not None:
+                    self.on_error(_store(sink), exc, False)
         self._probe_failing = failing
+        if not failing:
+            self.answered_at = time.monotonic()
 
     def _health(self, ok: bool) -> None:
         self._write_failing = not ok
+        if ok:
+            self.answered_at = time.monotonic()
+
+    def _failed(self, sink: object) -> Callable[[BaseException], None] | None:
+        """What `retry` tells of each failure of `sink`'s step (None without a listener)."""
+        hook = self.on_error
+        if hook is None:
+            return None
+        store = sink if isinstance(sink, str) else _store(sink)
+        return lambda exc: hook(store, exc, True)
+
+
+def _store(sink: object) -> str:
+    """The store a sink writes to, as the metrics name it."""
+    name = type(sink).__name__
+    return {"KafkaSink": "kafka", "RedisOutputs": "redis"}.get(name, name)
 
 
 _TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)
@@ -285,6 +313,7 @@ async def retry(
     step: Callable[[], Awaitable[Any]],
     what: str,
     health: Callable[[bool], None] | None = None,
+    on_error: Callable[[BaseException], None] | None = None,
 ) -> Any:
     """Run `step` until it succeeds, retrying transient failures with capped backoff.
 
@@ -300,6 +329,8 @@ async def retry(
         except _TRANSIENT as exc:
             if health is not None:
                 health(False)
+            if on_error is not None:
+                on_error(exc)
             log.warning(
                 "%s failed (%s: %s); retrying in %.1fs", what, type(exc).__name__, exc, delay
             )

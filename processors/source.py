@@ -88,6 +88,8 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
     ) -> None:
         self._revocations = revocations
         self._revoked = revoked
+        #: Told each assignment (possibly empty), as (topic, partition) pairs: the metrics.
+        self.on_assigned: Callable[[set[tuple[str, int]]], None] | None = None
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         self._revocations.revoke((tp.topic, tp.partition) for tp in revoked)
@@ -95,6 +97,8 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
         log.info("raw partitions assigned: %s", sorted((tp.topic, tp.partition) for tp in assigned))
+        if self.on_assigned is not None:
+            self.on_assigned({(tp.topic, tp.partition) for tp in assigned})
 
 
 class RawSource:
@@ -122,6 +126,16 @@ class RawSource:
         )
         self.revocations = Revocations()
         self._listener = _Listener(self.revocations, on_revoked)
+        #: Told of each failed commit (the metrics).
+        self.on_commit_error: Callable[[BaseException], None] | None = None
+
+    @property
+    def on_assigned(self) -> Callable[[set[tuple[str, int]]], None] | None:
+        return self._listener.on_assigned
+
+    @on_assigned.setter
+    def on_assigned(self, hook: Callable[[set[tuple[str, int]]], None] | None) -> None:
+        self._listener.on_assigned = hook
 
     async def start(self) -> None:
         await self._consumer.start()
@@ -192,3 +206,28 @@ class RawSource:
             # A rebalance in flight: the records stay uncommitted and are re-read, which
             # the processor recognises as replays.
             log.warning("offset commit failed (%s); records will be re-read", exc)
+            if self.on_commit_error is not None:
+                self.on_commit_error(exc)
+
+    # -- for the metrics and /ready (processors.metrics), never on the hot path ------------
+
+    def fetch_age(self) -> float | None:
+        """Seconds since a fetch response last came for an assigned partition (None: never)."""
+        polled = [self._consumer.last_poll_timestamp(tp) for tp in self._consumer.assignment()]
+        latest = max((ms for ms in polled if ms is not None), default=None)
+        return None if latest is None else max(0.0, time.time() - latest / 1000)
+
+    async def ping(self) -> None:
+        """Ask the cluster for its metadata: raises when Kafka does not answer."""
+        await self._consumer.topics()
+
+    async def lag(self) -> dict[tuple[str, int], int]:
+        """Per assigned partition: its highwater minus the consumer's position."""
+        found = {}
+        for tp in self._consumer.assignment():
+            highwater = self._consumer.highwater(tp)
+            if highwater is None:
+                continue
+            position = await self._consumer.position(tp)
+            found[tp.topic, tp.partition] = max(0, highwater - position)
+        return found

@@ -15,6 +15,8 @@ variable                            meaning                                     
 ``STREAMTALLY_PRICES``              price table (JSON)                              packaged
 ``STREAMTALLY_REQUEST_TIMEOUT``     seconds a request may stay quiet                ``300``
 ``STREAMTALLY_BATCH_SIZE``          raw records per worker batch                    ``2000``
+``STREAMTALLY_WEB_HOST``            the worker's /metrics, /health, /ready address  ``127.0.0.1``
+``STREAMTALLY_WEB_PORT``            their port (``0``: no server)                   ``6066``
 ``STREAMTALLY_STATE_DIR``           the local stack's jars, data, logs              see below
 ``STREAMTALLY_KAFKA_PORT``          the local stack's Kafka listener                ``9092``
 ``STREAMTALLY_CONTROLLER_PORT``     the local stack's KRaft controller listener     ``9093``
@@ -128,6 +130,14 @@ class Settings(BaseSettings):
     batch_within: float = Field(0.05, gt=0)
     #: Seconds without heartbeats before the group gives a dead worker's partitions away.
     session_timeout: float = Field(10.0, gt=0)
+    #: Where the worker serves /metrics, /health and /ready (`processors.metrics`).
+    web_host: str = Field(
+        LOCAL_HOST, min_length=1, validation_alias=_env("STREAMTALLY_WEB_HOST", "web_host")
+    )
+    #: Their port; 0: the worker serves none of them.
+    web_port: int = Field(
+        6066, ge=0, le=65535, validation_alias=_env("STREAMTALLY_WEB_PORT", "web_port")
+    )
     state_dir_setting: Path | None = Field(
         None, validation_alias=_env("STREAMTALLY_STATE_DIR", "state_dir_setting")
     )
