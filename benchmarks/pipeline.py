@@ -25,8 +25,8 @@ REDIS_URL):
 
 Readability in Redis is observed through keyspace notifications
 (`notify-keyspace-events` gets `K$` for the run and its old value back after)
-on `__keyspace@<db>__:st:tokens:bench:bench-<run>-*` (tenant `bench`), timestamped with
-`time.perf_counter()` in this process, like the producer side.
+on `__keyspace@<db>__:st:{s*}:tokens:bench:bench-<run>-*` (tenant `bench`, every
+shard), timestamped with `time.perf_counter()` in this process, like the producer side.
 
 The worker runs in a namespace of its own (`STREAMTALLY_NAMESPACE`, default
 `streamtally-bench`: topics `streamtally-bench.*` with one-day retention, and
@@ -37,7 +37,7 @@ requests; set STREAMTALLY_NAMESPACE=streamtally to measure on the shared topics.
 The benchmark writes real records: Tokens keys, usage rows of tenant `bench`,
 chunks and billing events, and the scratch topic `streamtally.bench.passthrough`.
 Nothing is deleted.  Its Redis is REDIS_URL's database (the local stack's db 0
-by default): empty, or of layout version 2 (``st:layout``), which the run
+by default): empty, or of layout version 3 (``st:layout``), which the run
 claims on an empty database as its worker does; it stops before anything is
 timed on data of an older layout (``streamtally migrate``, or another database).
 

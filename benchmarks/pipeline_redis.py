@@ -1,6 +1,6 @@
 """Redis for the pipeline benchmark: when each request's Tokens became readable.
 
-`TokensWatcher` timestamps the first SET of every ``st:tokens:bench:bench-<run>-*``
+`TokensWatcher` timestamps the first SET of every ``st:{s*}:tokens:bench:bench-<run>-*``
 key (the Tokens of tenant ``bench``'s requests ``bench-<run>-*``, keyed by
 `RequestRef.text`) through keyspace notifications (`keyspace_flags`: what
 ``notify-keyspace-events`` needs for it), with `time.perf_counter()` in this

@@ -59,6 +59,10 @@ ENV_REDIS_URL: Final = "REDIS_URL"
 ENV_REDIS_CLUSTER: Final = "REDIS_CLUSTER"
 
 
+#: `Settings.state_ttl` unless set: 8 days, in seconds.
+DEFAULT_STATE_TTL_S: Final = 8 * 24 * 3600
+
+
 def project_root() -> Path | None:
     """The clone streamtally runs from (an editable install), or None for an installed wheel."""
     root = Path(__file__).resolve().parent.parent
@@ -125,6 +129,13 @@ class Settings(BaseSettings):
         ge=0,
         le=6 << 20,  # the Tokens record must fit the tokens topic's 8 MiB
         validation_alias=_env("STREAMTALLY_MAX_TEXT_BYTES", "max_text_bytes"),
+    )
+    #: Seconds Redis keeps a request's Tokens, its close marker and dead-letter marks after
+    #: they are written (0: for ever).  The default, 8 days, is the raw topics' retention
+    #: (7 days) plus their segment roll (1 day): the longest a raw record can be read again,
+    #: so no replay finds a request whose marker is gone (tests/unit/test_settings.py).
+    state_ttl: int = Field(
+        DEFAULT_STATE_TTL_S, ge=0, validation_alias=_env("STREAMTALLY_STATE_TTL", "state_ttl")
     )
     #: Seconds to wait for a batch to fill.
     batch_within: float = Field(0.05, gt=0)

@@ -120,6 +120,11 @@ class Topic:
     #: write then waits rather than rest on one broker), 1 on the raw topics (producers
     #: keep writing while one replica is left).
     min_insync_replicas: int = 1
+    #: How long a segment stays open before it rolls (`segment.ms`); None: the broker
+    #: default (7 days).  Retention deletes whole segments, so a record can be read for
+    #: up to `retention_ms` + `segment_ms`: the raw topics roll daily, which bounds that
+    #: to 8 days, the default state TTL of Redis (`Settings.state_ttl`).
+    segment_ms: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or any(not (c.isalnum() or c in "._-") for c in self.name):
@@ -132,6 +137,8 @@ class Topic:
             raise ValueError(f"{self.name}: retention_ms must be -1 (forever) or > 0")
         if self.cleanup_policy not in ("delete", "compact"):
             raise ValueError(f"{self.name}: cleanup_policy must be delete or compact")
+        if self.segment_ms is not None and self.segment_ms < 1:
+            raise ValueError(f"{self.name}: segment_ms must be > 0")
 
     @property
     def min_insync(self) -> int:
@@ -158,6 +165,8 @@ class Topic:
             out["max.message.bytes"] = str(self.max_message_bytes)
         if self.timestamp_type is not None:
             out["message.timestamp.type"] = self.timestamp_type
+        if self.segment_ms is not None:
+            out["segment.ms"] = str(self.segment_ms)
         return out
 
 
@@ -165,6 +174,7 @@ _RAW_SSE: Final = Topic(
     name="raw.sse",
     partitions=6,
     retention_ms=7 * DAY_MS,
+    segment_ms=DAY_MS,
     timestamp_type="LogAppendTime",
     value_schema="RawSseEvent",
     description=(
@@ -177,6 +187,7 @@ _RAW_ENGINE: Final = Topic(
     name="raw.engine",
     partitions=6,
     retention_ms=7 * DAY_MS,
+    segment_ms=DAY_MS,
     timestamp_type="LogAppendTime",
     value_schema="RawEngineOutput",
     description=(

@@ -174,6 +174,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         report = run_redis(
             args.redis_url or settings.redis_url,
             lambda store: run_audit(settings, store, options, servers=servers, progress=progress),
+            cluster=settings.redis_cluster,
         )
     finally:
         if progress is not None:

@@ -91,7 +91,14 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     worker = WorkerProcess(log, command=command).start()
     try:
         waiting = asyncio.run(
-            _produce_and_wait(servers, url, settings.namespace, entries, args.timeout)
+            _produce_and_wait(
+                servers,
+                url,
+                settings.namespace,
+                entries,
+                args.timeout,
+                cluster=settings.redis_cluster,
+            )
         )
     except KafkaError as exc:
         raise StackError(f"Kafka at {redact_servers(servers)} failed: {exc!r}") from exc
@@ -122,8 +129,10 @@ async def _produce_and_wait(
     namespace: str,
     entries: list[ManifestEntry],
     timeout: float,
+    *,
+    cluster: bool,
 ) -> set[RequestRef]:
-    store = RedisStore.from_url(url)
+    store = RedisStore.from_url(url, cluster=cluster)
     try:
         ids: set[RequestRef] = set()
         async with RawProducer(servers, namespace=namespace) as producer:

@@ -10,6 +10,7 @@ one JSON object with ``--json``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -20,16 +21,11 @@ import redis.asyncio as aioredis
 from streamtally.cli._args import add_kafka_to_read, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
-from streamtally.ops import migrate
+from streamtally.ops import migrate, migrate_shards
 from streamtally.settings import Settings
-from streamtally.store import (
-    CLOSED_KEY,
-    LAYOUT_KEY,
-    LAYOUT_VERSION,
-    MIGRATING,
-    RedisStore,
-    tokens_pattern,
-)
+from streamtally.store import LAYOUT_KEY, LAYOUT_VERSION, MIGRATING, RedisStore
+from streamtally.store.layout_v2 import CLOSED_KEY, MIGRATING_FROM_1, tokens_pattern
+from streamtally.store.layout_v2 import VERSION as LAYOUT_2
 from streamtally.topics import Topics
 
 __all__ = ["add_parser"]
@@ -40,9 +36,10 @@ T = TypeVar("T")
 SHOWN: Final = 20
 
 _EPILOG = f"""\
-layout 1 (before streamtally's layout 2) keyed a request by its request id
-alone; layout 2 keys it by tenant and request id. The tenants come from the
-billing topic, read to its end.
+Two steps, each run when the data is older than it.
+1. layout 1 to 2: layout 1 (before streamtally's layout 2) keyed a request by
+its request id alone; layout 2 keys it by tenant and request id. The tenants
+come from the billing topic, read to its end.
 migrated: every {tokens_pattern()} key of layout 1 is renamed to its
          tenant's key, its {CLOSED_KEY} field moved with it (same marker), when
          the billing topic names exactly one tenant for its id; a close
@@ -53,9 +50,13 @@ unplaced: Tokens of an id with no billing event or several tenants move to
          without Tokens and without a single tenant is dropped (its outputs
          were never billed; the worker decides again).
 unchanged: the usage rows, st:usage:rows, st:stats, st:deadletter:seen.
-Stop every worker first. {LAYOUT_KEY} is "{MIGRATING}" while it runs (workers
-refuse to start) and "{LAYOUT_VERSION}" at the end. Each batch moves atomically; an
-interrupted run is resumed by running the command again.
+2. layout 2 to 3: every key moves into one of 16 shards, each under its own
+Redis Cluster hash tag (see streamtally/store/layout.py); Tokens, close markers
+and dead-letter marks get the state TTL ($STREAMTALLY_STATE_TTL seconds).
+Stop every worker first. {LAYOUT_KEY} is "{MIGRATING_FROM_1}" or "{MIGRATING}"
+while a step runs (workers refuse to start) and "{LAYOUT_VERSION}" at the end.
+Each batch moves atomically; an interrupted run is resumed by running the
+command again.
 exit status: 0 migrated, nothing to do, or planned (--dry-run); 1 refused
              (an unknown layout version, or Redis changed during the
              migration: a worker still running?); 2 Kafka or Redis
@@ -66,11 +67,12 @@ exit status: 0 migrated, nothing to do, or planned (--dry-run); 1 refused
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "migrate",
-        help="move Redis data of layout 1 (requests keyed by id alone) to layout 2",
+        help=f"move Redis data of an older layout (1 or 2) to layout {LAYOUT_VERSION}",
         description=(
             "Move the Tokens keys and close markers a streamtally before layout 2 wrote "
             "(keyed by request id alone) to their tenant's keys, taking each request's "
-            "tenant from the billing topic; then mark Redis as layout 2."
+            "tenant from the billing topic; then move layout 2 into the 16 shards of "
+            f"layout {LAYOUT_VERSION}, and mark Redis as layout {LAYOUT_VERSION}."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -131,46 +133,107 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     def progress(done: int, total: int) -> None:
         _say(f"{done}/{total} request ids migrated")
 
+    async def layout_of(client: aioredis.Redis) -> str | None:
+        return await RedisStore(client).layout_version()
+
+    if settings.redis_cluster:
+        # Layouts 1 and 2 touch several hash slots per script: no Redis Cluster holds them.
+        before = run_redis(url, lambda store: store.layout_version(), cluster=True)
+        if before not in (None, LAYOUT_VERSION):
+            _say(
+                f"the Redis Cluster at {url} holds layout {before!r}: only layout 3 runs on a "
+                "cluster, and migrate moves one Redis's data: migrate it there, then copy it"
+            )
+            return 1
+        if args.json:
+            write_stdout(json_text(_summary_json(None, None, before, dry_run)) + "\n")
+        return 0
+    before = _with_client(url, layout_of)
+    report: migrate.Report | None = None
     try:
-        report = _with_client(
-            url,
-            lambda client: migrate.migrate(
-                client,
-                servers,
-                topic,
-                dry_run=dry_run,
-                batch_size=batch_size,
-                progress=progress,
-                progress_every=every,
-                notify=_say,
-            ),
-        )
-    except migrate.MigrateError as exc:
+        if before not in (LAYOUT_2, MIGRATING, LAYOUT_VERSION):
+            report = _with_client(
+                url,
+                lambda client: migrate.migrate(
+                    client,
+                    servers,
+                    topic,
+                    dry_run=dry_run,
+                    batch_size=batch_size,
+                    progress=progress,
+                    progress_every=every,
+                    notify=_say,
+                ),
+            )
+        shards: migrate_shards.ShardMoves | None = None
+        if before != LAYOUT_VERSION and not (dry_run and report is not None):
+            shards = _with_client(
+                url,
+                lambda client: migrate_shards.migrate_shards(
+                    client,
+                    ttl_s=settings.state_ttl,
+                    dry_run=dry_run,
+                    batch_size=batch_size,
+                    notify=_say,
+                ),
+            )
+    except (migrate.MigrateError, migrate_shards.ShardMigrateError) as exc:
         _say(str(exc))
         return 1
     if args.json:
-        write_stdout(json_text(_summary_json(report, dry_run)) + "\n")
+        write_stdout(json_text(_summary_json(report, shards, before, dry_run)) + "\n")
     else:
-        write_stdout(_summary_text(report, dry_run))
+        if report is not None:
+            write_stdout(_summary_text(report, dry_run))
+        write_stdout(_shards_text(shards, before, dry_run))
     return 0
 
 
-def _layout_after(report: migrate.Report, dry_run: bool) -> str | None:
-    if dry_run:
-        return report.layout_before
-    return LAYOUT_VERSION
+def _shards_text(
+    shards: migrate_shards.ShardMoves | None, before: str | None, dry_run: bool
+) -> str:
+    if before == LAYOUT_VERSION:
+        return f"Redis is of layout {LAYOUT_VERSION} already: nothing to migrate\n"
+    if shards is None:
+        return f"then layout {LAYOUT_2} to {LAYOUT_VERSION} (planned once layout {LAYOUT_2} is)\n"
+    would = "would be " if dry_run else ""
+    return (
+        f"layout {LAYOUT_2} to {LAYOUT_VERSION}: {shards.tokens} Tokens, {shards.closed} close "
+        f"markers, {shards.rows} usage rows and {shards.dead_letters} dead-letter marks "
+        f"{would}moved into the shards\n"
+    )
 
 
-def _summary_json(report: migrate.Report, dry_run: bool) -> dict[str, Any]:
+def _summary_json(
+    report: migrate.Report | None,
+    shards: migrate_shards.ShardMoves | None,
+    before: str | None,
+    dry_run: bool,
+) -> dict[str, Any]:
+    moved = None if shards is None else dataclasses.asdict(shards)
+    out: dict[str, Any] = {
+        "dry_run": dry_run,
+        "layout_before": before,
+        "layout": before if dry_run else LAYOUT_VERSION,
+        "shards": moved,
+    }
+    if report is None:
+        if shards is None:
+            out["outcome"] = migrate.Outcome.UP_TO_DATE.value
+        else:  # a dry run plans the move, the real run makes it
+            planned = migrate.Outcome.PLANNED if dry_run else migrate.Outcome.MIGRATED
+            out["outcome"] = planned.value
+        return out
+    return _layout_1_json(report) | out
+
+
+def _layout_1_json(report: migrate.Report) -> dict[str, Any]:
     counts = report.counts
     billing = report.billing
     unplaced = report.plan.of(migrate.Action.UNPLACE)
     dropped = report.plan.of(migrate.Action.DROP_CLOSED)
     return {
         "outcome": report.outcome.value,
-        "dry_run": dry_run,
-        "layout_before": report.layout_before,
-        "layout": _layout_after(report, dry_run),
         "billing_events": billing.events if billing else 0,
         "billing_undecodable": billing.undecodable if billing else 0,
         "billing_request_ids": len(billing) if billing else 0,
@@ -206,17 +269,16 @@ def _listed(steps: list[migrate.Step], what: str) -> str:
 
 def _summary_text(report: migrate.Report, dry_run: bool) -> str:
     if report.outcome is migrate.Outcome.UP_TO_DATE:
-        return f"Redis is of layout {LAYOUT_VERSION} already: nothing to migrate\n"
+        return ""
     if report.outcome is migrate.Outcome.EMPTY:
-        claimed = "" if dry_run else f"; {LAYOUT_KEY} set to {LAYOUT_VERSION}"
-        return f"Redis holds no streamtally data: nothing to migrate{claimed}\n"
+        return "Redis holds no streamtally data of layout 1\n"
     counts = report.counts
     plan = report.plan
     would = "would be " if dry_run else ""
     head = (
-        f"dry run, nothing written: layout 1 to {LAYOUT_VERSION}"
+        f"dry run, nothing written: layout 1 to {LAYOUT_2}"
         if dry_run
-        else f"migrated to layout {LAYOUT_VERSION}"
+        else f"migrated to layout {LAYOUT_2}"
     )
     out = (
         f"{head}: {counts.moved} requests {would}moved to their tenant's keys, "

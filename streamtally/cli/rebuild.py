@@ -25,14 +25,7 @@ from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import rebuild
 from streamtally.redact import redact_url
 from streamtally.settings import Settings
-from streamtally.store import (
-    CLOSED_KEY,
-    DEAD_SEEN_KEY,
-    RAW_RECORD_STATS,
-    STATS_KEY,
-    RedisStore,
-    tokens_pattern,
-)
+from streamtally.store import RAW_RECORD_STATS, RedisStore, tokens_pattern
 from streamtally.topics import Topics
 
 __all__ = ["add_parser"]
@@ -40,12 +33,16 @@ __all__ = ["add_parser"]
 #: Skipped requests the text summary lists one by one (--json lists all).
 SHOWN_SKIPPED: Final = 20
 
+#: How the help and the summaries name the stats hashes and the close markers.
+STATS_KEY: Final = "the shards' stats"
+CLOSED_KEY: Final = "the close markers"
+
 _EPILOG = f"""\
 rebuilt: {tokens_pattern()}, the usage rows and {STATS_KEY} requests, exactly as the
          worker writes them; closing markers ({CLOSED_KEY}) are set to
          "{rebuild.CLOSED_MARKER}".
 not restored: the raw-record counts ({STATS_KEY} records, duplicates,
-         dead_lettered, {DEAD_SEEN_KEY}): the topics do not hold them.
+         dead_lettered, the dead-letter marks): the topics do not hold them.
 a request is its tenant and its request id: Tokens records written before
 keys carried the tenant (keyed by the request id alone) join the billing
 event of the one tenant billed for that id, and are skipped when several
@@ -109,7 +106,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     servers: str = args.bootstrap_servers or settings.bootstrap_servers
     url: str = args.redis_url or settings.redis_url
-    present = run_redis(url, _check_redis)
+    present = run_redis(url, _check_redis, cluster=settings.redis_cluster)
     if present and not args.yes:
         _say(
             f"Redis at {redact_url(url)} already holds the Tokens of {present} "
@@ -142,6 +139,8 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         lambda store: rebuild.apply(
             store, plan.requests, batch_size=batch_size, progress=progress, progress_every=every
         ),
+        cluster=settings.redis_cluster,
+        state_ttl_s=settings.state_ttl,
     )
     skipped = inputs.bad + plan.skipped + result.refused
     if args.json:

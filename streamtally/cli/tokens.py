@@ -46,12 +46,20 @@ def add_redis_url(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def run_redis(url: str, work: Callable[[RedisStore], Awaitable[T]]) -> T:
+def run_redis(
+    url: str,
+    work: Callable[[RedisStore], Awaitable[T]],
+    *,
+    cluster: bool = False,
+    state_ttl_s: int = 0,
+) -> T:
     """Run `work` with the store of the Redis at `url`, with clear errors.
 
     Raises `StackError` when Redis cannot be reached or fails, `InputError`
     for a URL that is not a Redis URL; their messages show the URL without its
-    password (`redacted_error`).
+    password (`redacted_error`).  `state_ttl_s`: how long what the store writes
+    is kept (`RedisStore`; only commands that write need it).  `cluster`: `url`
+    names a node of a Redis Cluster (the ``REDIS_CLUSTER`` setting).
     """
     target = url
     shown = redact_url(url)
@@ -61,7 +69,9 @@ def run_redis(url: str, work: Callable[[RedisStore], Awaitable[T]]) -> T:
 
     async def main() -> T:
         try:
-            store = RedisStore.from_url(target, connect_timeout=5, timeout=30)
+            store = RedisStore.from_url(
+                target, cluster=cluster, connect_timeout=5, timeout=30, state_ttl_s=state_ttl_s
+            )
         except ValueError as exc:
             raise InputError(f"bad Redis URL {shown!r}: {detail(exc)}") from exc
         try:
@@ -141,7 +151,7 @@ def run_get(args: argparse.Namespace, settings: Settings) -> int:
             )
         return await store.tokens_text(RequestRef(tenants[0], request_id)) if tenants else None
 
-    text = run_redis(args.redis_url or settings.redis_url, lookup)
+    text = run_redis(args.redis_url or settings.redis_url, lookup, cluster=settings.redis_cluster)
     if text is None:
         whose = "" if tenant is None else f" of tenant {escape(tenant)}"
         raise InputError(f"{escape(request_id)}{whose} not found (unknown, or still streaming)")

@@ -76,6 +76,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     rows = run_redis(
         args.redis_url or settings.redis_url,
         lambda store: store.usage_rows(tenant=tenant, day=day),
+        cluster=settings.redis_cluster,
     )
     if args.json:
         write_stdout(json_text(rows, indent=2) + "\n")

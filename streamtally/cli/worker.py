@@ -29,7 +29,7 @@ __all__ = ["add_parser"]
 REDIS_START_WAIT_S = 30.0
 
 
-async def _check_layout(url: str) -> None:
+async def _check_layout(url: str, *, cluster: bool) -> None:
     """Refuse to start on Redis data of another layout; wait a while for a Redis starting up."""
     from redis.exceptions import AuthenticationError as RedisAuthenticationError
     from redis.exceptions import ConnectionError as RedisConnectionError
@@ -39,7 +39,7 @@ async def _check_layout(url: str) -> None:
 
     shown, secrets = redact_url(url), url_secrets(url)
     try:
-        store = RedisStore.from_url(url, connect_timeout=5, timeout=30)
+        store = RedisStore.from_url(url, cluster=cluster, connect_timeout=5, timeout=30)
     except ValueError as exc:  # one line, the URL's password hidden, not a traceback
         raise InputError(
             f"REDIS_URL: bad Redis URL {shown!r}: {scrub(redact_text(str(exc)), secrets)}"
@@ -112,10 +112,10 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     import faust
-    import redis.asyncio as aioredis
 
     from streamtally.processors.app import create_app
     from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
+    from streamtally.store import RedisStore
 
     topics = Topics.in_namespace(settings.namespace)
     # Kafka down before the start: the error raised says so in one line, without
@@ -127,10 +127,14 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         asyncio.run(ensure_topics(settings.bootstrap_servers, topics.all))
     finally:
         aiokafka.setLevel(aiokafka_level)
-    asyncio.run(_check_layout(settings.redis_url))
+    asyncio.run(_check_layout(settings.redis_url, cluster=settings.redis_cluster))
 
     def make_sinks(app: Any) -> Sinks:
-        redis_outputs = RedisOutputs(aioredis.from_url(settings.redis_url))
+        redis_outputs = RedisOutputs(
+            RedisStore.from_url(
+                settings.redis_url, cluster=settings.redis_cluster, state_ttl_s=settings.state_ttl
+            )
+        )
         del app  # the sinks have their own batching producer
         kafka = KafkaSink(settings.bootstrap_servers, topics)
         return Sinks(kafka, redis_outputs, lookup=redis_outputs.lookup)

@@ -1,6 +1,7 @@
 """The Redis store: its key layout, its scripts and its reads, in one place.
 
 - `streamtally.store.layout`: every key, set member and stored text (the layout table);
+- `streamtally.store.layout_v2`: the keys of layout 2, frozen, for the migration;
 - `streamtally.store.scripts`: the Lua scripts and their KEYS/ARGV (`FinishedRequest`);
 - `streamtally.store.rows`: usage rows decoded as the read commands print them;
 - `streamtally.store.redis_store`: `RedisStore`, every write and read as a typed method;
@@ -11,31 +12,28 @@ Nothing outside this package spells a Redis key.
 """
 
 from streamtally.store.layout import (
-    CLOSED_KEY,
     COST_FIELDS,
-    DEAD_SEEN_KEY,
     LAYOUT_KEY,
     LAYOUT_VERSION,
     MIGRATING,
     RAW_RECORD_STATS,
     ROW_FIELDS,
-    ROWS_KEY,
+    SHARDS,
     STATS_FIELDS,
-    STATS_KEY,
-    TOKENS_PREFIX,
     UNKNOWN_MODEL,
     UNPRICED_FIELD,
-    closed_field,
+    closed_key,
     day_of,
     parse_tokens_key,
     position_of,
     row_member,
+    shard_of,
     tokens_json,
     tokens_key,
     tokens_pattern,
     usage_key,
 )
-from streamtally.store.redis_store import LayoutError, RedisStore
+from streamtally.store.redis_store import LayoutError, RedisClient, RedisStore
 from streamtally.store.scripts import (
     DEAD_LETTER_SCRIPT,
     FLUSH_SCRIPT,
@@ -44,32 +42,30 @@ from streamtally.store.scripts import (
 from streamtally.store.sink import RedisSink, finished_request
 
 __all__ = [
-    "CLOSED_KEY",
     "COST_FIELDS",
     "DEAD_LETTER_SCRIPT",
-    "DEAD_SEEN_KEY",
     "FLUSH_SCRIPT",
     "LAYOUT_KEY",
     "LAYOUT_VERSION",
     "MIGRATING",
     "RAW_RECORD_STATS",
-    "ROWS_KEY",
     "ROW_FIELDS",
+    "SHARDS",
     "STATS_FIELDS",
-    "STATS_KEY",
-    "TOKENS_PREFIX",
     "UNKNOWN_MODEL",
     "UNPRICED_FIELD",
     "FinishedRequest",
     "LayoutError",
+    "RedisClient",
     "RedisSink",
     "RedisStore",
-    "closed_field",
+    "closed_key",
     "day_of",
     "finished_request",
     "parse_tokens_key",
     "position_of",
     "row_member",
+    "shard_of",
     "tokens_json",
     "tokens_key",
     "tokens_pattern",

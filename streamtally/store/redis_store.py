@@ -1,10 +1,12 @@
 """`RedisStore`: every write and read of streamtally's Redis, as typed async methods.
 
-It wraps one `redis.asyncio.Redis` client (made with or without
-``decode_responses``), registers the scripts once, and takes every key from
-`streamtally.store.layout`.  Writes: `mark_closing`, `apply_requests` (through
-the batching `streamtally.store.RedisSink`), `count_dead_letters`.  Reads:
-Tokens, usage rows, close markers, counts.  No other module talks to Redis
+It wraps one client, of one Redis (`redis.asyncio.Redis`) or of a Redis Cluster
+(`redis.asyncio.RedisCluster`), made with or without ``decode_responses``;
+registers the scripts once, and takes every key from `streamtally.store.layout`.
+Writes: `mark_closing`, `apply_requests` (through the batching
+`streamtally.store.RedisSink`), `count_dead_letters`, each one script call per
+shard (one hash slot), sent in one pipeline.  Reads: Tokens, usage rows (the
+shards' parts summed), close markers, counts.  No other module talks to Redis
 about its data.
 """
 
@@ -17,23 +19,28 @@ from datetime import date
 from typing import Any
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 
 from streamtally.core.identity import RequestRef
 from streamtally.errors import StreamtallyError
-from streamtally.store import layout
+from streamtally.store import layout, layout_v2
 from streamtally.store.layout import (
-    CLOSED_KEY,
-    DEAD_SEEN_KEY,
     LAYOUT_KEY,
     LAYOUT_VERSION,
     MIGRATING,
     ROW_FIELDS,
-    ROWS_KEY,
+    SHARDS,
     STATS_FIELDS,
-    STATS_KEY,
-    closed_field,
+    closed_key,
+    closed_pattern,
+    dead_key,
+    guard_key,
     parse_row_member,
     parse_tokens_key,
+    rows_key,
+    shard_of,
+    shard_of_position,
+    stats_key,
     tokens_key,
     tokens_pattern,
     tokens_pattern_of_id,
@@ -45,12 +52,16 @@ from streamtally.store.scripts import (
     DEAD_LETTER_SCRIPT,
     FLUSH_SCRIPT,
     FinishedRequest,
-    close_once_call,
-    dead_letter_call,
-    flush_call,
+    ShardCall,
+    close_once_calls,
+    dead_letter_calls,
+    flush_calls,
 )
 
-__all__ = ["LayoutError", "RedisStore"]
+__all__ = ["LayoutError", "RedisClient", "RedisStore"]
+
+#: A client of one Redis or of a Redis Cluster.
+RedisClient = aioredis.Redis | RedisCluster
 
 
 class LayoutError(StreamtallyError):
@@ -58,33 +69,54 @@ class LayoutError(StreamtallyError):
 
 
 class RedisStore:
-    """streamtally's data in one Redis: Tokens, usage rows, close markers and counts.
+    """streamtally's data in one Redis or one Redis Cluster: Tokens, usage rows, markers, counts.
 
     Not a connection pool of its own: it uses the client it is given, and
-    `aclose` closes that client.
+    `aclose` closes that client.  `state_ttl_s` is how long Tokens, close
+    markers and dead-letter marks are kept after they are written (0: for
+    ever); only writes use it.
     """
 
-    def __init__(self, client: aioredis.Redis) -> None:
+    def __init__(self, client: RedisClient, *, state_ttl_s: int = 0) -> None:
+        if state_ttl_s < 0:
+            raise ValueError(f"state_ttl_s must be >= 0 (0: never expire), not {state_ttl_s}")
         self._client = client
+        self._cluster = isinstance(client, RedisCluster)
+        self._ttl_s = state_ttl_s
         self._flush = client.register_script(FLUSH_SCRIPT)
         self._dead = client.register_script(DEAD_LETTER_SCRIPT)
         self._close_once = client.register_script(CLOSE_ONCE_SCRIPT)
 
     @classmethod
     def from_url(
-        cls, url: str, *, connect_timeout: float | None = None, timeout: float | None = None
+        cls,
+        url: str,
+        *,
+        cluster: bool = False,
+        connect_timeout: float | None = None,
+        timeout: float | None = None,
+        state_ttl_s: int = 0,
     ) -> RedisStore:
         """A store on a new client of `url` (ValueError when it is not a Redis URL).
 
-        `connect_timeout` and `timeout` (seconds) bound connecting and each
-        command; None leaves redis-py's default (no limit) or the URL's own.
+        `cluster`: `url` names a node of a Redis Cluster.  `connect_timeout`
+        and `timeout` (seconds) bound connecting and each command; None leaves
+        redis-py's default (no limit) or the URL's own.
         """
         options: dict[str, float] = {}
         if connect_timeout is not None:
             options["socket_connect_timeout"] = connect_timeout
         if timeout is not None:
             options["socket_timeout"] = timeout
-        return cls(aioredis.from_url(url, **options))
+        client: RedisClient = (
+            RedisCluster.from_url(url, **options) if cluster else aioredis.from_url(url, **options)
+        )
+        return cls(client, state_ttl_s=state_ttl_s)
+
+    @property
+    def state_ttl_s(self) -> int:
+        """How long written Tokens, close markers and dead-letter marks are kept (0: for ever)."""
+        return self._ttl_s
 
     async def ping(self, timeout: float = 1.0) -> None:
         """Whether Redis answers now: returns, or raises (a `RedisError`, `OSError`, timeout)."""
@@ -99,6 +131,23 @@ class RedisStore:
         """How `count_dead_letters` names a raw record: ``topic:partition:offset``."""
         return layout.position_of(topic, partition, offset)
 
+    async def _run(self, script: Any, calls: Sequence[ShardCall]) -> list[Any]:
+        """Each call's reply, in order: one round trip (a pipeline, never a transaction).
+
+        On Redis Cluster the calls go out at once instead, each to the master of
+        its shard's slot (redis-py refuses scripts in a cluster pipeline).  Either
+        way a failure may leave some calls applied: each script is idempotent, so
+        the caller retries the whole batch.
+        """
+        if len(calls) == 1:
+            return [await script(keys=calls[0].keys, args=calls[0].argv)]
+        if self._cluster:
+            return list(await asyncio.gather(*(script(keys=c.keys, args=c.argv) for c in calls)))
+        async with self._client.pipeline(transaction=False) as pipe:
+            for call in calls:
+                await script(keys=call.keys, args=call.argv, client=pipe)
+            return list(await pipe.execute())
+
     # ------------------------------------------------------------------ layout
 
     async def layout_version(self) -> str | None:
@@ -107,33 +156,36 @@ class RedisStore:
         return None if raw is None else reply_text(raw)
 
     async def holds_data(self) -> bool:
-        """Whether Redis holds any streamtally data besides ``st:layout``."""
-        if await self._client.exists(CLOSED_KEY, STATS_KEY, ROWS_KEY, DEAD_SEEN_KEY):
+        """Whether Redis holds any streamtally data besides the layout keys."""
+        older = (layout_v2.CLOSED_KEY, layout_v2.STATS_KEY, layout_v2.ROWS_KEY)
+        if await self._client.exists(*older, layout_v2.DEAD_SEEN_KEY):
             return True
-        async for _ in self._client.scan_iter(match=tokens_pattern(), count=1000):
-            return True
+        for pattern in (layout_v2.tokens_pattern(), "st:{s*}:*"):
+            async for key in self._client.scan_iter(match=pattern, count=1000):
+                if not reply_text(key).endswith("}:layout"):
+                    return True
         return False
 
     async def ensure_layout(self) -> None:
         """Claim layout `LAYOUT_VERSION` on an empty Redis; raise `LayoutError` on another one.
 
-        Redis with data but no ``st:layout`` was written by a version before 2
-        (Tokens keyed by request id alone): reading it as version 2 would count
-        replayed requests again, so nothing may write before it is migrated.
+        Redis with data of an older layout (no ``st:layout``: version 1; ``"2"``)
+        must be migrated first: reading it as version 3 would count replayed
+        requests again, so nothing may write before it is migrated.
         """
         version = await self.layout_version()
         if version is None and not await self.holds_data():
             await self._client.set(LAYOUT_KEY, LAYOUT_VERSION, nx=True)
             version = await self.layout_version()
         if version == LAYOUT_VERSION:
+            await self._claim_shards()
             return
-        if version is None:
+        if version in (None, layout_v2.VERSION):
             raise LayoutError(
-                "Redis holds streamtally data of layout version 1 (requests keyed by id "
-                "alone); run `streamtally migrate` once (it needs the billing topic), then "
-                "start again"
+                f"Redis holds streamtally data of layout version {version or 1}; run "
+                "`streamtally migrate` once (it needs the billing topic), then start again"
             )
-        if version == MIGRATING:
+        if version in (MIGRATING, layout_v2.MIGRATING_FROM_1):
             raise LayoutError(
                 "a `streamtally migrate` of this Redis is in progress or was interrupted; "
                 "run it (again) to the end, then start again"
@@ -142,6 +194,13 @@ class RedisStore:
             f"Redis holds layout version {version!r}; this streamtally reads and writes "
             f"version {LAYOUT_VERSION} (a newer streamtally wrote it?)"
         )
+
+    async def _claim_shards(self) -> None:
+        """Set every shard's layout key to `LAYOUT_VERSION` where it is not set yet."""
+        async with self._client.pipeline(transaction=False) as pipe:
+            for shard in range(SHARDS):
+                pipe.set(guard_key(shard), LAYOUT_VERSION, nx=True)
+            await pipe.execute()
 
     # ------------------------------------------------------------------ writes
 
@@ -157,49 +216,62 @@ class RedisStore:
         """
         if not markers:
             return {}
-        by_field = {closed_field(ref): ref for ref in markers}
-        keys, args = close_once_call({closed_field(ref): m for ref, m in markers.items()})
-        flat = await self._close_once(keys=keys, args=args)
-        texts = [reply_text(item) for item in flat]
-        return {by_field[f]: m for f, m in zip(texts[::2], texts[1::2], strict=True)}
+        refs = list(markers)
+        decisions = [(shard_of(ref), closed_key(ref), markers[ref]) for ref in refs]
+        calls = close_once_calls(decisions, self._ttl_s)
+        conflicts: dict[RequestRef, str] = {}
+        for call, flat in zip(calls, await self._run(self._close_once, calls), strict=True):
+            for index, marker in zip(flat[::2], flat[1::2], strict=True):
+                conflicts[refs[call.indexes[int(index) - 1]]] = reply_text(marker)
+        return conflicts
 
     async def apply_requests(self, batch: Sequence[FinishedRequest]) -> list[bool]:
-        """Apply finished requests in ONE atomic, idempotent script call.
+        """Apply finished requests: one atomic, idempotent script call per shard.
 
         One flag per request, in order: True when this call applied it, False
-        when it had been applied before (its Tokens key existed).  When the
-        script refuses (a key of the wrong type), nothing is written.
+        when it had been applied before (its Tokens key existed).  When a
+        shard's script refuses (a key of the wrong type), nothing of that
+        shard is written; the calls of the other shards may have been applied
+        (a retry reports them False).
         """
         if not batch:
             return []
-        keys, argv = flush_call(batch)
-        result = await self._flush(keys=keys, args=argv)
-        if not isinstance(result, list) or len(result) != len(batch):
-            raise RuntimeError(f"redis sink script returned {result!r} for {len(batch)} requests")
-        return [int(flag) == 1 for flag in result]
+        calls = flush_calls(batch, self._ttl_s)
+        flags = [False] * len(batch)
+        results = await self._run(self._flush, calls)
+        for call, result in zip(calls, results, strict=True):
+            if not isinstance(result, list) or len(result) != len(call.indexes):
+                raise RuntimeError(
+                    f"redis sink script returned {result!r} for {len(call.indexes)} requests"
+                )
+            for index, flag in zip(call.indexes, result, strict=True):
+                flags[index] = int(flag) == 1
+        return flags
 
     async def count_dead_letters(self, positions: Sequence[str]) -> int:
         """Count dead letters once per source position (`position_of`); returns the new ones."""
         if not positions:
             return 0
-        keys, args = dead_letter_call(positions)
-        return int(await self._dead(keys=keys, args=args))
+        marks = [(shard_of_position(p), dead_key(p)) for p in positions]
+        calls = dead_letter_calls(marks, self._ttl_s)
+        return sum(int(new) for new in await self._run(self._dead, calls))
 
     async def delete_usage(self, tenants: Iterable[str]) -> int:
-        """Delete the usage rows of `tenants` and their index members; returns how many.
+        """Delete the usage rows of `tenants` (every shard's part); returns how many rows.
 
         Tokens and close markers stay: they are the idempotency markers, and
         without them a replay of the raw records would count the requests again.
         """
         wanted = set(tenants)
-        deleted = 0
-        for member in await self._client.smembers(ROWS_KEY):
-            day, tenant, model = parse_row_member(member)
-            if tenant in wanted:
-                await self._client.delete(usage_key(day, tenant, model))
-                await self._client.srem(ROWS_KEY, member)
-                deleted += 1
-        return deleted
+        deleted: set[tuple[str, str, str]] = set()
+        for shard, members in enumerate(await self._row_members()):
+            for member in members:
+                row = parse_row_member(member)
+                if row[1] in wanted:
+                    await self._client.delete(usage_key(shard, *row))
+                    await self._client.srem(rows_key(shard), member)
+                    deleted.add(row)
+        return len(deleted)
 
     # ------------------------------------------------------------------ Tokens
 
@@ -242,27 +314,32 @@ class RedisStore:
             found = await pipe.execute()
         return [r for r, exists in zip(refs, found, strict=True) if not exists]
 
-    async def tenants_of(self, request_id: str) -> list[str]:
-        """The tenants holding Tokens of a request with this id, sorted (by SCAN)."""
-        tenants = set()
-        match = tokens_pattern_of_id(request_id)  # Redis filters; each key is parsed to be sure
+    async def _tokens_refs(self, match: str) -> list[RequestRef]:
+        refs = []
         async for key in self._client.scan_iter(match=match, count=1000):
             try:
-                ref = parse_tokens_key(reply_text(key))
+                refs.append(parse_tokens_key(reply_text(key)))
             except ValueError:
-                continue
-            if ref.request_id == request_id:
-                tenants.add(ref.tenant)
-        return sorted(tenants)
+                continue  # a key the glob matches that is not a Tokens key
+        return refs
+
+    async def tenants_of(self, request_id: str) -> list[str]:
+        """The tenants holding Tokens of a request with this id, sorted (by SCAN)."""
+        refs = await self._tokens_refs(tokens_pattern_of_id(request_id))
+        return sorted({ref.tenant for ref in refs if ref.request_id == request_id})
 
     async def tokens_count(self) -> int:
         """How many requests' Tokens are stored (by SCAN)."""
-        count = 0
-        async for _ in self._client.scan_iter(match=tokens_pattern(), count=1000):
-            count += 1
-        return count
+        return len(await self._tokens_refs(tokens_pattern()))
 
     # ------------------------------------------------------------------ usage rows
+
+    async def _row_members(self) -> list[set[bytes | str]]:
+        """Each shard's rows set, by shard."""
+        async with self._client.pipeline(transaction=False) as pipe:
+            for shard in range(SHARDS):
+                pipe.smembers(rows_key(shard))
+            return list(await pipe.execute())
 
     async def usage_rows(
         self, *, tenant: str | None = None, day: str | date | None = None
@@ -273,32 +350,32 @@ class RedisStore:
         "input_tokens", "output_tokens", "reasoning_tokens", "cached_tokens",
         "cache_write_tokens", "cost"}`` with `cost` the exact total as a decimal
         string (12 places) and `unpriced_requests` how many of `requests` were
-        billed unpriced, cost 0 (0 for a row written before the field existed).
-        The hashes are read in one MULTI/EXEC, so the rows are one consistent
-        snapshot of the rows listed in the index.
+        billed unpriced, cost 0, summed over the shards' parts.  On one Redis
+        the parts are read in one MULTI/EXEC, one consistent snapshot; a Redis
+        Cluster has no transaction across slots, so there each shard's part is
+        read as it is when its node answers.
         """
         wanted_day = day_filter(day)
-        members: set[bytes | str] = await self._client.smembers(ROWS_KEY)
-        rows: list[tuple[str, str, str]] = []
-        for member in members:
-            row_day, row_tenant, row_model = parse_row_member(member)
-            if (tenant is None or row_tenant == tenant) and (
-                wanted_day is None or row_day == wanted_day
-            ):
-                rows.append((row_day, row_tenant, row_model))
-        rows.sort()
-        if not rows:
+        parts: list[tuple[int, tuple[str, str, str]]] = []
+        for shard, members in enumerate(await self._row_members()):
+            for member in members:
+                row = parse_row_member(member)
+                if (tenant is None or row[1] == tenant) and (
+                    wanted_day is None or row[0] == wanted_day
+                ):
+                    parts.append((shard, row))
+        if not parts:
             return []
-        async with self._client.pipeline(transaction=True) as pipe:
-            for row in rows:
-                pipe.hmget(usage_key(*row), list(ROW_FIELDS))
+        keys = [usage_key(shard, *row) for shard, row in parts]
+        async with self._client.pipeline(transaction=not self._cluster) as pipe:
+            for key in keys:
+                pipe.hmget(key, list(ROW_FIELDS))
             results: list[list[bytes | str | None]] = await pipe.execute()
-        out: list[dict[str, Any]] = []
-        for row, values in zip(rows, results, strict=True):
-            decoded = usage_row(*row, values)
-            if decoded is not None:
-                out.append(decoded)
-        return out
+        by_row: dict[tuple[str, str, str], list[tuple[str, list[bytes | str | None]]]] = {}
+        for (_shard, row), key, values in zip(parts, keys, results, strict=True):
+            by_row.setdefault(row, []).append((key, values))
+        rows = (usage_row(*row, by_row[row]) for row in sorted(by_row))
+        return [row for row in rows if row is not None]
 
     # ------------------------------------------------------------------ markers and counts
 
@@ -309,29 +386,37 @@ class RedisStore:
         if not refs:
             return {}
         async with self._client.pipeline(transaction=False) as pipe:
-            pipe.hmget(CLOSED_KEY, [closed_field(ref) for ref in refs])
             for ref in refs:
+                pipe.get(closed_key(ref))
                 pipe.exists(tokens_key(ref))
             replies = await pipe.execute()
-        markers, applied = replies[0], replies[1:]
         found: dict[RequestRef, tuple[str, bool]] = {}
-        for ref, marker, exists in zip(refs, markers, applied, strict=True):
+        for ref, marker, exists in zip(refs, replies[::2], replies[1::2], strict=True):
             if marker is not None:
                 found[ref] = (reply_text(marker), bool(exists))
         return found
 
     async def closed_count(self) -> int:
-        """How many requests have a close marker."""
-        return int(await self._client.hlen(CLOSED_KEY))
+        """How many requests have a close marker (by SCAN)."""
+        count = 0
+        async for key in self._client.scan_iter(match=closed_pattern(), count=1000):
+            if ":closed:" in reply_text(key).split("}", 1)[1][:8]:
+                count += 1
+        return count
 
     async def dead_letter_count(self) -> int:
-        """How many distinct raw records were dead-lettered (positions seen)."""
-        return int(await self._client.scard(DEAD_SEEN_KEY))
+        """How many distinct raw records were dead-lettered (counted once each)."""
+        return (await self.stats())["dead_lettered"]
 
     async def stats(self) -> dict[str, int]:
         """The pipeline's raw-record counts (`STATS_FIELDS`, 0 when never counted)."""
-        raw = await self._client.hgetall(STATS_KEY)
+        async with self._client.pipeline(transaction=False) as pipe:
+            for shard in range(SHARDS):
+                pipe.hgetall(stats_key(shard))
+            replies = await pipe.execute()
         out = dict.fromkeys(STATS_FIELDS, 0)
-        for name, value in raw.items():
-            out[reply_text(name)] = int(value)
+        for raw in replies:
+            for name, value in raw.items():
+                field = reply_text(name)
+                out[field] = out.get(field, 0) + int(value)
         return out

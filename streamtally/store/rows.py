@@ -1,4 +1,4 @@
-"""Usage rows as read back: the day filter and one row hash decoded into what `usage` prints.
+"""Usage rows as read back: the day filter, and a row's shard parts summed into what `usage` prints.
 
 Pure functions used by `streamtally.store.RedisStore.usage_rows`; the Redis
 calls stay in the store.  Values may come from a client made with or without
@@ -14,7 +14,7 @@ from typing import Any, Final
 
 from streamtally.core.models import USAGE_FIELDS
 from streamtally.core.money import cost_text
-from streamtally.store.layout import ROW_FIELDS, UNPRICED_FIELD, day_of, usage_key
+from streamtally.store.layout import ROW_FIELDS, UNPRICED_FIELD, day_of
 
 __all__ = ["day_filter", "reply_text", "usage_row"]
 
@@ -51,25 +51,34 @@ def _int(row: Mapping[str, bytes | str | None], field: str, key: str) -> int:
 
 
 def usage_row(
-    day: str, tenant: str, model: str, values: Sequence[bytes | str | None]
+    day: str, tenant: str, model: str, parts: Sequence[tuple[str, Sequence[bytes | str | None]]]
 ) -> dict[str, Any] | None:
-    """One row from its hash's `ROW_FIELDS` values (HMGET order); None when the hash is gone.
+    """One row from its shards' parts: (key, `ROW_FIELDS` values in HMGET order) each.
 
     The row is ``{"tenant", "model", "day", "requests", "unpriced_requests",
-    <the five usage fields>, "cost"}`` with `cost` the exact total as a decimal
-    string (12 places) and `unpriced_requests` how many of `requests` were billed
-    unpriced (0 when the hash has no such field: rows written before it existed).
+    <the five usage fields>, "cost"}``, each count the sum over the parts, with
+    `cost` the exact total as a decimal string (12 places) and
+    `unpriced_requests` how many of `requests` were billed unpriced (0 when a
+    hash has no such field).  None when every part is gone (listed, then
+    deleted by hand: nothing to report).
     """
-    if all(value is None for value in values):
-        return None  # listed but gone (deleted by hand): nothing to report
-    key = usage_key(day, tenant, model)
-    fields = dict(zip(ROW_FIELDS, values, strict=True))
+    totals = dict.fromkeys(ROW_FIELDS, 0)
+    found = False
+    for key, values in parts:
+        if all(value is None for value in values):
+            continue
+        found = True
+        fields = dict(zip(ROW_FIELDS, values, strict=True))
+        for name in ROW_FIELDS:
+            totals[name] += _int(fields, name, key)
+    if not found:
+        return None
     return {
         "tenant": tenant,
         "model": model,
         "day": day,
-        "requests": _int(fields, "requests", key),
-        UNPRICED_FIELD: _int(fields, UNPRICED_FIELD, key),
-        **{name: _int(fields, name, key) for name in USAGE_FIELDS},
-        "cost": cost_text(_int(fields, "cost_units", key), _int(fields, "cost_pico", key)),
+        "requests": totals["requests"],
+        UNPRICED_FIELD: totals[UNPRICED_FIELD],
+        **{name: totals[name] for name in USAGE_FIELDS},
+        "cost": cost_text(totals["cost_units"], totals["cost_pico"]),
     }

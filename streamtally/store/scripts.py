@@ -1,42 +1,39 @@
 """The Lua scripts of the Redis store, and their calling convention (KEYS and ARGV).
 
-`FLUSH_SCRIPT` applies a batch of finished requests in one atomic, idempotent
-call; `DEAD_LETTER_SCRIPT` counts dead-lettered raw records once per source
-position.  The texts are a contract too: a script's SHA1 names it in Redis's
-script cache, and the argument order below is what the texts read.
+`FLUSH_SCRIPT` applies finished requests of ONE shard in one atomic, idempotent
+call; `CLOSE_ONCE_SCRIPT` records close decisions of one shard, write-once;
+`DEAD_LETTER_SCRIPT` counts dead-lettered raw records of one shard once per
+source position.  Every key a call touches carries its shard's hash tag
+(`streamtally.store.layout`), so each call touches one hash slot and runs on
+Redis Cluster as on one Redis.  The texts are a contract too: a script's SHA1
+names it in Redis's script cache, and the argument order below is what the
+texts read.
 
-`FLUSH_SCRIPT` and `CLOSE_ONCE_SCRIPT` write only into data of the layout
-version they are given (``st:layout``, `streamtally.store.layout.LAYOUT_VERSION`):
-a Redis not yet migrated, or being migrated, gets an error and no write (a
-writer calls `RedisStore.ensure_layout` first, which claims an empty Redis).
-`FLUSH_SCRIPT` first checks every key it will touch (types, integer fields)
+Each script first checks its shard's layout key (``st:{T}:layout``) against the
+version it is given, `streamtally.store.layout.LAYOUT_VERSION`: a Redis not
+yet migrated, or being migrated, gets an error and no write (a writer calls
+`RedisStore.ensure_layout` first, which claims an empty Redis).
+`FLUSH_SCRIPT` then checks every key it will touch (types, integer fields)
 and fails before writing anything if one is wrong; then, request by request in
-batch order: if ``st:tokens:{ref}`` exists it changes nothing and
-reports 0 (already applied, by an earlier call or earlier in the same batch:
-the first Tokens written wins), else it records the close marker and the
-raw-record counts, writes the Tokens, HINCRBYs the row (and its
+batch order: if the request's Tokens key exists it changes nothing and reports
+0 (already applied, by an earlier call or earlier in the same batch: the first
+Tokens written wins), else it records the close marker and the raw-record
+counts, writes the Tokens, HINCRBYs the shard's part of the row (and its
 ``unpriced_requests`` when the request was billed unpriced), carries the cost
-and adds the row to the index, and reports 1.  All keys are passed as KEYS; they
-span hash slots, so this is for a single Redis (not Redis Cluster).
+and adds the row to the shard's index, and reports 1.  Tokens, close markers
+and dead-letter marks get the state TTL (ARGV; 0: no expiry).
 
-One request is a `FinishedRequest`; `flush_call` lays a batch out as the
-script's KEYS and ARGV.
+One request is a `FinishedRequest`; `flush_calls` lays a batch out as one
+call per shard.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from streamtally.store.layout import (
-    CLOSED_KEY,
-    DEAD_SEEN_KEY,
-    LAYOUT_KEY,
-    LAYOUT_VERSION,
-    ROWS_KEY,
-    STATS_KEY,
-)
+from streamtally.store.layout import LAYOUT_VERSION, guard_key, rows_key, stats_key
 
 __all__ = [
     "ARGS_PER_REQUEST",
@@ -44,29 +41,55 @@ __all__ = [
     "DEAD_LETTER_SCRIPT",
     "FLUSH_SCRIPT",
     "FinishedRequest",
-    "close_once_call",
-    "dead_letter_call",
-    "flush_call",
+    "ShardCall",
+    "close_once_calls",
+    "dead_letter_calls",
+    "flush_calls",
 ]
 
-FLUSH_SCRIPT: Final = """
--- KEYS[1]            st:usage:rows
--- KEYS[2]            st:closed   ({ref} -> "offset reason")
--- KEYS[3]            st:stats    (records, duplicates, requests, dead_lettered)
--- KEYS[4]            st:layout   (must be ARGV[2]: nothing is written to another layout)
--- KEYS[2i+3], KEYS[2i+4] (i = 1..n)  st:tokens:{ref}, st:usage:{day}:{tenant}:{model}
+#: The Lua lines every script opens with: its layout check and the TTL'd SET.
+_PRELUDE: Final = """
+local function layout_is(key, version)
+  local layout = redis.call('GET', key)
+  if layout ~= version then
+    return redis.error_reply('streamtally: ' .. key .. ' is ' .. tostring(layout) ..
+                             ', not ' .. version .. ': see `streamtally migrate --help`')
+  end
+  return nil
+end
+
+local function set(key, value, ttl, nx)
+  if nx and ttl > 0 then return redis.call('SET', key, value, 'NX', 'EX', ttl) end
+  if nx then return redis.call('SET', key, value, 'NX') end
+  if ttl > 0 then return redis.call('SET', key, value, 'EX', ttl) end
+  return redis.call('SET', key, value)
+end
+"""
+
+FLUSH_SCRIPT: Final = (
+    """
+-- KEYS[1]            st:{T}:layout      (must be ARGV[2]: nothing is written to another layout)
+-- KEYS[2]            st:{T}:usage:rows
+-- KEYS[3]            st:{T}:stats       (records, duplicates, requests, dead_lettered)
+-- KEYS[3i+1], KEYS[3i+2], KEYS[3i+3] (i = 1..n)
+--                    st:{T}:tokens:{ref}, st:{T}:closed:{ref}, st:{T}:usage:{day}:{tenant}:{model}
 -- ARGV[1]            n
 -- ARGV[2]            the layout version these keys are of
--- ARGV[3 + 14(i-1) ..] tokens_json, row_member, input, output, reasoning, cached,
---                     cache_write, cost_units, cost_pico, {ref}, closed marker,
+-- ARGV[3]            the state TTL in seconds (0: Tokens and markers never expire)
+-- ARGV[4 + 13(i-1) ..] tokens_json, row_member, input, output, reasoning, cached,
+--                     cache_write, cost_units, cost_pico, closed marker,
 --                     records, duplicates, unpriced (1 if billed unpriced, else 0)
 --                     (integers as decimal strings)
+"""
+    + _PRELUDE
+    + """
 local PICO = 1000000000000
 local FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_tokens',
                 'cache_write_tokens'}
 local ALL = {'requests', 'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_tokens',
              'cache_write_tokens', 'cost_units', 'cost_pico', 'unpriced_requests'}
 local n = tonumber(ARGV[1])
+local ttl = tonumber(ARGV[3])
 
 local function kind(key)
   local t = redis.call('TYPE', key)
@@ -75,27 +98,24 @@ local function kind(key)
 end
 
 -- 1. check everything, write nothing
-local layout = redis.call('GET', KEYS[4])
-if layout ~= ARGV[2] then
-  return redis.error_reply('streamtally: ' .. KEYS[4] .. ' is ' .. tostring(layout) ..
-                           ', not ' .. ARGV[2] .. ': see `streamtally migrate --help`')
-end
-local rows_type = kind(KEYS[1])
+local refused = layout_is(KEYS[1], ARGV[2])
+if refused then return refused end
+local rows_type = kind(KEYS[2])
 if rows_type ~= 'none' and rows_type ~= 'set' then
-  return redis.error_reply('streamtally: ' .. KEYS[1] .. ' is a ' .. rows_type .. ', not a set')
+  return redis.error_reply('streamtally: ' .. KEYS[2] .. ' is a ' .. rows_type .. ', not a set')
 end
-for _, k in ipairs({KEYS[2], KEYS[3]}) do
-  local t = kind(k)
-  if t ~= 'none' and t ~= 'hash' then
-    return redis.error_reply('streamtally: ' .. k .. ' is a ' .. t .. ', not a hash')
-  end
+local stats_type = kind(KEYS[3])
+if stats_type ~= 'none' and stats_type ~= 'hash' then
+  return redis.error_reply('streamtally: ' .. KEYS[3] .. ' is a ' .. stats_type .. ', not a hash')
 end
 for i = 1, n do
-  local tk, uk = KEYS[2 * i + 3], KEYS[2 * i + 4]
-  local tt = kind(tk)
-  if tt ~= 'none' and tt ~= 'string' then
-    return redis.error_reply('streamtally: ' .. tk .. ' is a ' .. tt .. ', not a string')
+  for _, k in ipairs({KEYS[3 * i + 1], KEYS[3 * i + 2]}) do
+    local t = kind(k)
+    if t ~= 'none' and t ~= 'string' then
+      return redis.error_reply('streamtally: ' .. k .. ' is a ' .. t .. ', not a string')
+    end
   end
+  local uk = KEYS[3 * i + 3]
   local ut = kind(uk)
   if ut == 'hash' then
     local values = redis.call('HMGET', uk, unpack(ALL))
@@ -117,16 +137,16 @@ end
 -- 2. apply, request by request
 local applied = {}
 for i = 1, n do
-  local tk, uk = KEYS[2 * i + 3], KEYS[2 * i + 4]
-  local a = 3 + 14 * (i - 1)
+  local tk, ck, uk = KEYS[3 * i + 1], KEYS[3 * i + 2], KEYS[3 * i + 3]
+  local a = 4 + 13 * (i - 1)
   if redis.call('EXISTS', tk) == 1 then
     applied[i] = 0
   else
-    redis.call('HSET', KEYS[2], ARGV[a + 9], ARGV[a + 10])
-    redis.call('HINCRBY', KEYS[3], 'records', ARGV[a + 11])
-    redis.call('HINCRBY', KEYS[3], 'duplicates', ARGV[a + 12])
+    set(ck, ARGV[a + 9], ttl, false)
+    redis.call('HINCRBY', KEYS[3], 'records', ARGV[a + 10])
+    redis.call('HINCRBY', KEYS[3], 'duplicates', ARGV[a + 11])
     redis.call('HINCRBY', KEYS[3], 'requests', 1)
-    redis.call('SET', tk, ARGV[a])
+    set(tk, ARGV[a], ttl, false)
     redis.call('HINCRBY', uk, 'requests', 1)
     for j = 1, 5 do
       redis.call('HINCRBY', uk, FIELDS[j], ARGV[a + 1 + j])
@@ -142,89 +162,104 @@ for i = 1, n do
       redis.call('HINCRBY', uk, 'cost_units', 1)
     end
     redis.call('HSET', uk, 'cost_pico', string.format('%d', pico))
-    if ARGV[a + 13] ~= '0' then
-      redis.call('HINCRBY', uk, 'unpriced_requests', ARGV[a + 13])
+    if ARGV[a + 12] ~= '0' then
+      redis.call('HINCRBY', uk, 'unpriced_requests', ARGV[a + 12])
     end
-    redis.call('SADD', KEYS[1], ARGV[a + 1])
+    redis.call('SADD', KEYS[2], ARGV[a + 1])
     applied[i] = 1
   end
 end
 return applied
 """
+)
 
 
-DEAD_LETTER_SCRIPT: Final = """
--- KEYS[1] st:deadletter:seen (set of "topic:partition:offset"), KEYS[2] st:stats
--- ARGV: positions; each counts once, however often it is dead-lettered again
+DEAD_LETTER_SCRIPT: Final = (
+    """
+-- KEYS[1] st:{T}:layout, KEYS[2] st:{T}:stats, KEYS[3..] st:{T}:dead:{position}
+-- ARGV[1] the layout version, ARGV[2] the state TTL in seconds (0: never expires)
+-- Each position counts once, however often it is dead-lettered again (while marked).
+"""
+    + _PRELUDE
+    + """
+local refused = layout_is(KEYS[1], ARGV[1])
+if refused then return refused end
+local ttl = tonumber(ARGV[2])
 local new = 0
-for _, position in ipairs(ARGV) do
-  new = new + redis.call('SADD', KEYS[1], position)
+for i = 3, #KEYS do
+  if set(KEYS[i], '1', ttl, true) then new = new + 1 end
 end
 if new > 0 then
   redis.call('HINCRBY', KEYS[2], 'dead_lettered', new)
 end
 return new
 """
+)
 
-CLOSE_ONCE_SCRIPT: Final = """
--- KEYS[1] st:closed ({ref} -> "offset reason"), KEYS[2] st:layout
--- ARGV[1]: the layout version the fields are of (must be st:layout's: else nothing is written)
--- ARGV[2..]: ref, marker, ref, marker, ...
--- Each close decision is written once and never overwritten; returns, flat, every
--- ref decided before with ANOTHER marker, and that marker.
-local layout = redis.call('GET', KEYS[2])
-if layout ~= ARGV[1] then
-  return redis.error_reply('streamtally: ' .. KEYS[2] .. ' is ' .. tostring(layout) ..
-                           ', not ' .. ARGV[1] .. ': see `streamtally migrate --help`')
-end
+CLOSE_ONCE_SCRIPT: Final = (
+    """
+-- KEYS[1] st:{T}:layout, KEYS[2..] st:{T}:closed:{ref} of the requests deciding
+-- ARGV[1] the layout version, ARGV[2] the state TTL in seconds, ARGV[3..] their markers
+-- Each close decision is written once and never overwritten; returns, flat, the
+-- index (1-based, among the requests) of every one decided before with ANOTHER
+-- marker, and that marker.
+"""
+    + _PRELUDE
+    + """
+local refused = layout_is(KEYS[1], ARGV[1])
+if refused then return refused end
+local ttl = tonumber(ARGV[2])
 local conflicts = {}
-for i = 2, #ARGV, 2 do
-  if redis.call('HSETNX', KEYS[1], ARGV[i], ARGV[i + 1]) == 0 then
-    local current = redis.call('HGET', KEYS[1], ARGV[i])
-    if current ~= ARGV[i + 1] then
-      conflicts[#conflicts + 1] = ARGV[i]
+for i = 2, #KEYS do
+  local marker = ARGV[i + 1]
+  if not set(KEYS[i], marker, ttl, true) then
+    local current = redis.call('GET', KEYS[i])
+    if current ~= marker then
+      conflicts[#conflicts + 1] = i - 1
       conflicts[#conflicts + 1] = current
     end
   end
 end
 return conflicts
 """
+)
 
-#: ARGV entries per request of `FLUSH_SCRIPT` (after ARGV[1], the request count).
-ARGS_PER_REQUEST: Final = 14
+#: ARGV entries per request of `FLUSH_SCRIPT` (after the count, the version and the TTL).
+ARGS_PER_REQUEST: Final = 13
 
 
 @dataclass(frozen=True, slots=True)
 class FinishedRequest:
-    """One finished request as `FLUSH_SCRIPT` takes it: its two keys and its arguments.
+    """One finished request as `FLUSH_SCRIPT` takes it: its shard, its keys and its arguments.
 
-    Built by `streamtally.store.RedisSink.add`, which checks the values
+    Built by `streamtally.store.finished_request`, which checks the values
     (every counter fits a signed 64-bit HINCRBY, the cost parts are exact).
     """
 
-    #: The request's field of ``st:closed`` (`streamtally.store.layout.closed_field`).
-    closed_field: str
-    #: ``st:tokens:{ref}`` and the usage row's key (`streamtally.store.layout`).
+    #: The request's shard (`streamtally.store.layout.shard_of`); its three keys are in it.
+    shard: int
+    #: ``st:{T}:tokens:{ref}``, ``st:{T}:closed:{ref}`` and the shard's part of the row.
     tokens_key: str
+    closed_key: str
     usage_key: str
-    #: The stored Tokens text and the row's member of ``st:usage:rows``.
+    #: The stored Tokens text and the row's member of the shard's rows set.
     tokens_json: str
     row_member: str
     #: The five usage counts, in `USAGE_FIELDS` order.
     usage: tuple[int, int, int, int, int]
     cost_units: int
     cost_pico: int
-    #: The closing marker kept in ``st:closed`` ("offset reason").
+    #: The closing marker ("offset reason").
     closed: str
-    #: Raw-record counts added to ``st:stats``.
+    #: Raw-record counts added to the shard's stats.
     records: int
     duplicates: int
     #: False when the billing event is unpriced: counted in the row's ``unpriced_requests``.
     priced: bool
 
-    def keys(self) -> tuple[str, str]:
-        """KEYS[2i+3], KEYS[2i+4] of request i."""
-        return self.tokens_key, self.usage_key
+    def keys(self) -> tuple[str, str, str]:
+        """KEYS[3i+1], KEYS[3i+2], KEYS[3i+3] of request i."""
+        return self.tokens_key, self.closed_key, self.usage_key
 
     def argv(self) -> tuple[str, ...]:
         """The `ARGS_PER_REQUEST` ARGV entries of this request, in the script's order."""
@@ -234,7 +269,6 @@ class FinishedRequest:
             *(str(count) for count in self.usage),
             str(self.cost_units),
             str(self.cost_pico),
-            self.closed_field,
             self.closed,
             str(self.records),
             str(self.duplicates),
@@ -242,21 +276,63 @@ class FinishedRequest:
         )
 
 
-def flush_call(batch: Sequence[FinishedRequest]) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of one `FLUSH_SCRIPT` call applying `batch`, in order."""
-    keys: list[str] = [ROWS_KEY, CLOSED_KEY, STATS_KEY, LAYOUT_KEY]
-    argv: list[str] = [str(len(batch)), LAYOUT_VERSION]
-    for request in batch:
-        keys += request.keys()
-        argv += request.argv()
-    return keys, argv
+@dataclass(frozen=True, slots=True)
+class ShardCall:
+    """One script call on one shard: its KEYS and ARGV, and which inputs it carries.
+
+    `indexes` are the positions, in the caller's sequence, of the items the
+    call carries, in the order the script sees them.
+    """
+
+    shard: int
+    keys: list[str]
+    argv: list[str]
+    indexes: list[int]
 
 
-def dead_letter_call(positions: Sequence[str]) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of one `DEAD_LETTER_SCRIPT` call counting `positions`."""
-    return [DEAD_SEEN_KEY, STATS_KEY], list(positions)
+def _by_shard(shards: Sequence[int]) -> dict[int, list[int]]:
+    groups: dict[int, list[int]] = {}
+    for index, shard in enumerate(shards):
+        groups.setdefault(shard, []).append(index)
+    return groups
 
 
-def close_once_call(fields: Mapping[str, str]) -> tuple[list[str], list[str]]:
-    """KEYS and ARGV of one `CLOSE_ONCE_SCRIPT` call recording `fields` (field -> marker)."""
-    return [CLOSED_KEY, LAYOUT_KEY], [LAYOUT_VERSION, *(p for kv in fields.items() for p in kv)]
+def _ttl(ttl_s: int) -> str:
+    if ttl_s < 0:
+        raise ValueError(f"the state TTL must be >= 0 seconds (0: never expire), not {ttl_s}")
+    return str(ttl_s)
+
+
+def flush_calls(batch: Sequence[FinishedRequest], ttl_s: int) -> list[ShardCall]:
+    """The `FLUSH_SCRIPT` calls applying `batch`: one per shard, each in batch order."""
+    calls = []
+    ttl = _ttl(ttl_s)
+    for shard, indexes in sorted(_by_shard([r.shard for r in batch]).items()):
+        keys = [guard_key(shard), rows_key(shard), stats_key(shard)]
+        argv = [str(len(indexes)), LAYOUT_VERSION, ttl]
+        for index in indexes:
+            keys += batch[index].keys()
+            argv += batch[index].argv()
+        calls.append(ShardCall(shard, keys, argv, indexes))
+    return calls
+
+
+def close_once_calls(decisions: Sequence[tuple[int, str, str]], ttl_s: int) -> list[ShardCall]:
+    """The `CLOSE_ONCE_SCRIPT` calls recording `decisions` ((shard, closed key, marker) each)."""
+    calls = []
+    ttl = _ttl(ttl_s)
+    for shard, indexes in sorted(_by_shard([d[0] for d in decisions]).items()):
+        keys = [guard_key(shard), *(decisions[i][1] for i in indexes)]
+        argv = [LAYOUT_VERSION, ttl, *(decisions[i][2] for i in indexes)]
+        calls.append(ShardCall(shard, keys, argv, indexes))
+    return calls
+
+
+def dead_letter_calls(marks: Sequence[tuple[int, str]], ttl_s: int) -> list[ShardCall]:
+    """The `DEAD_LETTER_SCRIPT` calls counting `marks` ((shard, dead-letter key) each)."""
+    calls = []
+    ttl = _ttl(ttl_s)
+    for shard, indexes in sorted(_by_shard([m[0] for m in marks]).items()):
+        keys = [guard_key(shard), stats_key(shard), *(marks[i][1] for i in indexes)]
+        calls.append(ShardCall(shard, keys, [LAYOUT_VERSION, ttl], indexes))
+    return calls

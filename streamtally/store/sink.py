@@ -2,8 +2,8 @@
 
 Use it like a quix-streams `BatchingSink`: `add` each finished request (its
 `Tokens` and its priced `BillingEvent`) as it comes, then `flush` the batch
-before committing the consumer offsets.  A flush is one atomic script call
-(`RedisStore.apply_requests`, `streamtally.store.scripts.FLUSH_SCRIPT`),
+before committing the consumer offsets.  A flush is one atomic script call per
+shard (`RedisStore.apply_requests`, `streamtally.store.scripts.FLUSH_SCRIPT`),
 idempotent per request, so a replay after a crash never counts twice.  What
 lands where is `streamtally.store.layout`.
 
@@ -20,9 +20,10 @@ from streamtally.core.models import Tokens
 from streamtally.core.money import cost_parts
 from streamtally.store.layout import (
     UNKNOWN_MODEL,
-    closed_field,
+    closed_key,
     day_of,
     row_member,
+    shard_of,
     tokens_json,
     tokens_key,
     usage_key,
@@ -77,10 +78,12 @@ def finished_request(
         raise ValueError(f"{tokens.request_id}: cost {billing.cost} is too large to count")
     usage = tokens.usage
     ref = RequestRef(billing.tenant, tokens.request_id)
+    shard = shard_of(ref)
     return FinishedRequest(
-        closed_field=closed_field(ref),
+        shard=shard,
         tokens_key=tokens_key(ref),
-        usage_key=usage_key(day, billing.tenant, model),
+        closed_key=closed_key(ref),
+        usage_key=usage_key(shard, day, billing.tenant, model),
         tokens_json=tokens_json(tokens),
         row_member=row_member(day, billing.tenant, model),
         usage=(
@@ -100,7 +103,7 @@ def finished_request(
 
 
 class RedisSink:
-    """Batches finished requests and writes them to Redis in one atomic, idempotent call.
+    """Batches finished requests and writes them to Redis: atomic per shard, idempotent.
 
     Not safe for concurrent use by several tasks (one sink per consumer task).
     """
@@ -124,9 +127,9 @@ class RedisSink:
     ) -> None:
         """Queue one finished request for the next `flush`.
 
-        `closed` is the request's closing marker ("offset reason", kept in
-        ``st:closed``); `records` and `duplicates` are its raw-record counts,
-        added to ``st:stats`` when the request is applied.
+        `closed` is the request's closing marker ("offset reason"); `records`
+        and `duplicates` are its raw-record counts, added to the stats when
+        the request is applied.
 
         Raises ValueError when `billing` is not the billing event of `tokens`
         (another request id, model or usage) or a value cannot be counted.
@@ -136,13 +139,13 @@ class RedisSink:
         )
 
     async def flush(self) -> list[bool]:
-        """Write every queued request in one atomic script call.
+        """Write every queued request: one atomic script call per shard, in one round trip.
 
         Returns one flag per request, in `add` order: True when this flush
         applied it, False when it had been applied before (its Tokens key
         existed).  On an error the batch stays queued, so calling `flush`
-        again retries it: the script's checks fail before anything is written,
-        and a retry of a batch that was (partly) applied, say when the reply
+        again retries it: each shard's checks fail before anything of that shard
+        is written, and a retry of a batch that was (partly) applied, say when the reply
         was lost, reports False for the requests already applied.
         """
         if not self._pending:

@@ -9,6 +9,7 @@ of it; `read_decoded` does the same and decodes each value.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
@@ -17,7 +18,14 @@ from typing import Any, Final, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import KafkaConnectionError, TopicAlreadyExistsError, for_code
+from aiokafka.errors import (
+    KafkaConnectionError,
+    NodeNotReadyError,
+    NotControllerError,
+    RequestTimedOutError,
+    TopicAlreadyExistsError,
+    for_code,
+)
 
 from streamtally.errors import StackError
 from streamtally.topics import Topic, kafka_config
@@ -46,6 +54,12 @@ _MISSING_HINT: Final = (
 )
 
 
+#: How long `ensure_topics` retries while a broker of the cluster is down.
+BROKER_DOWN_WAIT_S: Final = 30.0
+#: What an admin request meets when the node it picked from the metadata is down.
+_NODE_DOWN: Final = (NodeNotReadyError, NotControllerError, RequestTimedOutError)
+
+
 def idempotent_producer(bootstrap_servers: str, *, linger_ms: int = 5) -> AIOKafkaProducer:
     """The producer every streamtally writer uses: idempotent, acks from all in-sync replicas.
 
@@ -72,6 +86,25 @@ async def ensure_topics(
     worker writes ``min.insync.replicas`` 2 once there are three.  Topics that
     exist already are left as they are.
     """
+    deadline = time.monotonic() + BROKER_DOWN_WAIT_S
+    while True:
+        try:
+            return await _ensure_once(bootstrap_servers, wanted, brokers)
+        except _NODE_DOWN as exc:
+            # A broker of several just died: the metadata still names it until the
+            # controller fences it (KRaft's broker session timeout, 9 s by default).
+            if time.monotonic() > deadline:
+                raise StackError(
+                    f"Kafka at {bootstrap_servers} failed: {exc!r} for "
+                    f"{BROKER_DOWN_WAIT_S:g} s: is a broker down?"
+                ) from exc
+            await asyncio.sleep(0.5)
+
+
+async def _ensure_once(
+    bootstrap_servers: str, wanted: tuple[Topic, ...], brokers: int | None
+) -> list[str]:
+    """`ensure_topics`, one attempt with a fresh admin client (fresh metadata)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=15000)
     try:
         await admin.start()

@@ -10,7 +10,7 @@
 
 `redis_url` and `bootstrap_servers` are its addresses (the local stack's and
 a container's Redis URL name database 0).  That database must be empty or of
-Redis layout version 2 (``st:layout``): a worker claims an empty one and
+Redis layout version 3 (``st:layout``): a worker claims an empty one and
 refuses to start on data of an older layout (``streamtally migrate``).  Tests
 that need a database of their own use another number (`own_worker`).
 
@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
+import shutil
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -43,6 +45,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from streamtally.ops.stack import port_in_use, redis_cluster
 from streamtally.ops.stack.config import StackConfig
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from tests.integration.worker import (
@@ -95,6 +98,31 @@ def _integration_stack(request: pytest.FixtureRequest) -> None:
     """Select (and start) the stack before any test marked ``integration``."""
     if request.node.get_closest_marker("integration") is not None:
         request.getfixturevalue("stack_endpoints")
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Redis Cluster of three masters for the session (Debian's redis-server, spare ports).
+
+    The same cluster `streamtally stack up --redis-cluster` runs, in a state dir
+    of its own; stopped at the end of the session.  Its clients need
+    ``REDIS_CLUSTER=1`` (`RedisStore.from_url(url, cluster=True)`).
+    """
+    missing = [tool for tool in ("redis-server", "redis-cli") if shutil.which(tool) is None]
+    if missing:
+        _unavailable(f"a Redis Cluster needs {', '.join(missing)}")
+    state = tmp_path_factory.mktemp("redis-cluster")
+    for _ in range(50):
+        cfg = StackConfig(state, redis_port=random.randrange(32000, 39000, 10), redis_cluster=True)
+        if not any(port_in_use(cfg.host, port) for port in cfg.redis_cluster_ports):
+            break
+    else:
+        pytest.fail("no spare ports for a Redis Cluster")
+    redis_cluster.up(cfg, say=lambda _: None)
+    try:
+        yield cfg.local_redis_url()
+    finally:
+        redis_cluster.down(cfg, say=lambda _: None)
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,7 @@ import asyncio
 import base64
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -32,15 +33,18 @@ from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient
 
 from streamtally.core.identity import RequestRef
+from streamtally.settings import DEFAULT_STATE_TTL_S
 from streamtally.store import (
-    CLOSED_KEY,
-    DEAD_SEEN_KEY,
     LAYOUT_KEY,
-    STATS_KEY,
-    TOKENS_PREFIX,
+    SHARDS,
     RedisStore,
+    closed_key,
+    position_of,
+    shard_of,
     tokens_key,
 )
+from streamtally.store.layout import PREFIX, dead_key, guard_key, stats_key
+from streamtally.store.layout_v2 import TOKENS_PREFIX as V1_TOKENS_PREFIX
 from streamtally.wire.avro import decode_dead_letter
 from streamtally.wire.kafka import read_topic
 from tests.integration.worker import (
@@ -313,6 +317,27 @@ def _snapshot(url: str) -> dict[str, Any]:
         client.close()
 
 
+def _ttls(url: str, keys: list[str]) -> list[int]:
+    """The TTL of each key (-1: none, -2: absent)."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=5)
+    try:
+        return [client.ttl(key) for key in keys]
+    finally:
+        client.close()
+
+
+def _kind(key: str) -> str:
+    """Which layout-3 key `key` is: "closed", "stats", "dead", or "other"."""
+    tail = key.split("}:", 1)[1] if key.startswith(PREFIX + "{") else ""
+    if tail.startswith("closed:"):
+        return "closed"
+    if tail == "stats":
+        return "stats"
+    if tail.startswith("dead:"):
+        return "dead"
+    return "other"
+
+
 def _read_state(run: Run) -> tuple[bytes, dict[RequestRef, bytes]]:
     """`streamtally usage --json` and `tokens get` of every request: what a user sees."""
     usage = cli("usage", "--json", "--redis-url", run.redis_url)
@@ -352,8 +377,23 @@ def test_rebuild_restores_usage_and_tokens_and_is_idempotent(run: Run) -> None:
     code, out, err = run.streamtally("tokens", "get", first_ref.request_id)
     assert (code, out) == (0, tokens[first_ref]), err
     before = _snapshot(run.redis_url)
-    assert before[LAYOUT_KEY] == "2"
+    assert before[LAYOUT_KEY] == "3"
+    assert all(before[guard_key(shard)] == "3" for shard in range(SHARDS))
     assert {tokens_key(ref) for ref in run.refs} <= before.keys()
+    # the worker's close markers and dead-letter marks, each at its own key
+    closed = {key for key in before if _kind(key) == "closed"}
+    assert closed == {closed_key(ref) for ref in run.refs}
+    assert all(re.fullmatch(r"\d+ [a-z_]+", before[key]) for key in closed), closed
+    raw_sse = run.topic("raw.sse")
+    dead = {dead_key(position_of(raw_sse, g.partition, g.offset)) for g in run.garbage}
+    assert {key for key in before if _kind(key) == "dead"} == dead
+    assert all(before[key] == "1" for key in dead)
+    # the worker's state TTL (the default, 8 days) on Tokens, markers and marks; none on rows
+    stateful = sorted({tokens_key(ref) for ref in run.refs} | closed | dead)
+    assert all(0 < ttl <= DEFAULT_STATE_TTL_S for ttl in _ttls(run.redis_url, stateful))
+    rows = sorted(key for key in before if ":usage:" in key)
+    assert rows
+    assert set(_ttls(run.redis_url, rows)) == {-1}
 
     # Redis holds Tokens: refused without --yes, and nothing written
     code, out, err = run.streamtally("rebuild")
@@ -366,7 +406,7 @@ def test_rebuild_restores_usage_and_tokens_and_is_idempotent(run: Run) -> None:
     _flush(run.redis_url)
     client = redis.Redis.from_url(run.redis_url, socket_connect_timeout=5)
     try:
-        client.set(TOKENS_PREFIX + first_ref.request_id, tokens[first_ref].strip())
+        client.set(V1_TOKENS_PREFIX + first_ref.request_id, tokens[first_ref].strip())
     finally:
         client.close()
     v1 = _snapshot(run.redis_url)
@@ -389,17 +429,22 @@ def test_rebuild_restores_usage_and_tokens_and_is_idempotent(run: Run) -> None:
     assert _read_state(run) == (usage, tokens)
 
     rebuilt = _snapshot(run.redis_url)
-    lost = {DEAD_SEEN_KEY}  # raw-record state, not restorable
-    assert {k: v for k, v in rebuilt.items() if k not in (CLOSED_KEY, STATS_KEY)} == {
-        k: v for k, v in before.items() if k not in (CLOSED_KEY, STATS_KEY, *lost)
+    # the dead-letter marks are raw-record state, not restorable: gone
+    assert {k: v for k, v in rebuilt.items() if _kind(k) == "other"} == {
+        k: v for k, v in before.items() if _kind(k) == "other"
     }
-    assert rebuilt[CLOSED_KEY] == dict.fromkeys(before[CLOSED_KEY], "0 end")
-    assert set(rebuilt[CLOSED_KEY]) == {ref.text for ref in run.refs}
-    assert rebuilt[STATS_KEY] == {
-        "requests": str(len(run.refs)),
-        "records": "0",
-        "duplicates": "0",
+    assert [k for k in rebuilt if _kind(k) == "dead"] == []
+    assert {k: v for k, v in rebuilt.items() if _kind(k) == "closed"} == dict.fromkeys(
+        closed, "0 end"
+    )
+    # each shard counts the requests it holds; the raw-record counts are not restorable
+    per_shard = [sum(shard_of(ref) == shard for ref in run.refs) for shard in range(SHARDS)]
+    assert {k: v for k, v in rebuilt.items() if _kind(k) == "stats"} == {
+        stats_key(shard): {"requests": str(n), "records": "0", "duplicates": "0"}
+        for shard, n in enumerate(per_shard)
+        if n
     }
+    assert sum(per_shard) == len(run.refs)
 
     second = _rebuild(run, "--yes")
     assert (second["applied"], second["already_present"]) == (0, len(run.refs))

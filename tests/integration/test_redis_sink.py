@@ -2,10 +2,13 @@
 
 Every test on the shared database writes only keys of its own (a unique
 request id prefix and tenants) and deletes them afterwards, so it can run
-against the shared stack; that database must hold layout version 2 (the
+against the shared stack; that database must hold layout version 3 (the
 `store` fixture claims it when it is empty, and fails with `LayoutError` on
-older data: ``streamtally migrate``).  The tests of the layout itself and of
-the global counts use a database of their own (`STORE_DB`), flushed around them.
+older data: ``streamtally migrate``).  A usage row is kept as one part per
+shard (``st:{T}:usage:...``), summed when read: the tests check both the
+parts the scripts write and the rows `RedisStore.usage_rows` reads.  The
+tests of the layout itself, of the TTLs and of the global counts use a
+database of their own (`STORE_DB`), flushed around them.
 """
 
 from __future__ import annotations
@@ -30,23 +33,31 @@ from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.ops.rebuild import TokensRecord, apply, join
 from streamtally.store import (
-    CLOSED_KEY,
     LAYOUT_KEY,
     LAYOUT_VERSION,
     MIGRATING,
-    ROWS_KEY,
-    STATS_KEY,
-    TOKENS_PREFIX,
+    SHARDS,
     UNPRICED_FIELD,
     LayoutError,
     RedisSink,
     RedisStore,
-    closed_field,
+    closed_key,
+    layout_v2,
     row_member,
+    shard_of,
     tokens_json,
     tokens_key,
     tokens_pattern,
     usage_key,
+)
+from streamtally.store.layout import (
+    PREFIX,
+    SHARD_TAGS,
+    dead_key,
+    guard_key,
+    rows_key,
+    shard_of_position,
+    stats_key,
 )
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
@@ -64,6 +75,7 @@ PRICES = PriceTable.from_dict(
 )
 WHEN = datetime(2026, 11, 21, 23, 59, 59, tzinfo=UTC)
 DAY = "2026-11-21"
+MODEL = "gpt-4o-2024-08-06"
 
 
 class Scope:
@@ -81,16 +93,31 @@ class Scope:
         self.tenants.add(tenant)
         return tenant
 
+    def ids_in_shard(self, tenant: str, shard: int, count: int = 1) -> list[str]:
+        """`count` request ids of `tenant` whose requests live in `shard`.
+
+        Requests of different shards add to different parts of their row; these
+        add to the same hash, so the script's own sums and carries can be checked.
+        """
+        ids = []
+        for n in range(count * SHARDS * 64):
+            rid = self.rid(f"in{shard}-{n}")
+            if shard_of(RequestRef(tenant, rid)) == shard:
+                ids.append(rid)
+                if len(ids) == count:
+                    return ids
+        raise AssertionError(f"not {count} ids of shard {shard}")  # pragma: no cover
+
     async def cleanup(self, client: aioredis.Redis) -> None:
         """Delete the Tokens keys, close markers and usage rows of this scope's tenants."""
         for tenant in self.tenants:
             pattern = tokens_pattern(tenant, f"it-{self.tag}-")
-            async for key in client.scan_iter(match=pattern):
-                await client.delete(key)
-            # the same glob, over the fields of st:closed ({ref}, as in the Tokens key)
-            fields = pattern.removeprefix(TOKENS_PREFIX)
-            async for field, _ in client.hscan_iter(CLOSED_KEY, match=fields):
-                await client.hdel(CLOSED_KEY, field)
+            # the same glob over the close markers: st:{T}:closed:{ref}, as in the Tokens key
+            closed = pattern.replace("}:tokens:", "}:closed:", 1)
+            assert closed != pattern
+            for match in (pattern, closed):
+                async for key in client.scan_iter(match=match, count=1000):
+                    await client.delete(key)
         await RedisStore(client).delete_usage(self.tenants)
 
 
@@ -103,7 +130,7 @@ async def scope(redis_client: aioredis.Redis) -> AsyncIterator[Scope]:
 
 @pytest.fixture
 async def store(redis_client: aioredis.Redis) -> RedisStore:
-    """A store on the test's client (which the `redis_client` fixture closes), layout 2."""
+    """A store on the test's client (which the `redis_client` fixture closes), layout 3."""
     store = RedisStore(redis_client)
     await store.ensure_layout()
     return store
@@ -141,6 +168,35 @@ def _str(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+async def parts_of(
+    client: aioredis.Redis, day: str, tenant: str, model: str
+) -> dict[int, dict[str, str]]:
+    """The parts of one usage row, by shard: every shard's hash that exists."""
+    parts = {}
+    for shard in range(SHARDS):
+        fields = await hash_of(client, usage_key(shard, day, tenant, model))
+        if fields:
+            parts[shard] = fields
+    return parts
+
+
+async def row_total(client: aioredis.Redis, day: str, tenant: str, model: str) -> dict[str, int]:
+    """The sum of a row's parts over the shards, field by field (cost_pico carried)."""
+    total: dict[str, int] = {}
+    for fields in (await parts_of(client, day, tenant, model)).values():
+        for name, value in fields.items():
+            total[name] = total.get(name, 0) + int(value)
+    if "cost_pico" in total:
+        carry, total["cost_pico"] = divmod(total["cost_pico"], 10**12)
+        total["cost_units"] += carry
+    return total
+
+
+async def indexed_in(client: aioredis.Redis, member: str) -> set[int]:
+    """The shards whose rows set holds `member`."""
+    return {s for s in range(SHARDS) if await client.sismember(rows_key(s), member)}
+
+
 # --------------------------------------------------------------------------- apply / replay
 
 
@@ -158,25 +214,36 @@ async def test_apply_writes_tokens_row_and_index(
     stored = await redis_client.get(tokens_key(ref))
     expected = json.dumps(tokens.to_json_dict(), ensure_ascii=False, separators=(",", ":"))
     assert stored == expected.encode("utf-8")
-    assert tokens_key(ref) == f"{TOKENS_PREFIX}{tenant}:{tokens.request_id}"
+    shard = shard_of(ref)
+    assert tokens_key(ref).startswith(f"{PREFIX}{{{SHARD_TAGS[shard]}}}:")  # its shard's tag
     assert await store.tokens_text(ref) == expected
     assert await store.tokens(ref) == tokens.to_json_dict()
     # keyed by (tenant, request id): the same id of another tenant is not this request
     assert await store.tokens(RequestRef(scope.tenant("other"), tokens.request_id)) is None
-    assert await redis_client.hget(CLOSED_KEY, f"{tenant}:{tokens.request_id}") == b"0 end"
+    assert closed_key(ref).startswith(f"{PREFIX}{{{SHARD_TAGS[shard]}}}:")
+    assert await redis_client.get(closed_key(ref)) == b"0 end"
+    # the store keeps them for ever unless it is given a state TTL (this one is not)
+    assert await redis_client.ttl(tokens_key(ref)) == -1
+    assert await redis_client.ttl(closed_key(ref)) == -1
 
-    # (600 * 2.50 + 400 * 1.25 + 200 * 10) / 1e6 = 0.004
-    assert await hash_of(redis_client, usage_key(DAY, tenant, "gpt-4o-2024-08-06")) == {
-        "requests": "1",
-        "input_tokens": "1000",
-        "output_tokens": "200",
-        "reasoning_tokens": "0",
-        "cached_tokens": "400",
-        "cache_write_tokens": "0",
-        "cost_units": "0",
-        "cost_pico": "4000000000",
+    # (600 * 2.50 + 400 * 1.25 + 200 * 10) / 1e6 = 0.004: the whole row is the part of
+    # the request's shard, and only that shard's rows set names it
+    assert await parts_of(redis_client, DAY, tenant, "gpt-4o-2024-08-06") == {
+        shard: {
+            "requests": "1",
+            "input_tokens": "1000",
+            "output_tokens": "200",
+            "reasoning_tokens": "0",
+            "cached_tokens": "400",
+            "cache_write_tokens": "0",
+            "cost_units": "0",
+            "cost_pico": "4000000000",
+        }
     }
-    assert await redis_client.sismember(ROWS_KEY, row_member(DAY, tenant, "gpt-4o-2024-08-06"))
+    assert await redis_client.exists(usage_key(shard, DAY, tenant, "gpt-4o-2024-08-06"))
+    assert await indexed_in(redis_client, row_member(DAY, tenant, "gpt-4o-2024-08-06")) == {shard}
+    [row] = await store.usage_rows(tenant=tenant)
+    assert (row["requests"], row["input_tokens"], row["cost"]) == (1, 1000, "0.004000000000")
 
 
 async def test_reapplying_is_a_no_op(
@@ -184,18 +251,20 @@ async def test_reapplying_is_a_no_op(
 ) -> None:
     tenant = scope.tenant()
     tokens = make_tokens(scope.rid(1))
-    row = usage_key(DAY, tenant, "gpt-4o-2024-08-06")
     sink = RedisSink(store)
     sink.add(tokens, billed(tokens, tenant))
     assert await sink.flush() == [True]
-    before = await hash_of(redis_client, row)
+    before = await parts_of(redis_client, DAY, tenant, "gpt-4o-2024-08-06")
+    assert [part["requests"] for part in before.values()] == ["1"]
+    rows_before = await store.usage_rows(tenant=tenant)
 
     replay = RedisSink(RedisStore(redis_client))  # a new process after a crash
     changed = make_tokens(scope.rid(1), usage=Usage(input_tokens=5))  # even if it differs
     replay.add(changed, billed(changed, tenant))
     replay.add(tokens, billed(tokens, tenant))
     assert await replay.flush() == [False, False]
-    assert await hash_of(redis_client, row) == before
+    assert await parts_of(redis_client, DAY, tenant, "gpt-4o-2024-08-06") == before
+    assert await store.usage_rows(tenant=tenant) == rows_before
     assert await store.tokens(RequestRef(tenant, tokens.request_id)) == tokens.to_json_dict()
 
 
@@ -212,24 +281,55 @@ async def test_duplicate_within_one_batch_counts_once(
     assert [r["requests"] for r in rows] == [2]
 
 
-async def test_a_bad_key_fails_the_whole_batch_before_any_write(
+async def test_a_bad_key_fails_its_shards_whole_batch_before_any_write(
     redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     good, bad = scope.tenant("good"), scope.tenant("bad")
-    await redis_client.set(usage_key(DAY, bad, "gpt-4o-2024-08-06"), "not a hash")
-    await redis_client.sadd(ROWS_KEY, row_member(DAY, bad, "gpt-4o-2024-08-06"))  # for cleanup
-    first, second = make_tokens(scope.rid(1)), make_tokens(scope.rid(2))
+    second = make_tokens(scope.rid(2))
+    shard = shard_of(RequestRef(bad, second.request_id))
+    await redis_client.set(usage_key(shard, DAY, bad, MODEL), "not a hash")
+    await redis_client.sadd(rows_key(shard), row_member(DAY, bad, MODEL))  # for cleanup
+    # a request of another tenant in the same shard: one script call, checked before any write
+    first = make_tokens(scope.ids_in_shard(good, shard)[0])
     sink = RedisSink(store)
     sink.add(first, billed(first, good))
     sink.add(second, billed(second, bad))
     with pytest.raises(ResponseError, match="not a hash"):
         await sink.flush()
-    assert not await redis_client.exists(tokens_key(RequestRef(good, first.request_id)))
-    assert not await redis_client.hexists(
-        CLOSED_KEY, closed_field(RequestRef(good, first.request_id))
-    )
-    assert not await redis_client.exists(usage_key(DAY, good, "gpt-4o-2024-08-06"))
+    for ref in (RequestRef(good, first.request_id), RequestRef(bad, second.request_id)):
+        assert not await redis_client.exists(tokens_key(ref))
+        assert not await redis_client.exists(closed_key(ref))
+    assert await parts_of(redis_client, DAY, good, MODEL) == {}
+    assert await indexed_in(redis_client, row_member(DAY, good, MODEL)) == set()
+    assert await store.usage_rows(tenant=good) == []
     assert len(sink) == 2  # still queued for a retry
+
+
+async def test_a_bad_key_of_one_shard_leaves_the_other_shards_calls_applied(
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
+) -> None:
+    """Each shard is one atomic call: another shard's requests go through, and a retry
+    once the bad key is gone reports them as applied before."""
+    good, bad = scope.tenant("good"), scope.tenant("bad")
+    second = make_tokens(scope.rid(2))
+    shard = shard_of(RequestRef(bad, second.request_id))
+    await redis_client.set(usage_key(shard, DAY, bad, MODEL), "not a hash")
+    await redis_client.sadd(rows_key(shard), row_member(DAY, bad, MODEL))  # for cleanup
+    elsewhere = make_tokens(scope.ids_in_shard(good, (shard + 1) % SHARDS)[0])
+    sink = RedisSink(store)
+    sink.add(elsewhere, billed(elsewhere, good))
+    sink.add(second, billed(second, bad))
+    with pytest.raises(ResponseError, match="not a hash"):
+        await sink.flush()
+    assert await store.has_tokens(RequestRef(good, elsewhere.request_id))
+    assert not await store.has_tokens(RequestRef(bad, second.request_id))
+    assert not await redis_client.exists(closed_key(RequestRef(bad, second.request_id)))
+    assert len(sink) == 2
+
+    await redis_client.delete(usage_key(shard, DAY, bad, MODEL))
+    assert await sink.flush() == [False, True]
+    assert [r["requests"] for r in await store.usage_rows(tenant=good)] == [1]
+    assert [r["requests"] for r in await store.usage_rows(tenant=bad)] == [1]
 
 
 # --------------------------------------------------------------------------- exact cost
@@ -239,11 +339,13 @@ async def test_cost_carries_exactly_across_the_pico_boundary(
     redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
-    row = usage_key(DAY, tenant, "gpt-4o-2024-08-06")
     sink = RedisSink(store)
     costs = ["0.999999999999", "0.000000000001", "0.600000000001", "123456789012.400000000000"]
+    # all in one shard: the script itself adds them to one part of the row, and carries
+    ids = scope.ids_in_shard(tenant, 5, len(costs))
+    row = usage_key(5, DAY, tenant, MODEL)
     for n, cost in enumerate(costs):
-        tokens = make_tokens(scope.rid(n))
+        tokens = make_tokens(ids[n])
         sink.add(tokens, billed(tokens, tenant, cost))
         assert await sink.flush() == [True]
         if n == 1:  # 0.999999999999 + 0.000000000001 == 1 exactly: carried into the units
@@ -252,9 +354,43 @@ async def test_cost_carries_exactly_across_the_pico_boundary(
     fields = await hash_of(redis_client, row)
     # 1 + 0.600000000001 + 123456789012.4 = 123456789014.000000000001
     assert (fields["cost_units"], fields["cost_pico"]) == ("123456789014", "1")
+    assert list(await parts_of(redis_client, DAY, tenant, MODEL)) == [5]
     [usage] = await store.usage_rows(tenant=tenant)
     assert usage["cost"] == "123456789014.000000000001"
     assert Decimal(usage["cost"]) == sum((Decimal(c) for c in costs), Decimal(0))
+
+
+async def test_the_parts_of_a_row_are_summed_exactly_when_read(
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
+) -> None:
+    """Two shards' parts, neither carrying alone: the read carries their picos into a unit."""
+    tenant = scope.tenant()
+    costs = ["0.999999999999", "0.000000000002", "2.5"]
+    ids = [*scope.ids_in_shard(tenant, 3), *scope.ids_in_shard(tenant, 9, 2)]
+    sink = RedisSink(store)
+    for rid, cost in zip(ids, costs, strict=True):
+        tokens = make_tokens(rid)
+        sink.add(tokens, billed(tokens, tenant, cost))
+    assert await sink.flush() == [True, True, True]
+    parts = await parts_of(redis_client, DAY, tenant, MODEL)
+    assert {s: (p["requests"], p["cost_units"], p["cost_pico"]) for s, p in parts.items()} == {
+        3: ("1", "0", "999999999999"),
+        9: ("2", "2", "500000000002"),
+    }
+    assert await indexed_in(redis_client, row_member(DAY, tenant, MODEL)) == {3, 9}
+    [usage] = await store.usage_rows(tenant=tenant)
+    assert (usage["requests"], usage["input_tokens"]) == (3, 3000)
+    assert usage["cost"] == "3.500000000001"
+    assert await row_total(redis_client, DAY, tenant, MODEL) == {
+        "requests": 3,
+        "input_tokens": 3000,
+        "output_tokens": 600,
+        "reasoning_tokens": 0,
+        "cached_tokens": 1200,
+        "cache_write_tokens": 0,
+        "cost_units": 3,
+        "cost_pico": 500000000001,
+    }
 
 
 async def test_many_large_picos_never_leave_the_range(
@@ -262,12 +398,16 @@ async def test_many_large_picos_never_leave_the_range(
 ) -> None:
     tenant = scope.tenant()
     sink = RedisSink(store)
-    for n in range(25):
-        tokens = make_tokens(scope.rid(n))
+    ids = scope.ids_in_shard(tenant, 12, 25)  # one part, 25 carries in one script call
+    for rid in ids:
+        tokens = make_tokens(rid)
         sink.add(tokens, billed(tokens, tenant, "7.999999999999"))
     assert all(await sink.flush())
-    fields = await hash_of(redis_client, usage_key(DAY, tenant, "gpt-4o-2024-08-06"))
+    shard = shard_of(RequestRef(tenant, ids[0]))
+    fields = await hash_of(redis_client, usage_key(shard, DAY, tenant, MODEL))
     assert (fields["cost_units"], fields["cost_pico"]) == ("199", "999999999975")
+    [usage] = await store.usage_rows(tenant=tenant)
+    assert (usage["requests"], usage["cost"]) == (25, "199.999999999975")
 
 
 # --------------------------------------------------------------------------- unpriced requests
@@ -287,18 +427,19 @@ async def test_unpriced_requests_are_counted_in_their_row_once(
         sink.add(tokens, event)
     assert await sink.flush() == [True, True, True]
     # a priced request writes no unpriced_requests field; an unpriced one adds 1
-    assert UNPRICED_FIELD not in await hash_of(
-        redis_client, usage_key(DAY, tenant, "gpt-4o-2024-08-06")
-    )
-    row = usage_key(DAY, tenant, "mystery-1")
-    fields = await hash_of(redis_client, row)
-    assert (fields["requests"], fields[UNPRICED_FIELD]) == ("2", "2")
-    assert (fields["cost_units"], fields["cost_pico"]) == ("0", "0")
+    priced_parts = await parts_of(redis_client, DAY, tenant, MODEL)
+    assert len(priced_parts) == 1
+    assert all(UNPRICED_FIELD not in part for part in priced_parts.values())
+    parts = await parts_of(redis_client, DAY, tenant, "mystery-1")
+    assert all(part[UNPRICED_FIELD] == part["requests"] for part in parts.values())
+    total = await row_total(redis_client, DAY, tenant, "mystery-1")
+    assert (total["requests"], total[UNPRICED_FIELD]) == (2, 2)
+    assert (total["cost_units"], total["cost_pico"]) == (0, 0)
 
     replay = RedisSink(store)
     replay.add(unknown[0], billed(unknown[0], tenant))
     assert await replay.flush() == [False]
-    assert await hash_of(redis_client, row) == fields  # counted once
+    assert await parts_of(redis_client, DAY, tenant, "mystery-1") == parts  # counted once
     rows = {r["model"]: r for r in await store.usage_rows(tenant=tenant)}
     assert rows["mystery-1"]["unpriced_requests"] == 2
     assert rows["gpt-4o-2024-08-06"]["unpriced_requests"] == 0
@@ -308,7 +449,9 @@ async def test_a_row_written_before_the_field_reads_0_and_counts_on(
     redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
-    row = usage_key(DAY, tenant, "mystery-1")
+    tokens = make_tokens(scope.rid(1), model="mystery-1")
+    # the part of the shard the new request adds to
+    row = usage_key(shard_of(RequestRef(tenant, tokens.request_id)), DAY, tenant, "mystery-1")
     old: dict[Any, str] = {  # what the previous flush script wrote: no unpriced_requests
         "requests": "3",
         "input_tokens": "30",
@@ -320,16 +463,22 @@ async def test_a_row_written_before_the_field_reads_0_and_counts_on(
         "cost_pico": "0",
     }
     await redis_client.hset(row, mapping=old)
-    await redis_client.sadd(ROWS_KEY, row_member(DAY, tenant, "mystery-1"))
+    shard = shard_of(RequestRef(tenant, tokens.request_id))
+    await redis_client.sadd(rows_key(shard), row_member(DAY, tenant, "mystery-1"))
     [before] = await store.usage_rows(tenant=tenant)
     assert (before["requests"], before["unpriced_requests"]) == (3, 0)
 
-    tokens = make_tokens(scope.rid(1), model="mystery-1")
     sink = RedisSink(store)
     sink.add(tokens, billed(tokens, tenant))
     assert await sink.flush() == [True]
     [after] = await store.usage_rows(tenant=tenant)
     assert (after["requests"], after["unpriced_requests"], after["input_tokens"]) == (4, 1, 1030)
+    fields = await hash_of(redis_client, row)  # counted on in the same hash
+    assert [fields[name] for name in ("requests", UNPRICED_FIELD, "input_tokens")] == [
+        "4",
+        "1",
+        "1030",
+    ]
 
 
 async def test_the_rebuild_restores_unpriced_requests_from_the_billing_events(
@@ -406,8 +555,14 @@ async def test_usage_rows_sum_requests_and_filter(
         },
     ]
     # the ":" in the tenant is escaped in the key, so it cannot collide with another row
-    assert await redis_client.exists(usage_key(DAY, acme, "gpt-4o-2024-08-06"))
-    assert usage_key(DAY, acme, "m") != usage_key(DAY, acme.split(":")[0], "eu-x:m")
+    gpt_shards = {shard_of(RequestRef(acme, t.request_id)) for t in (a, b)}
+    assert set(await parts_of(redis_client, DAY, acme, MODEL)) == gpt_shards
+    for shard in gpt_shards:
+        assert await redis_client.exists(usage_key(shard, DAY, acme, MODEL))
+        assert f":usage:{DAY}:acme%3Aeu-{scope.tag}:{MODEL}" in usage_key(shard, DAY, acme, MODEL)
+    for shard in range(SHARDS):
+        head, tail = acme.split(":")
+        assert usage_key(shard, DAY, acme, "m") != usage_key(shard, DAY, head, f"{tail}:m")
     assert [r["tenant"] for r in await store.usage_rows(tenant=other)] == [other]
     assert await store.usage_rows(tenant=acme, day="2026-11-22") == []
     assert len(await store.usage_rows(tenant=acme, day=DAY)) == 2
@@ -452,7 +607,9 @@ async def own_store(own_client: aioredis.Redis) -> RedisStore:
 A, B, C = RequestRef("acme", "a"), RequestRef("acme", "b"), RequestRef("acme", "c")
 
 
-async def test_store_writes_and_reads_markers_tokens_and_counts(own_store: RedisStore) -> None:
+async def test_store_writes_and_reads_markers_tokens_and_counts(
+    own_client: aioredis.Redis, own_store: RedisStore
+) -> None:
     store = own_store
     assert await store.stats() == {"records": 0, "duplicates": 0, "dead_lettered": 0, "requests": 0}
     assert (await store.tokens_count(), await store.closed_count()) == (0, 0)
@@ -483,6 +640,10 @@ async def test_store_writes_and_reads_markers_tokens_and_counts(own_store: Redis
     first, second = store.position_of("ns.raw.sse", 0, 5), store.position_of("ns.raw.sse", 1, 9)
     assert first == "ns.raw.sse:0:5"
     assert await store.count_dead_letters([first, second, first]) == 2
+    for position in (first, second):  # one mark each, in its own shard
+        assert await own_client.get(dead_key(position)) == b"1"
+        tag = SHARD_TAGS[shard_of_position(position)]
+        assert dead_key(position).startswith(f"{PREFIX}{{{tag}}}:")
     assert await store.count_dead_letters([second]) == 0  # counted once, however often
     assert await store.count_dead_letters([]) == 0
     assert await store.dead_letter_count() == 2
@@ -514,6 +675,41 @@ async def test_store_reads_through_a_decoding_client(redis_url: str, own_store: 
         assert await decoding.delete_usage(["acme"]) == 1
     finally:
         await decoding.aclose()
+
+
+async def test_the_state_ttl_applies_to_tokens_markers_and_dead_letters_not_to_rows(
+    own_client: aioredis.Redis,
+) -> None:
+    """The worker's store (a state TTL) lets Tokens, close markers and dead-letter marks
+    expire; usage row parts, rows sets, stats and the layout keys never expire."""
+    store = RedisStore(own_client, state_ttl_s=60)
+    assert store.state_ttl_s == 60
+    await store.ensure_layout()
+    early = RequestRef("acme", "early")
+    assert await store.mark_closing({early: "3 timeout"}) == {}  # decided, not yet applied
+    a = make_tokens("a")
+    sink = RedisSink(store)
+    sink.add(a, billed(a, "acme"), closed="5 end", records=2)
+    assert await sink.flush() == [True]
+    position = store.position_of("ns.raw.sse", 0, 7)
+    assert await store.count_dead_letters([position]) == 1
+
+    shard = shard_of(A)
+    assert await own_client.get(dead_key(position)) == b"1"
+    for key in (tokens_key(A), closed_key(A), closed_key(early), dead_key(position)):
+        assert 0 < await own_client.ttl(key) <= 60, key
+    for key in (
+        usage_key(shard, DAY, "acme", MODEL),
+        rows_key(shard),
+        stats_key(shard),
+        stats_key(shard_of_position(position)),
+        guard_key(shard),
+        LAYOUT_KEY,
+    ):
+        assert await own_client.exists(key), key
+        assert await own_client.ttl(key) == -1, key
+    [row] = await store.usage_rows()
+    assert (row["tenant"], row["requests"]) == ("acme", 1)
 
 
 # --------------------------------------------------------------------------- CLI
@@ -705,10 +901,16 @@ async def test_ensure_layout_claims_an_empty_database_once(own_client: aioredis.
     assert await store.layout_version() is None
     assert not await store.holds_data()
     await store.ensure_layout()
-    assert await own_client.get(LAYOUT_KEY) == LAYOUT_VERSION.encode() == b"2"
-    assert await _keys(own_client) == {LAYOUT_KEY: "string"}  # nothing else is written
+    assert await own_client.get(LAYOUT_KEY) == LAYOUT_VERSION.encode() == b"3"
+    # the global version and each shard's guard, nothing else
+    guards = {guard_key(shard) for shard in range(SHARDS)}
+    assert len(guards) == SHARDS
+    assert await _keys(own_client) == dict.fromkeys({LAYOUT_KEY, *guards}, "string")
+    for shard in range(SHARDS):
+        assert await own_client.get(guard_key(shard)) == b"3"
+    assert not await store.holds_data()  # the layout keys are not data
     await store.ensure_layout()  # idempotent
-    assert await store.layout_version() == "2"
+    assert await store.layout_version() == "3"
 
     # writes go through now; claiming again over layout-2 data changes nothing
     sink = RedisSink(store)
@@ -718,15 +920,17 @@ async def test_ensure_layout_claims_an_empty_database_once(own_client: aioredis.
     before = await _keys(own_client)
     await store.ensure_layout()
     assert await _keys(own_client) == before
-    assert await RedisStore(own_client).layout_version() == "2"
+    assert await RedisStore(own_client).layout_version() == "3"
 
 
-#: Data a streamtally before layout 2 left (no ``st:layout``), one kind per case.
+#: Data a streamtally before layout 2 left (no ``st:layout``; layout 2 spells these keys
+#: the same), one kind per case.
 V1_DATA = {
-    "stats": (STATS_KEY, "hash"),
-    "closed": (CLOSED_KEY, "hash"),
-    "rows": (ROWS_KEY, "set"),
-    "tokens-by-id": (f"{TOKENS_PREFIX}chatcmpl-1", "string"),
+    "stats": (layout_v2.STATS_KEY, "hash"),
+    "closed": (layout_v2.CLOSED_KEY, "hash"),
+    "rows": (layout_v2.ROWS_KEY, "set"),
+    "dead-seen": (layout_v2.DEAD_SEEN_KEY, "set"),
+    "tokens-by-id": (f"{layout_v2.TOKENS_PREFIX}chatcmpl-1", "string"),
 }
 
 
@@ -734,7 +938,7 @@ async def _write_v1(client: aioredis.Redis, key: str, kind: str) -> None:
     if kind == "hash":
         await client.hset(key, "records", "3")
     elif kind == "set":
-        await client.sadd(key, row_member(DAY, "acme", "gpt-4o"))
+        await client.sadd(key, row_member(DAY, "acme", "gpt-4o") if "usage" in key else "t:0:1")
     else:
         await client.set(key, tokens_json(make_tokens("chatcmpl-1")))
 
@@ -756,8 +960,13 @@ async def test_ensure_layout_refuses_data_of_layout_1(
 
 @pytest.mark.parametrize(
     ("version", "says"),
-    [(MIGRATING, "migrate` of this Redis is in progress"), ("3", "layout version '3'")],
-    ids=["migrating", "newer"],
+    [
+        (MIGRATING, "migrate` of this Redis is in progress"),
+        (layout_v2.MIGRATING_FROM_1, "migrate` of this Redis is in progress"),
+        ("2", r"layout version 2; run `streamtally migrate`"),
+        ("4", "layout version '4'"),
+    ],
+    ids=["migrating", "migrating-from-1", "layout-2", "newer"],
 )
 async def test_ensure_layout_refuses_another_layout_version(
     own_client: aioredis.Redis, version: str, says: str
@@ -767,40 +976,54 @@ async def test_ensure_layout_refuses_another_layout_version(
     with pytest.raises(LayoutError, match=says):
         await store.ensure_layout()
     assert await store.layout_version() == version
-    assert await _keys(own_client) == {LAYOUT_KEY: "string"}
+    assert await _keys(own_client) == {LAYOUT_KEY: "string"}  # no shard claimed
 
 
-#: What ``st:layout`` holds (None: absent), and v1 data alongside it or not.
-NOT_LAYOUT_2 = {
-    "absent-empty": (None, False),
-    "absent-v1-data": (None, True),
-    "migrating": (MIGRATING, False),
-    "migrating-v1-data": (MIGRATING, True),
+#: What ``st:layout`` holds (None: absent), what every shard's guard holds (None: absent),
+#: and older data alongside or not.
+NOT_LAYOUT_3 = {
+    "absent-empty": (None, None, False),
+    "absent-v1-data": (None, None, True),
+    "layout-2": ("2", None, True),
+    "migrating": (MIGRATING, None, False),
+    "migrating-v2-data": (MIGRATING, None, True),
+    # the global key alone does not let a script write: each checks its shard's guard
+    "3-unclaimed-shards": (LAYOUT_VERSION, None, False),
+    "guards-of-2": (LAYOUT_VERSION, "2", False),
 }
 
 
-@pytest.mark.parametrize("case", list(NOT_LAYOUT_2))
-async def test_the_write_scripts_refuse_a_database_not_of_layout_2(
+@pytest.mark.parametrize("case", list(NOT_LAYOUT_3))
+async def test_the_write_scripts_refuse_a_database_not_of_layout_3(
     own_client: aioredis.Redis, case: str
 ) -> None:
-    """The flush and close-once scripts write nothing unless ``st:layout`` is "2"."""
-    version, v1_data = NOT_LAYOUT_2[case]
+    """The flush, close-once and dead-letter scripts write nothing unless their shard's
+    ``st:{T}:layout`` is "3"."""
+    version, guard, old_data = NOT_LAYOUT_3[case]
     if version is not None:
         await own_client.set(LAYOUT_KEY, version)
-    if v1_data:
-        await _write_v1(own_client, STATS_KEY, "hash")
+    if guard is not None:
+        for shard in range(SHARDS):
+            await own_client.set(guard_key(shard), guard)
+    if old_data:
+        await _write_v1(own_client, layout_v2.STATS_KEY, "hash")
     before = {key: await own_client.dump(key) for key in await _keys(own_client)}
     store = RedisStore(own_client)  # never claimed: ensure_layout is not called
     # what the scripts say (Lua reads an absent key as false)
-    refusal = re.escape(f"{LAYOUT_KEY} is {'false' if version is None else version}, not 2")
+    said = "false" if guard is None else guard
+    refusal = re.escape(PREFIX) + rf"\{{s\d+-\d+\}}:layout is {said}, not 3"
+    tokens_and_event = _tokens_and_event("a")
+    one_shard = re.escape(f"{guard_key(shard_of(A))} is {said}, not 3")
 
     sink = RedisSink(store)
-    sink.add(*_tokens_and_event("a"), closed="5 end", records=2)
-    with pytest.raises(ResponseError, match=refusal):
+    sink.add(*tokens_and_event, closed="5 end", records=2)
+    with pytest.raises(ResponseError, match=one_shard):  # one request: its own shard's guard
         await sink.flush()
     assert len(sink) == 1  # still queued
     with pytest.raises(ResponseError, match=refusal):
         await store.mark_closing({A: "5 end", B: "7 timeout"})
+    with pytest.raises(ResponseError, match=refusal):
+        await store.count_dead_letters([store.position_of("t", 0, 1)])
 
     after = {key: await own_client.dump(key) for key in await _keys(own_client)}
     assert after == before  # nothing written, nothing changed
@@ -841,12 +1064,16 @@ async def test_one_request_id_of_two_tenants_is_two_requests(
     sink.add(other, billed(other, "acme"), closed="3 end", records=1)
     assert await sink.flush() == [True, True, True]  # none is a replay of another
 
-    tokens_keys = {key for key in await _keys(own_client) if key.startswith(TOKENS_PREFIX)}
-    assert tokens_keys == {
-        f"{TOKENS_PREFIX}acme:shared",
-        f"{TOKENS_PREFIX}acme%3Aeu:shared",
-        f"{TOKENS_PREFIX}acme:eu:shared",
-    }
+    tokens_keys = {key for key in await _keys(own_client) if ":tokens:" in key}
+    assert tokens_keys == {tokens_key(ref) for ref in refs}
+    assert len(tokens_keys) == 3  # one id of three tenants: three requests
+    closed_keys = {key for key in await _keys(own_client) if ":closed:" in key}
+    assert closed_keys == {closed_key(ref) for ref in refs}
+    assert [await own_client.get(closed_key(ref)) for ref in refs] == [
+        b"5 end",
+        b"9 timeout",
+        b"3 end",
+    ]
     assert await store.tokens_texts(refs) == [
         tokens_json(mine),
         tokens_json(theirs),

@@ -2,9 +2,11 @@
 
 One stack for the module, in a temporary state dir on spare ports (never the
 shared stack's): started with the CLI, stopped with it afterwards, and then no
-java or redis-server process of it may be left (pgrep).  Costs about a minute:
-a 3-node start (~15 s), a broker killed until the others fence it (~10 s) and
-its restart (~8 s), a 3-node stop (~6 s).
+java or redis-server process of it may be left (pgrep).  On it, the pipeline
+itself runs on the Redis Cluster (``REDIS_CLUSTER=1``) while a broker is
+SIGKILLed, and must stay exact.  Costs about a minute and a half: a 3-node start
+(~15 s), a broker killed until the others fence it (~10 s) and its restart
+(~8 s), the pipeline run with its own broker kill (~30 s), a 3-node stop (~6 s).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import signal
 import subprocess
 import time
 import uuid
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,14 +29,19 @@ from typing import Any
 import pytest
 from aiokafka import AIOKafkaConsumer
 from aiokafka.admin import AIOKafkaAdminClient
+from redis import Redis
 from redis.cluster import RedisCluster
 
+from streamtally.core.identity import RequestRef
+from streamtally.core.models import USAGE_FIELDS
 from streamtally.ops.stack import StackConfig, kafka, port_in_use, redis
 from streamtally.ops.stack.redis_cluster import SLOTS, cluster_info
+from streamtally.ops.worker_process import WorkerProcess
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_CLUSTER, ENV_REDIS_URL
+from streamtally.store import tokens_key, tokens_pattern
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic
-from tests.integration.worker import streamtally
+from tests.integration.worker import SAMPLES, cli, run_streamtally, streamtally, wait_for_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
@@ -255,6 +263,121 @@ async def test_a_killed_broker_loses_nothing(cluster: StackConfig) -> None:
     async with contextlib.aclosing(read_topic(servers, topic.name)) as records:
         logged = [record.value async for record in records]
     assert sorted(v for v in logged if v is not None) == sorted(sent)
+
+
+def _sample_manifest(tag: str) -> list[dict[str, str]]:
+    """Every sample transcript of the repo under fresh ids, over three tenants."""
+    rows = []
+    for i, line in enumerate((SAMPLES / "manifest.jsonl").read_text().splitlines()):
+        if line.strip():
+            row = json.loads(line)
+            rows.append(
+                {
+                    "file": str(SAMPLES / row["file"]),
+                    "source": row["source"],
+                    "request_id": f"cl-{tag}-{row['file'].replace('/', '-')}",
+                    "tenant": f"t{i % 3}-{tag}",
+                    **({"model": row["model"]} if "model" in row else {}),
+                }
+            )
+    return rows
+
+
+def _keys_per_master(cfg: StackConfig) -> dict[int, int]:
+    """How many Tokens keys each master holds (SCAN of each node alone)."""
+    counts = {}
+    for port in cfg.redis_cluster_ports:
+        node = Redis(host=cfg.host, port=port)
+        try:
+            counts[port] = sum(1 for _ in node.scan_iter(match=tokens_pattern(), count=1000))
+        finally:
+            node.close()
+    return counts
+
+
+def test_the_pipeline_is_exact_on_the_redis_cluster_through_a_broker_kill(
+    cluster: StackConfig, tmp_path: Path
+) -> None:
+    """The worker on three brokers and the Redis Cluster: every Tokens equal to its fold,
+    usage rows equal to the sum of the folds, one billing event per request, though a
+    broker is SIGKILLed halfway through production; the keys spread over every master.
+    """
+    tag = uuid.uuid4().hex[:8]
+    env = _env(cluster)
+    env.update(
+        KAFKA_BOOTSTRAP_SERVERS=cluster.all_bootstrap_servers(),
+        REDIS_URL=cluster.local_redis_url(),
+        REDIS_CLUSTER="1",
+        STREAMTALLY_NAMESPACE=f"cl-{tag}",
+        STREAMTALLY_REQUEST_TIMEOUT="20",
+        STREAMTALLY_STATE_TTL="3600",
+    )
+    requests = _sample_manifest(tag)
+    half = len(requests) // 2
+    worker = WorkerProcess(tmp_path / "worker.log", env=env).start()
+    try:
+        worker.wait_until_ready(120)
+        for part, rows in (("first", requests[:half]), ("second", requests[half:])):
+            manifest = tmp_path / f"{part}.jsonl"
+            manifest.write_text("".join(json.dumps(row) + "\n" for row in rows))
+            produced = run_streamtally("produce", "--manifest", str(manifest), env=env)
+            assert produced.returncode == 0, produced.stderr.decode(errors="replace")
+            if part == "first":  # a broker dies with requests in flight; two stay in sync
+                victim = kafka.statuses(cluster)[1]
+                assert victim.pid is not None
+                os.killpg(victim.pid, signal.SIGKILL)
+        refs = [RequestRef(r["tenant"], r["request_id"]) for r in requests]
+        missing = wait_for_tokens(cluster.local_redis_url(), refs, 120, worker, cluster=True)
+        assert missing == set(), worker.describe()
+        code, _ = worker.stop()
+        assert code == 0, worker.describe()
+    finally:
+        if worker.running:
+            worker.kill()
+        restart = _stack(cluster, "up")  # the shape is remembered: the killed broker comes back
+        assert restart.returncode == 0, restart.stdout + restart.stderr
+
+    expected_usage: dict[str, Counter[str]] = {}
+    for row in requests:
+        fold = cli("fold", "--source", row["source"], "--request-id", row["request_id"],
+                   *(["--model", row["model"]] if "model" in row else []), row["file"])  # fmt: skip
+        assert fold.code == 0, fold.err
+        got = run_streamtally("tokens", "get", row["request_id"], "--tenant", row["tenant"],
+                              env=env)  # fmt: skip
+        assert got.returncode == 0, got.stderr.decode(errors="replace")
+        assert json.loads(got.stdout) == json.loads(fold.out), row["file"]
+        totals = expected_usage.setdefault(row["tenant"], Counter())
+        totals.update(json.loads(fold.out)["usage"])
+        totals["requests"] += 1
+
+    usage = run_streamtally("usage", "--json", env=env)
+    assert usage.returncode == 0, usage.stderr.decode(errors="replace")
+    found: dict[str, Counter[str]] = {}
+    for row in json.loads(usage.stdout):
+        if row["tenant"] in expected_usage:
+            totals = found.setdefault(row["tenant"], Counter())
+            totals.update({k: row[k] for k in (*USAGE_FIELDS, "requests")})
+    assert found == expected_usage
+
+    billing = run_streamtally("billing", "export", "--json", "--keep-replays", env=env)
+    assert billing.returncode == 0, billing.stderr.decode(errors="replace")
+    events = [json.loads(line) for line in billing.stdout.decode().splitlines()]
+    by_request: dict[tuple[str, str], set[str]] = {}
+    for event in events:
+        key = (event["tenant"], event["request_id"])
+        by_request.setdefault(key, set()).add(json.dumps(event, sort_keys=True))
+    assert sorted(by_request) == sorted((r["tenant"], r["request_id"]) for r in requests)
+    assert all(len(payloads) == 1 for payloads in by_request.values()), by_request
+
+    per_master = _keys_per_master(cluster)
+    assert all(count > 0 for count in per_master.values()), per_master
+    assert sum(per_master.values()) >= len(requests)
+    client = RedisCluster.from_url(cluster.local_redis_url())
+    try:
+        ttl = client.ttl(tokens_key(refs[0]))
+    finally:
+        client.close()
+    assert 0 < ttl <= 3600  # Tokens expire after STREAMTALLY_STATE_TTL
 
 
 def test_the_redis_cluster_serves_every_slot_then_stops(cluster: StackConfig) -> None:

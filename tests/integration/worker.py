@@ -233,6 +233,8 @@ def wait_for_tokens(
     refs: Iterable[RequestRef],
     timeout: float,
     worker: WorkerProcess | None = None,
+    *,
+    cluster: bool = False,
 ) -> set[RequestRef]:
     """Wait until every request's Tokens is in Redis; returns those still missing.
 
@@ -243,7 +245,7 @@ def wait_for_tokens(
 
     async def wait() -> set[RequestRef]:
         waiting = set(refs)
-        store = RedisStore.from_url(redis_url, connect_timeout=5)
+        store = RedisStore.from_url(redis_url, cluster=cluster, connect_timeout=5)
         deadline = time.monotonic() + timeout
         try:
             while waiting:

@@ -189,7 +189,7 @@ def test_the_worker_gives_faust_its_log_format(
     monkeypatch.setattr(faust, "Worker", FakeWorker)
     monkeypatch.setattr(streamtally.cli.worker, "ensure_topics", ensure_topics)
 
-    async def check_layout(url: str) -> None:
+    async def check_layout(url: str, *, cluster: bool) -> None:
         return None
 
     monkeypatch.setattr(streamtally.cli.worker, "_check_layout", check_layout)

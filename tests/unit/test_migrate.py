@@ -9,6 +9,7 @@ longest-first order), checked by replaying the steps on a dict.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 
 import pytest
@@ -27,7 +28,8 @@ from streamtally.ops.migrate import (
     Step,
     plan,
 )
-from streamtally.store import TOKENS_PREFIX, closed_field, parse_tokens_key, tokens_key
+from streamtally.ops.migrate_shards import ShardMoves
+from streamtally.store.layout_v2 import TOKENS_PREFIX, closed_field, parse_tokens_key, tokens_key
 
 
 def steps_by_id(p: Plan) -> dict[str, Step]:
@@ -194,7 +196,7 @@ def test_the_summary_escapes_what_ids_and_tenants_hold() -> None:
     assert "\u202e" not in text
     assert "unplaced r\\n1\\x1b[2J: billed to 2 tenants (t\\u202e1, t2)" in text
     assert text.startswith("dry run, nothing written")
-    summary = _summary_json(report, dry_run=True)
+    summary = _summary_json(report, None, None, dry_run=True)
     assert summary["unplaced_requests"] == [
         {
             "request_id": "r\n1\x1b[2J",
@@ -203,6 +205,17 @@ def test_the_summary_escapes_what_ids_and_tenants_hold() -> None:
         }
     ]
     assert (summary["unplaced"], summary["layout"]) == (1, None)
+
+
+def test_the_json_summary_of_a_move_into_shards_names_both_layouts() -> None:
+    moves = ShardMoves(tokens=3, closed=2, rows=1, stats=1, dead_letters=0)
+    dry = _summary_json(None, moves, "2", dry_run=True)
+    assert (dry["layout_before"], dry["layout"], dry["outcome"]) == ("2", "2", "planned")
+    assert dry["shards"] == dataclasses.asdict(moves)
+    done = _summary_json(None, moves, "2", dry_run=False)
+    assert (done["layout_before"], done["layout"]) == ("2", "3")
+    nothing = _summary_json(None, None, "3", dry_run=False)
+    assert (nothing["outcome"], nothing["shards"]) == ("up to date", None)
 
 
 def test_help_names_what_is_migrated_and_the_exit_statuses(

@@ -233,7 +233,7 @@ async def test_two_tenants_with_one_request_id_get_two_tokens_keys_and_two_rows(
     [batch] = store.batches
     both = [RequestRef("acme", "r1"), RequestRef("glo:bex%", "r1")]
     assert [r.tokens_key for r in batch] == [tokens_key(ref) for ref in both]
-    assert [r.closed_field for r in batch] == ["acme:r1", "glo%3Abex%25:r1"]
+    assert [r.closed_key.split(":closed:", 1)[1] for r in batch] == ["acme:r1", "glo%3Abex%25:r1"]
     assert len({r.usage_key for r in batch}) == 2
     assert {r.closed for r in batch} == {CLOSED_MARKER}
 
@@ -383,7 +383,7 @@ async def test_the_rebuild_counts_unpriced_requests_from_their_billing_events() 
     assert result.applied == 2
     assert store.ensured
     [batch] = store.batches
-    assert [(r.closed_field, r.priced, r.argv()[-1]) for r in batch] == [
+    assert [(r.closed_key.split(":closed:", 1)[1], r.priced, r.argv()[-1]) for r in batch] == [
         ("acme:priced", True, "0"),
         ("acme:unknown", False, "1"),  # the flush script adds 1 to the row's unpriced_requests
     ]

@@ -13,7 +13,7 @@ from streamtally.core.models import Chunk, FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Closed, CloseReason, Completed, Outputs
 from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
-from streamtally.store import FinishedRequest, RedisStore
+from streamtally.store import FinishedRequest, RedisStore, closed_key
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
@@ -178,8 +178,8 @@ async def test_redis_outputs_mark_then_flush_requests_and_dead_letter_positions(
     await Sinks(redis).write(outputs)
     assert store.closing == [{RequestRef("acme", "r1"): "12 end"}]
     [[request]] = store.applied
-    assert (request.closed_field, request.closed, request.records, request.duplicates) == (
-        "acme:r1",
+    assert (request.closed_key, request.closed, request.records, request.duplicates) == (
+        closed_key(RequestRef("acme", "r1")),
         "12 end",
         3,
         1,

@@ -6,6 +6,7 @@ from typing import Any
 
 import pytest
 from aiokafka.admin import NewTopic
+from aiokafka.errors import NodeNotReadyError
 
 from streamtally.errors import StackError
 from streamtally.topics import Topics, min_insync_for, replication_factor_for
@@ -112,3 +113,39 @@ async def test_a_topic_the_broker_refuses_is_an_error(admin: type[FakeAdmin]) ->
     assert "larger than available brokers" in message
     assert T.chunks.name not in message
     assert T.tokens.name not in message
+
+
+class AdminMeetingADeadBroker(FakeAdmin):
+    """Its first `down` list_topics calls pick a broker that just died."""
+
+    down = 2
+    starts = 0
+
+    async def start(self) -> None:
+        AdminMeetingADeadBroker.starts += 1
+
+    async def list_topics(self) -> list[str]:
+        if AdminMeetingADeadBroker.down > 0:
+            AdminMeetingADeadBroker.down -= 1
+            raise NodeNotReadyError("Attempt to send a request to node which is not ready")
+        return await super().list_topics()
+
+
+async def test_a_broker_that_just_died_is_retried_with_fresh_metadata(
+    admin: type[FakeAdmin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    AdminMeetingADeadBroker.down, AdminMeetingADeadBroker.starts = 2, 0
+    monkeypatch.setattr(wire_kafka, "AIOKafkaAdminClient", AdminMeetingADeadBroker)
+    created = await wire_kafka.ensure_topics("k:9092,k:9094,k:9096", (T.raw_sse, T.tokens))
+    assert created == [T.tokens.name]
+    assert AdminMeetingADeadBroker.starts == 3  # a new client (new metadata) per attempt
+
+
+async def test_a_broker_down_for_too_long_is_an_error_naming_it(
+    admin: type[FakeAdmin], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    AdminMeetingADeadBroker.down = 10**6
+    monkeypatch.setattr(wire_kafka, "AIOKafkaAdminClient", AdminMeetingADeadBroker)
+    monkeypatch.setattr(wire_kafka, "BROKER_DOWN_WAIT_S", 0.0)
+    with pytest.raises(StackError, match="is a broker down"):
+        await wire_kafka.ensure_topics("k:9092", (T.tokens,))

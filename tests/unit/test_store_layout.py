@@ -12,50 +12,60 @@ import dataclasses
 import hashlib
 import json
 import re
+import zlib
 from datetime import UTC, datetime, timedelta, timezone
 from decimal import Decimal
 
 import pytest
+from redis.crc import key_slot
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.store import (
-    CLOSED_KEY,
     COST_FIELDS,
     DEAD_LETTER_SCRIPT,
-    DEAD_SEEN_KEY,
     FLUSH_SCRIPT,
     LAYOUT_KEY,
     LAYOUT_VERSION,
     MIGRATING,
     RAW_RECORD_STATS,
     ROW_FIELDS,
-    ROWS_KEY,
+    SHARDS,
     STATS_FIELDS,
-    STATS_KEY,
-    TOKENS_PREFIX,
     UNKNOWN_MODEL,
     UNPRICED_FIELD,
     RedisStore,
-    closed_field,
+    closed_key,
     day_of,
     finished_request,
     parse_tokens_key,
     position_of,
     row_member,
+    shard_of,
     tokens_json,
     tokens_key,
     tokens_pattern,
     usage_key,
 )
-from streamtally.store.layout import PREFIX, parse_row_member, tokens_pattern_of_id
+from streamtally.store.layout import (
+    PREFIX,
+    SHARD_TAGS,
+    closed_pattern,
+    dead_key,
+    guard_key,
+    parse_row_member,
+    rows_key,
+    shard_of_position,
+    stats_key,
+    tokens_pattern_of_id,
+)
 from streamtally.store.scripts import (
     ARGS_PER_REQUEST,
     CLOSE_ONCE_SCRIPT,
-    close_once_call,
-    dead_letter_call,
-    flush_call,
+    close_once_calls,
+    dead_letter_calls,
+    flush_calls,
 )
 from streamtally.wire.billing import bill
 
@@ -97,65 +107,91 @@ def make_tokens(request_id: str = "r1", model: str | None = "gpt-4.1-2025-04-14"
 
 def test_the_fixed_keys() -> None:
     assert PREFIX == "st:"
-    assert TOKENS_PREFIX == "st:tokens:"
-    assert ROWS_KEY == "st:usage:rows"
-    assert CLOSED_KEY == "st:closed"
-    assert STATS_KEY == "st:stats"
-    assert DEAD_SEEN_KEY == "st:deadletter:seen"
     assert LAYOUT_KEY == "st:layout"
-    assert LAYOUT_VERSION == "2"
-    assert MIGRATING == "1>2"
+    assert LAYOUT_VERSION == "3"
+    assert MIGRATING == "2>3"
+    assert SHARDS == 16
+    assert SHARD_TAGS == (
+        "s0-60", "s1-63", "s2-40", "s3-43", "s4-10", "s5-13", "s6-3", "s7-0",
+        "s8-1", "s9-2", "s10-0", "s11-3", "s12-60", "s13-63", "s14-22", "s15-21",
+    )  # fmt: skip
+    assert guard_key(0) == "st:{s0-60}:layout"
+    assert rows_key(15) == "st:{s15-21}:usage:rows"
+    assert stats_key(7) == "st:{s7-0}:stats"
 
 
-def test_tokens_key_is_the_escaped_tenant_then_the_request_id_as_is() -> None:
-    assert tokens_key(RequestRef("acme", "r1")) == "st:tokens:acme:r1"
-    assert tokens_key(RequestRef("acme", "a:b/c %3A ü")) == "st:tokens:acme:a:b/c %3A ü"
+def test_shard_i_hashes_into_the_ith_sixteenth_of_the_cluster_slots() -> None:
+    """Redis Cluster hashes only the tag between braces: each shard is one slot."""
+    for shard, tag in enumerate(SHARD_TAGS):
+        slot = key_slot(f"{{{tag}}}".encode())
+        assert shard * 1024 <= slot < (shard + 1) * 1024, (shard, tag, slot)
+        keys = [
+            guard_key(shard),
+            rows_key(shard),
+            stats_key(shard),
+            usage_key(shard, DAY, "acme", "m"),
+        ]
+        assert {key_slot(k.encode()) for k in keys} == {slot}
+
+
+def test_a_request_lives_in_the_shard_of_the_crc32_of_its_reference() -> None:
+    for ref in (RequestRef("acme", "r1"), RequestRef("a:b", "c"), RequestRef("Grüße", "ü")):
+        assert shard_of(ref) == zlib.crc32(ref.text.encode()) % 16
+        slots = {key_slot(k.encode()) for k in (tokens_key(ref), closed_key(ref))}
+        assert slots == {key_slot(guard_key(shard_of(ref)).encode())}
+    assert shard_of_position("t:0:1") == zlib.crc32(b"t:0:1") % 16
+    with pytest.raises(ValueError, match="must not be empty"):
+        shard_of(RequestRef("acme", ""))
+
+
+def test_tokens_and_closed_keys_are_the_shard_then_the_escaped_reference() -> None:
+    assert tokens_key(RequestRef("acme", "r1")) == "st:{s14-22}:tokens:acme:r1"
+    assert closed_key(RequestRef("acme", "r1")) == "st:{s14-22}:closed:acme:r1"
     # ":" and "%" of the tenant are escaped, so the first ":" ends the tenant
-    assert tokens_key(RequestRef("a:b", "c")) == "st:tokens:a%3Ab:c"
-    assert tokens_key(RequestRef("100%", "c")) == "st:tokens:100%25:c"
+    assert tokens_key(RequestRef("a:b", "c")) == "st:{s1-63}:tokens:a%3Ab:c"
+    assert tokens_key(RequestRef("100%", "c")) == "st:{s11-3}:tokens:100%25:c"
     assert tokens_key(RequestRef("a:b", "c")) != tokens_key(RequestRef("a", "b:c"))
-    assert tokens_key(RequestRef("", "r")) == "st:tokens::r"
+    assert dead_key("streamtally.raw.sse:3:42") == "st:{s1-63}:dead:streamtally.raw.sse:3:42"
     with pytest.raises(ValueError, match="must not be empty"):
         tokens_key(RequestRef("acme", ""))
     for ref in (RequestRef("a:b", "c"), RequestRef("a", "b:c"), RequestRef("%3A", "%")):
         assert parse_tokens_key(tokens_key(ref)) == ref
         assert parse_tokens_key(tokens_key(ref).encode()) == ref
-    for bad in ("st:tokens:r1", "st:usage:x:y", "st:tokens:a%41:r"):
+    for bad in ("st:tokens:acme:r1", "st:{s14-22}:usage:x:y", "st:{s14-22}:tokens:a%41:r"):
         with pytest.raises(ValueError, match="not a"):
             parse_tokens_key(bad)
-    assert tokens_pattern() == "st:tokens:*"
-    assert tokens_pattern("bench", "run-1a2b-") == "st:tokens:bench:run-1a2b-*"
-    assert tokens_pattern("a:b*", "x?[") == "st:tokens:a%3Ab\\*:x\\?\\[*"
-    assert tokens_pattern_of_id("r-1") == "st:tokens:*:r-1"
-    assert tokens_pattern_of_id("a*b?[c]") == "st:tokens:*:a\\*b\\?\\[c\\]"
+    with pytest.raises(ValueError, match="wrong shard"):
+        parse_tokens_key("st:{s0-60}:tokens:acme:r1")  # acme:r1 lives in shard 14
 
 
-def test_the_closed_field_is_the_request_reference() -> None:
-    assert closed_field(RequestRef("acme", "r1")) == "acme:r1"
-    assert closed_field(RequestRef("a:b", "c")) == "a%3Ab:c"
-    with pytest.raises(ValueError, match="must not be empty"):
-        closed_field(RequestRef("acme", ""))
+def test_the_scan_patterns_match_every_shard() -> None:
+    assert tokens_pattern() == "st:{s*}:tokens:*"
+    assert tokens_pattern("bench", "run-1a2b-") == "st:{s*}:tokens:bench:run-1a2b-*"
+    assert tokens_pattern("a:b*", "x?[") == "st:{s*}:tokens:a%3Ab\\*:x\\?\\[*"
+    assert tokens_pattern_of_id("r-1") == "st:{s*}:tokens:*:r-1"
+    assert tokens_pattern_of_id("a*b?[c]") == "st:{s*}:tokens:*:a\\*b\\?\\[c\\]"
+    assert closed_pattern() == "st:{s*}:closed:*"
 
 
 @pytest.mark.parametrize(
     ("tenant", "model", "key"),
     [
-        ("acme", "gpt-4o", "st:usage:2026-11-21:acme:gpt-4o"),
+        ("acme", "gpt-4o", "st:{s3-43}:usage:2026-11-21:acme:gpt-4o"),
         # ":" and "%" of the tenant are escaped, nothing else; the model stays as is
-        ("acme:eu", "m", "st:usage:2026-11-21:acme%3Aeu:m"),
-        ("acme", "eu:m", "st:usage:2026-11-21:acme:eu:m"),
-        ("100%", "m", "st:usage:2026-11-21:100%25:m"),
-        ("%3A", "m", "st:usage:2026-11-21:%253A:m"),
-        ("Grüße/x y", "org/model:tag", "st:usage:2026-11-21:Grüße/x y:org/model:tag"),
-        ("acme", "unknown", "st:usage:2026-11-21:acme:unknown"),
+        ("acme:eu", "m", "st:{s3-43}:usage:2026-11-21:acme%3Aeu:m"),
+        ("acme", "eu:m", "st:{s3-43}:usage:2026-11-21:acme:eu:m"),
+        ("100%", "m", "st:{s3-43}:usage:2026-11-21:100%25:m"),
+        ("%3A", "m", "st:{s3-43}:usage:2026-11-21:%253A:m"),
+        ("Grüße/x y", "org/model:tag", "st:{s3-43}:usage:2026-11-21:Grüße/x y:org/model:tag"),
+        ("acme", "unknown", "st:{s3-43}:usage:2026-11-21:acme:unknown"),
     ],
 )
 def test_usage_key(tenant: str, model: str, key: str) -> None:
-    assert usage_key(DAY, tenant, model) == key
+    assert usage_key(3, DAY, tenant, model) == key
 
 
 def test_a_tenant_with_a_colon_never_collides_with_another_tenants_model() -> None:
-    assert usage_key(DAY, "a:b", "m") != usage_key(DAY, "a", "b:m")
+    assert usage_key(0, DAY, "a:b", "m") != usage_key(0, DAY, "a", "b:m")
 
 
 # --------------------------------------------------------------------------- members and values
@@ -220,18 +256,17 @@ def test_the_field_names() -> None:
 def test_the_script_texts_are_unchanged() -> None:
     """A script's SHA1 is its name in Redis's script cache: an edit is a new script.
 
-    The flush and close-once scripts were last changed for layout version 2
-    (they write only when ``st:layout`` is the version they are given); before,
-    the flush script was 8403b48c6bafab472e83bcee360bd4664cae25f3.
+    Layout 3 changed all three (one shard each, its guard key, the state TTL);
+    the layout-2 flush script was 5cc20c960354096fdeacad1f176a8db9584efc33.
     """
     assert hashlib.sha1(FLUSH_SCRIPT.encode()).hexdigest() == (
-        "5cc20c960354096fdeacad1f176a8db9584efc33"
+        "103186a0b9e38db1f9e8f3b37bcb73c577abf611"
     )
     assert hashlib.sha1(CLOSE_ONCE_SCRIPT.encode()).hexdigest() == (
-        "8fd0a255fc1f45fefaa3d37bd5610174233acb65"
+        "6a5926bed79b089fade64c1f119c2c563bab014b"
     )
     assert hashlib.sha1(DEAD_LETTER_SCRIPT.encode()).hexdigest() == (
-        "5f3aa4e824ff12f8f80c5d3e08f041f6565f722c"
+        "e46677a20d4cfcec3ab13134b42d84991747ac2f"
     )
 
 
@@ -244,16 +279,16 @@ def _lua_list(name: str) -> tuple[str, ...]:
 def test_the_flush_script_names_the_row_fields_of_the_layout() -> None:
     assert _lua_list("FIELDS") == USAGE_FIELDS
     assert _lua_list("ALL") == ROW_FIELDS
-    assert f"local a = 3 + {ARGS_PER_REQUEST} * (i - 1)" in FLUSH_SCRIPT
+    assert f"local a = 4 + {ARGS_PER_REQUEST} * (i - 1)" in FLUSH_SCRIPT
     assert ROW_FIELDS.index("cost_pico") + 1 == 8
     assert "local pico = tonumber(values[8] or '0')" in FLUSH_SCRIPT
     # the unpriced count is the last argument of a request, added only when it is not 0
-    assert ARGS_PER_REQUEST == 14
-    assert "if ARGV[a + 13] ~= '0' then" in FLUSH_SCRIPT
-    assert "redis.call('HINCRBY', uk, 'unpriced_requests', ARGV[a + 13])" in FLUSH_SCRIPT
+    assert ARGS_PER_REQUEST == 13
+    assert "if ARGV[a + 12] ~= '0' then" in FLUSH_SCRIPT
+    assert "redis.call('HINCRBY', uk, 'unpriced_requests', ARGV[a + 12])" in FLUSH_SCRIPT
 
 
-def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
+def test_flush_calls_lay_out_one_call_per_shard_with_13_arguments_per_request() -> None:
     first = make_tokens("r1")
     event = dataclasses.replace(
         bill(first, "acme:eu", datetime(2026, 11, 21, 23, 30, tzinfo=UTC), PRICES),
@@ -272,23 +307,23 @@ def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
         finished_request(second, unpriced),
         finished_request(third, negative),
     ]
+    assert [r.shard for r in batch] == [5, 6, 2]  # shard_of of acme:eu:r1, globex:r2, acme:r3
     assert all(len(request.argv()) == ARGS_PER_REQUEST for request in batch)
-    keys, argv = flush_call(batch)
-    assert keys == [
-        "st:usage:rows",
-        "st:closed",
-        "st:stats",
-        "st:layout",
-        "st:tokens:acme%3Aeu:r1",
-        "st:usage:2026-11-21:acme%3Aeu:gpt-4.1-2025-04-14",
-        "st:tokens:globex:r2",
-        "st:usage:2026-11-22:globex:unknown",
-        "st:tokens:acme:r3",
-        "st:usage:2026-11-21:acme:gpt-4.1-2025-04-14",
+    calls = flush_calls(batch, ttl_s=691_200)
+    assert [(c.shard, c.indexes) for c in calls] == [(2, [2]), (5, [0]), (6, [1])]
+    by_shard = {c.shard: c for c in calls}
+    assert by_shard[5].keys == [
+        "st:{s5-13}:layout",
+        "st:{s5-13}:usage:rows",
+        "st:{s5-13}:stats",
+        "st:{s5-13}:tokens:acme%3Aeu:r1",
+        "st:{s5-13}:closed:acme%3Aeu:r1",
+        "st:{s5-13}:usage:2026-11-21:acme%3Aeu:gpt-4.1-2025-04-14",
     ]
-    assert argv == [
-        "3",
-        "2",  # the layout version the keys are of
+    assert by_shard[5].argv == [
+        "1",  # requests in this call
+        "3",  # the layout version the keys are of
+        "691200",  # the state TTL, seconds
         tokens_json(first),
         '["2026-11-21","acme:eu","gpt-4.1-2025-04-14"]',
         "1520",  # the five usage fields, in USAGE_FIELDS order
@@ -298,11 +333,17 @@ def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
         "3",
         "123",  # cost units
         "456",  # cost pico
-        "acme%3Aeu:r1",  # the request's field of st:closed
         "12 timeout",  # closing marker
         "4",  # raw records
         "1",  # duplicates
         "0",  # priced: not counted in unpriced_requests
+    ]
+    assert by_shard[6].keys[3:] == [
+        "st:{s6-3}:tokens:globex:r2",
+        "st:{s6-3}:closed:globex:r2",
+        "st:{s6-3}:usage:2026-11-22:globex:unknown",
+    ]
+    assert by_shard[6].argv[3:] == [
         tokens_json(second),
         '["2026-11-22","globex","unknown"]',
         "1520",
@@ -312,35 +353,51 @@ def test_flush_call_lays_out_keys_and_the_14_arguments_per_request() -> None:
         "3",
         "0",  # unpriced: cost 0
         "0",
-        "globex:r2",
         "0 end",  # the defaults
         "0",
         "0",
         "1",  # unpriced: one more in the row's unpriced_requests
-        tokens_json(third),
-        '["2026-11-21","acme","gpt-4.1-2025-04-14"]',
-        "1520",
-        "48",
-        "7",
-        "1408",
-        "3",
-        "-1",  # -0.5 = -1 + 0.5: floor division, the pico part never negative
-        "500000000000",
-        "acme:r3",
-        "0 end",
-        "0",
-        "0",
-        "0",
+    ]
+    assert by_shard[2].argv[3 + 7 : 3 + 9] == ["-1", "500000000000"]  # -0.5 = -1 + 0.5
+    # every key of a call is in its shard's slot
+    for call in calls:
+        assert len({key_slot(k.encode()) for k in call.keys}) == 1
+    with pytest.raises(ValueError, match=">= 0"):
+        flush_calls(batch, ttl_s=-1)
+
+
+def test_two_requests_of_one_shard_share_a_call_in_batch_order() -> None:
+    a, b = make_tokens("r1"), make_tokens("r1")
+    when = datetime(2026, 11, 21, tzinfo=UTC)
+    batch = [
+        finished_request(a, bill(a, "acme", when, PRICES)),
+        finished_request(b, bill(b, "acme", when, PRICES), closed="9 end"),
+    ]
+    (call,) = flush_calls(batch, ttl_s=0)
+    assert call.indexes == [0, 1]
+    assert call.argv[:3] == ["2", "3", "0"]
+    assert call.keys[3] == call.keys[6] == "st:{s14-22}:tokens:acme:r1"
+
+
+def test_close_once_calls() -> None:
+    r1, r2 = RequestRef("acme", "r1"), RequestRef("a:b", "c")
+    decisions = [(14, closed_key(r1), "12 end"), (1, closed_key(r2), "3 timeout")]
+    calls = close_once_calls(decisions, ttl_s=60)
+    assert [(c.shard, c.keys, c.argv, c.indexes) for c in calls] == [
+        (1, ["st:{s1-63}:layout", "st:{s1-63}:closed:a%3Ab:c"], ["3", "60", "3 timeout"], [1]),
+        (14, ["st:{s14-22}:layout", "st:{s14-22}:closed:acme:r1"], ["3", "60", "12 end"], [0]),
     ]
 
 
-def test_close_once_call() -> None:
-    assert close_once_call({"acme:r1": "12 end", "a%3Ab:c": "3 timeout"}) == (
-        ["st:closed", "st:layout"],
-        ["2", "acme:r1", "12 end", "a%3Ab:c", "3 timeout"],
-    )
-
-
-def test_dead_letter_call() -> None:
-    positions = ["t:0:1", "t:1:7"]
-    assert dead_letter_call(positions) == (["st:deadletter:seen", "st:stats"], positions)
+def test_dead_letter_calls() -> None:
+    positions = ["streamtally.raw.sse:3:42", "t:1:7"]
+    marks = [(shard_of_position(p), dead_key(p)) for p in positions]
+    calls = dead_letter_calls(marks, ttl_s=0)
+    assert sorted(c.shard for c in calls) == sorted({m[0] for m in marks})
+    first = next(c for c in calls if 0 in c.indexes)
+    assert first.keys == [
+        "st:{s1-63}:layout",
+        "st:{s1-63}:stats",
+        "st:{s1-63}:dead:streamtally.raw.sse:3:42",
+    ]
+    assert first.argv == ["3", "0"]

@@ -13,7 +13,13 @@ import pytest
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
-from streamtally.store import FinishedRequest, RedisSink, finished_request, tokens_key
+from streamtally.store import (
+    FinishedRequest,
+    RedisSink,
+    closed_key,
+    finished_request,
+    tokens_key,
+)
 from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
 
@@ -62,7 +68,7 @@ class FakeStore:
             self.fail -= 1
             raise ConnectionError("Redis went away")
         self.batches.append(list(batch))
-        return [request.closed_field != "acme:seen" for request in batch]
+        return [not request.closed_key.endswith(":closed:acme:seen") for request in batch]
 
 
 def test_a_billing_event_of_another_request_model_or_usage_is_refused() -> None:
@@ -123,8 +129,9 @@ async def test_flush_hands_the_batch_in_add_order_and_empties_it() -> None:
     assert await sink.flush() == [True, False, True]
     assert len(sink) == 0
     [batch] = store.batches
-    assert [(r.closed_field, r.tokens_key, r.closed, r.records) for r in batch] == [
-        ("acme:" + r, tokens_key(RequestRef("acme", r)), "3 end", 2) for r in ("a", "seen", "b")
+    assert [(r.closed_key, r.tokens_key, r.closed, r.records) for r in batch] == [
+        (closed_key(RequestRef("acme", r)), tokens_key(RequestRef("acme", r)), "3 end", 2)
+        for r in ("a", "seen", "b")
     ]
 
 
@@ -137,4 +144,4 @@ async def test_a_failed_flush_keeps_the_batch_for_the_retry() -> None:
         await sink.flush()
     assert len(sink) == 1
     assert await sink.flush() == [True]
-    assert [r.closed_field for r in store.batches[0]] == ["acme:a"]
+    assert [r.closed_key for r in store.batches[0]] == [closed_key(RequestRef("acme", "a"))]

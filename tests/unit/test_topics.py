@@ -8,6 +8,7 @@ import pytest
 
 from streamtally import topics
 from streamtally.errors import InputError
+from streamtally.settings import DEFAULT_STATE_TTL_S
 from streamtally.topics import DAY_MS, Topic, Topics
 from streamtally.wire import avro
 
@@ -66,7 +67,11 @@ def test_layout_and_retention() -> None:
             "cleanup.policy": "delete",
             "retention.ms": "604800000",
             "message.timestamp.type": "LogAppendTime",
+            "segment.ms": "86400000",  # daily: a record is readable at most 7 + 1 days
         }
+    # no replay of the raw topics outlives the state Redis keeps for it (the state TTL)
+    readable_s = max((t.retention_ms + (t.segment_ms or 0)) // 1000 for t in T.raw)
+    assert readable_s == DEFAULT_STATE_TTL_S == 8 * 24 * 3600
     # every topic a request's records flow through is co-partitioned by request id
     keyed = {t.partitions for t in ALL_TOPICS if t is not T.deadletter}
     assert keyed == {6}

@@ -1,4 +1,6 @@
-"""Moving a Redis of layout version 1 to version 2: what ``streamtally migrate`` does.
+"""Moving a Redis of layout version 1 to version 2: the first step of ``streamtally migrate``.
+
+The second step, version 2 to 3, is `streamtally.ops.migrate_shards`.
 
 Version 1 (streamtally before layout 2) keyed a request by its provider
 request id alone: ``st:tokens:{request_id}`` and `st:closed` fields

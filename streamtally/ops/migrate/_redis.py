@@ -18,18 +18,17 @@ from redis.exceptions import ResponseError
 from streamtally.errors import StreamtallyError
 from streamtally.ops.migrate._plan import Counts, Step
 from streamtally.ops.migrate._scripts import FINISH_SCRIPT, MIGRATE_SCRIPT
-from streamtally.store import (
+from streamtally.store import LAYOUT_KEY, RedisStore
+from streamtally.store.layout import PREFIX
+from streamtally.store.layout_v2 import (
     CLOSED_KEY,
-    LAYOUT_KEY,
-    LAYOUT_VERSION,
-    MIGRATING,
     TOKENS_PREFIX,
-    RedisStore,
     closed_field,
     tokens_key,
     tokens_pattern,
 )
-from streamtally.store.layout import PREFIX
+from streamtally.store.layout_v2 import MIGRATING_FROM_1 as MIGRATING
+from streamtally.store.layout_v2 import VERSION as LAYOUT_VERSION
 from streamtally.store.rows import reply_text
 
 #: Set of the `RequestRef.text` of every request moved so far (deleted by `finish`).

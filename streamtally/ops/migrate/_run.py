@@ -25,7 +25,9 @@ from streamtally.ops.migrate._redis import (
     finish,
     scan,
 )
-from streamtally.store import LAYOUT_KEY, LAYOUT_VERSION, MIGRATING, RedisStore
+from streamtally.store import LAYOUT_KEY, RedisStore
+from streamtally.store.layout_v2 import MIGRATING_FROM_1 as MIGRATING
+from streamtally.store.layout_v2 import VERSION as LAYOUT_VERSION
 
 
 class Outcome(StrEnum):
