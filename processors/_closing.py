@@ -43,6 +43,8 @@ class _Closing(_Refusals):
             state.records += 1
             self.counters.applied += 1
             if not closing:
+                if record.cancelled:  # the client went away: unfinished choices `cancelled`
+                    state.fold.cancel()
                 self._finish(out, ref, state, CloseReason.END)
             return
         event: Any = (

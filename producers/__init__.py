@@ -12,8 +12,13 @@ enable_idempotence), so its own retries never duplicate a record.
 and ``max_record_bytes`` it also refuses one that `streamtally fold` would
 not take whole or whose event would make a record the worker refuses, as
 `streamtally produce` does for every file before it sends anything.
+
+`Tap` streams the raw events of live requests as they arrive (for gateways
+and `streamtally proxy`), with bounded buffering that never blocks the caller
+longer than its budget; see `streamtally.producers.tap`.
 """
 
 from streamtally.producers.raw import RawProducer, SentRequest, raw_records
+from streamtally.producers.tap import Sender, Tap, TapRequest, TapStats
 
-__all__ = ["RawProducer", "SentRequest", "raw_records"]
+__all__ = ["RawProducer", "Sender", "SentRequest", "Tap", "TapRequest", "TapStats", "raw_records"]

@@ -32,6 +32,7 @@ __all__ = ["main"]
 COMMANDS = (
     "fold",
     "produce",
+    "proxy",
     "worker",
     "tokens",
     "usage",

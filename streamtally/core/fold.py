@@ -9,7 +9,8 @@ stream processors.  The rules are those of the normalisation contract:
   tool_calls > stop);
 * a choice that called tools and finished with a plain stop finished with
   `tool_calls`;
-* a choice that never saw a finish signal finished with `error`;
+* a choice that never saw a finish signal finished with `error`, or with
+  `cancelled` when the request was cancelled (its client went away, `cancel`);
 * tool calls are keyed by index; `id` and `name` are set once and never
   blanked; argument fragments are joined in order and `""` means `{}`.
 """
@@ -82,6 +83,7 @@ class Fold:
 
     __slots__ = (
         "_bound",
+        "_cancelled",
         "_choices",
         "_limit",
         "_room",
@@ -111,6 +113,7 @@ class Fold:
         #: Exact bytes still to be kept, once near the limit (-1: not counted yet).
         self._room = -1
         self._choices: dict[int, _Choice] = {0: _Choice()}
+        self._cancelled = False
 
     def _keep(self, delta: str) -> str:
         """What of `delta` fits the request's text limit (all of it, a prefix, or nothing).
@@ -193,6 +196,11 @@ class Fold:
                 choice.finish, choice.finish_raw = FinishReason.ERROR, None
                 choice.rank = PRECEDENCE[FinishReason.ERROR]
 
+    def cancel(self) -> None:
+        """The request was cancelled mid-stream: a choice without a finish signal finishes
+        `cancelled` (raw value null, no error) in `result`; finished choices keep theirs."""
+        self._cancelled = True
+
     @property
     def finished(self) -> bool:
         """True once every choice seen so far has a finish signal."""
@@ -203,7 +211,7 @@ class Fold:
 
         `ended` says the stream is over, so a choice without a finish signal
         finished with `error` and `reason` becomes the error message (unless
-        an error was already reported).
+        an error was already reported); after `cancel`, with `cancelled`.
         """
         error = self.error
         results: list[ChoiceTokens] = []
@@ -213,9 +221,12 @@ class Fold:
             if finish is None:
                 if not ended:
                     raise ValueError(f"request {self.request_id!r} has not finished")
-                finish, raw = FinishReason.ERROR, None
-                if error is None:
-                    error = reason
+                if self._cancelled:
+                    finish, raw = FinishReason.CANCELLED, None
+                else:
+                    finish, raw = FinishReason.ERROR, None
+                    if error is None:
+                        error = reason
             elif finish is FinishReason.STOP and choice.tools:
                 finish = FinishReason.TOOL_CALLS
             results.append(choice.result(index, finish, raw))

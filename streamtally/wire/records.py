@@ -18,6 +18,7 @@ from streamtally.core.models import USAGE_FIELDS, FinishReason, Source, Usage, u
 from streamtally.core.money import COST_PRECISION, COST_SCALE, scaled_cost
 
 __all__ = [
+    "CANCELLED_END",
     "COST_PRECISION",
     "COST_SCALE",
     "ENGINE_PAYLOAD_TYPES",
@@ -47,6 +48,12 @@ class EventKind(StrEnum):
     END = "end"
 
 
+#: The `event` of an SSE END marker that says the request was cancelled (its client went
+#: away mid-stream): the worker closes it `cancelled` with the usage seen so far.  Plain END
+#: markers carry "message".  No schema change: a reader that does not know it sees an END.
+CANCELLED_END: Final = "cancelled"
+
+
 def _check_common(request_id: str, seq: int, received_at: datetime) -> None:
     if not request_id:
         raise ValueError("request_id must not be empty")
@@ -66,6 +73,8 @@ class RawSseEvent:
 
     `kind=END` is the end-of-stream marker the producer writes after the
     request's last event; it carries no event (`event="message"`, `data=""`).
+    An END whose `event` is `CANCELLED_END` marks a request cancelled
+    mid-stream (`RawSseEvent.end(..., cancelled=True)`, `cancelled`).
     """
 
     request_id: str
@@ -83,11 +92,23 @@ class RawSseEvent:
         if not self.source.is_sse:
             raise ValueError(f"source {self.source.value!r} is not an SSE source")
 
+    @property
+    def cancelled(self) -> bool:
+        """True for the END marker of a request cancelled mid-stream."""
+        return self.kind is EventKind.END and self.event == CANCELLED_END
+
     @classmethod
     def end(
-        cls, *, request_id: str, seq: int, source: Source, tenant: str, received_at: datetime
+        cls,
+        *,
+        request_id: str,
+        seq: int,
+        source: Source,
+        tenant: str,
+        received_at: datetime,
+        cancelled: bool = False,
     ) -> RawSseEvent:
-        """The end-of-stream marker of a request."""
+        """The end-of-stream marker of a request; `cancelled`: its client went away."""
         return cls(
             request_id=request_id,
             seq=seq,
@@ -95,6 +116,7 @@ class RawSseEvent:
             tenant=tenant,
             received_at=received_at,
             kind=EventKind.END,
+            event=CANCELLED_END if cancelled else "message",
         )
 
 
@@ -128,6 +150,11 @@ class RawEngineOutput:
             raise ValueError("an END marker carries no payload")
         if self.kind is EventKind.EVENT and self.payload is None:
             raise ValueError("an EVENT needs a payload")
+
+    @property
+    def cancelled(self) -> bool:
+        """Always False: an engine END has no field to say so (plain END, closed `error`)."""
+        return False
 
     @property
     def payload_type(self) -> str:

@@ -80,6 +80,7 @@ def test_json_format_is_one_object_per_line() -> None:
 EVERY_COMMAND = [
     ["fold", "--source", "openai", "f.sse"],
     ["produce", "--source", "openai", "f.sse"],
+    ["proxy", "--upstream", "http://127.0.0.1:9"],
     ["worker"],
     ["tokens", "get", "r1"],
     ["usage"],

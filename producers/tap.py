@@ -1,0 +1,555 @@
+"""The tap: a live request's raw events to Kafka as they arrive, for Python gateways.
+
+    async with Tap("localhost:9092", namespace="streamtally") as tap:
+        async with tap.request(Source.OPENAI, tenant="acme") as req:
+            async for chunk in upstream_body:
+                await req.feed(chunk)  # raw bytes: decoded to SSE events here
+                # or: await req.event(SseEvent(data)) / await req.event(engine_output_dict)
+
+Each event becomes one raw record, stamped with its receive time (an aware
+UTC clock), and is handed to one background task that gives it to the Kafka
+client, which batches; nothing waits for a request's end.  On a normal exit
+of `request` the END marker follows; on an exception or a cancellation (the
+client went away mid-stream) the END marker says `cancelled`
+(`RawSseEvent.end(..., cancelled=True)`) and the worker closes the request
+`cancelled` with the usage seen so far.  Engine records have no field for it:
+their END is plain, and the worker closes such a request `error`.
+
+Bounded, never blocking: at most `max_buffered` records wait in the tap or in
+the Kafka client, unacknowledged.  When Kafka is slow and the bound is
+reached, an event waits for room at most `budget_s`; what still does not fit
+is dropped, counted (`TapStats.dropped_over_budget`) and logged.  A dropped
+event keeps its sequence number, so the worker sees the gap and closes the
+request `error` ("raw events missing") after its timeout: a loss is never
+silent.  END markers are never dropped (one per request beyond the bound).
+Records Kafka refuses count as `failed`, acknowledged ones as `sent`.
+
+The request id.  Given (`request_id=`), it keys every record from the first.
+Otherwise it is the provider's id, found in the stream as `streamtally fold`
+finds it (the first event carries it for every SSE source): events wait in
+the request until it is known, at most `id_wait_events` of them; a stream
+that ends before naming one gets `streamtally produce`'s fallback
+(``sha256-`` of its bytes, when they all came through `feed`), and one that
+goes on without naming one a random ``tap-`` id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import uuid
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
+from types import TracebackType
+from typing import Any, Protocol
+
+from streamtally.core.adapters.base import Adapter, AdapterOptions
+from streamtally.core.models import Source, utc_now
+from streamtally.core.normalize import ADAPTERS, fallback_request_id, make_adapter
+from streamtally.core.sse import SseDecoder, SseEvent
+from streamtally.errors import InvalidEvent
+from streamtally.producers.raw import RawProducer
+from streamtally.topics import DEFAULT_NAMESPACE
+from streamtally.wire import avro
+from streamtally.wire.records import RawEngineOutput, RawSseEvent
+
+__all__ = ["Sender", "Tap", "TapRequest", "TapStats"]
+
+log = logging.getLogger("streamtally.producers.tap")
+
+#: Default seconds an event may wait for room in the buffer.
+DEFAULT_BUDGET_S = 0.005
+#: Default records waiting in the tap or the Kafka client, unacknowledged.
+DEFAULT_MAX_BUFFERED = 10_000
+#: Default events a request without a given id holds until the provider's id shows.
+DEFAULT_ID_WAIT_EVENTS = 16
+
+
+class Sender(Protocol):
+    """What the tap sends through (`RawProducer`'s `send`, plus a start and a stop)."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
+        """Queue one record; the future resolves when Kafka has it (or fails)."""
+        ...
+
+
+class _KafkaSender:
+    """A `RawProducer` (idempotent, batching) as a `Sender`."""
+
+    def __init__(self, bootstrap_servers: str, namespace: str, linger_ms: int) -> None:
+        self._producer = RawProducer(bootstrap_servers, namespace=namespace, linger_ms=linger_ms)
+
+    async def start(self) -> None:
+        await self._producer.__aenter__()
+
+    async def stop(self) -> None:
+        await self._producer.__aexit__(None, None, None)
+
+    async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
+        return await self._producer.send(source, request_id, value)
+
+
+@dataclass(slots=True)
+class TapStats:
+    """Counts of the tap's records since it started."""
+
+    #: Records Kafka acknowledged (events and END markers).
+    sent: int = 0
+    #: Events dropped because they found no room in the buffer within the budget.
+    dropped_over_budget: int = 0
+    #: Records that could not be encoded or that Kafka refused.
+    failed: int = 0
+    #: Requests ended, and those of them ended as cancelled.
+    requests: int = 0
+    cancelled: int = 0
+
+
+class Tap:
+    """Streams raw events of live requests to the raw topics (see the module docstring)."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str | None = None,
+        *,
+        namespace: str = DEFAULT_NAMESPACE,
+        budget_s: float = DEFAULT_BUDGET_S,
+        max_buffered: int = DEFAULT_MAX_BUFFERED,
+        id_wait_events: int = DEFAULT_ID_WAIT_EVENTS,
+        linger_ms: int = 5,
+        sender: Sender | None = None,
+        clock: Callable[[], datetime] = utc_now,
+        options: AdapterOptions | None = None,
+    ) -> None:
+        if budget_s < 0:
+            raise ValueError(f"budget_s must be >= 0, got {budget_s}")
+        if max_buffered < 1:
+            raise ValueError(f"max_buffered must be >= 1, got {max_buffered}")
+        if sender is None:
+            if bootstrap_servers is None:
+                raise ValueError("give bootstrap_servers (or a sender)")
+            sender = _KafkaSender(bootstrap_servers, namespace, linger_ms)
+        self.budget_s = budget_s
+        self.max_buffered = max_buffered
+        self.id_wait_events = max(1, id_wait_events)
+        self.clock = clock
+        self.options = options
+        self.stats = TapStats()
+        self._sender = sender
+        self._queue: deque[tuple[Source, str, bytes]] = deque()
+        #: Records queued here or given to the sender and not yet acknowledged.
+        self._buffered = 0
+        self._ready = asyncio.Event()  # the queue has something (or the tap is closing)
+        self._space = asyncio.Event()  # a buffered record went away
+        self._closing = False
+        self._pump_task: asyncio.Task[None] | None = None
+
+    @property
+    def buffered(self) -> int:
+        """Records waiting in the tap or in the Kafka client, unacknowledged."""
+        return self._buffered
+
+    async def start(self) -> Tap:
+        await self._sender.start()
+        self._pump_task = asyncio.create_task(self._pump(), name="streamtally-tap")
+        return self
+
+    async def close(self, timeout: float = 30.0) -> None:
+        """Send what is buffered (at most `timeout` seconds), then stop the Kafka client."""
+        self._closing = True
+        self._ready.set()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        if self._pump_task is not None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self._pump_task), timeout)
+            except TimeoutError:
+                self._pump_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._pump_task
+        while self._buffered > len(self._queue) and loop.time() < deadline:
+            self._space.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._space.wait(), deadline - loop.time())
+        if self._queue:
+            left = len(self._queue)
+            self._queue.clear()
+            self._buffered -= left
+            self.stats.failed += left
+            log.error("tap closed with %d records not sent within %gs", left, timeout)
+        await self._sender.stop()
+        await asyncio.sleep(0)  # the last acknowledgements' callbacks
+        if self._buffered:
+            log.error("tap closed with %d records not acknowledged by Kafka", self._buffered)
+
+    async def __aenter__(self) -> Tap:
+        return await self.start()
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    def request(
+        self,
+        source: Source,
+        *,
+        tenant: str,
+        request_id: str | None = None,
+        model: str | None = None,
+    ) -> TapRequest:
+        """One request's tap, an async context manager (see `TapRequest`)."""
+        if not tenant:
+            raise ValueError("tenant must not be empty")
+        return TapRequest(self, source, tenant=tenant, request_id=request_id, model=model)
+
+    # ------------------------------------------------------------------ buffering
+
+    async def _room(self, wanted: int) -> int:
+        """How many of `wanted` records fit, waiting at most the budget for room."""
+        if self._buffered + wanted <= self.max_buffered:
+            return wanted
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.budget_s
+        while self._buffered + wanted > self.max_buffered:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            self._space.clear()
+            try:
+                await asyncio.wait_for(self._space.wait(), remaining)
+            except TimeoutError:
+                break
+        return max(0, min(wanted, self.max_buffered - self._buffered))
+
+    def _room_now(self, wanted: int) -> int:
+        return max(0, min(wanted, self.max_buffered - self._buffered))
+
+    def _put(self, source: Source, request_id: str, value: bytes) -> None:
+        self._queue.append((source, request_id, value))
+        self._buffered += 1
+        self._ready.set()
+
+    async def _pump(self) -> None:
+        """Hand queued records to the sender, in order; count what Kafka says of each."""
+        queue = self._queue
+        while True:
+            while not queue:
+                if self._closing:
+                    return
+                self._ready.clear()
+                await self._ready.wait()
+            source, request_id, value = queue.popleft()
+            try:
+                future = await self._sender.send(source, request_id, value)
+            except Exception as exc:  # noqa: BLE001 - counted and logged; the tap goes on
+                self._gone(failed=exc, request_id=request_id)
+                continue
+            future.add_done_callback(self._acked)
+
+    def _acked(self, future: asyncio.Future[Any]) -> None:
+        if future.cancelled():
+            self._gone(failed=asyncio.CancelledError(), request_id=None)
+        elif (exc := future.exception()) is not None:
+            self._gone(failed=exc, request_id=None)
+        else:
+            self._gone(failed=None, request_id=None)
+
+    def _gone(self, *, failed: BaseException | None, request_id: str | None) -> None:
+        self._buffered -= 1
+        self._space.set()
+        if failed is None:
+            self.stats.sent += 1
+            return
+        self.stats.failed += 1
+        log.error(
+            "tap: Kafka did not take a record%s: %r",
+            f" of request {request_id!r}" if request_id else "",
+            failed,
+        )
+
+
+class TapRequest:
+    """One live request: `event` / `feed` as it streams; END (or cancelled END) on exit."""
+
+    def __init__(
+        self,
+        tap: Tap,
+        source: Source,
+        *,
+        tenant: str,
+        request_id: str | None,
+        model: str | None,
+    ) -> None:
+        self.tap = tap
+        self.source = source
+        self.tenant = tenant
+        self.model = model
+        self._request_id = request_id or None
+        self._finder: Adapter | None = (
+            make_adapter(source, tap.options) if self._request_id is None else None
+        )
+        self._held: list[tuple[Any, datetime]] = []
+        self._seq = 0
+        self._decoder: SseDecoder | None = None
+        self._lines = bytearray()
+        #: The bytes `feed` had while the request id is unknown (for the fallback id);
+        #: None once it is known, or once an event came through `event` (no bytes).
+        self._raw: bytearray | None = bytearray() if self._request_id is None else None
+        self._ended = False
+        #: Events of this request dropped over budget.
+        self.dropped = 0
+
+    @property
+    def request_id(self) -> str | None:
+        """The request id, once known (given, or found in the stream)."""
+        return self._request_id
+
+    async def __aenter__(self) -> TapRequest:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.end(cancelled=exc_type is not None)
+
+    async def feed(self, data: bytes) -> None:
+        """Raw bytes of the response body as they arrive: SSE, or engine JSON lines."""
+        if self._raw is not None:
+            if self._request_id is None:
+                self._raw += data
+            else:
+                self._raw = None
+        if self.source.is_sse:
+            if self._decoder is None:
+                self._decoder = SseDecoder()
+            for event in self._decoder.feed(data):
+                await self._event(event)
+            return
+        self._lines += data
+        *lines, rest = self._lines.split(b"\n")
+        self._lines = bytearray(rest)
+        for line in lines:
+            await self._engine_line(bytes(line))
+
+    async def event(self, event: SseEvent | dict[str, Any]) -> None:
+        """One raw event: an `SseEvent`, or an engine output (the dict its JSON line parses to)."""
+        self._raw = None
+        await self._event(event)
+
+    async def _engine_line(self, line: bytes) -> None:
+        if not line.strip():
+            return
+        try:
+            value = json.loads(line)
+        except ValueError as exc:
+            log.warning(
+                "tap: request %s (%s): a line that is not JSON was not sent: %s",
+                self._request_id,
+                self.source.value,
+                exc,
+            )
+            return
+        await self._event(value)
+
+    async def _event(self, event: Any) -> None:
+        if self._ended:
+            raise RuntimeError("the request has ended")
+        received = self.tap.clock()
+        if self._request_id is None:
+            self._held.append((event, received))
+            self._find_id(event)
+            if self._request_id is None:
+                if len(self._held) < self.tap.id_wait_events:
+                    return
+                self._request_id = "tap-" + uuid.uuid4().hex
+                log.warning(
+                    "tap: no %s request id in the first %d events: sent as %s",
+                    self.source.value,
+                    len(self._held),
+                    self._request_id,
+                )
+            held, self._held = self._held, []
+            room = await self.tap._room(len(held))
+            self._send_held(held, room)
+            return
+        if await self.tap._room(1):
+            self._send(event, received)
+        else:
+            self._drop(1)
+
+    def _find_id(self, event: Any) -> None:
+        finder = self._finder
+        assert finder is not None
+        try:
+            finder.feed(event)
+        except InvalidEvent:
+            return  # the worker dead-letters it; the id may still come
+        if finder.provider_request_id is not None:
+            self._request_id = finder.provider_request_id
+            self._finder = None
+
+    def _send_held(self, held: list[tuple[Any, datetime]], room: int) -> None:
+        for event, received in held[:room]:
+            self._send(event, received)
+        if len(held) > room:
+            self._drop(len(held) - room)
+
+    def _send(self, event: Any, received: datetime) -> None:
+        """Encode the next event and queue it (its sequence number is taken even on failure)."""
+        request_id = self._request_id
+        assert request_id is not None
+        seq = self._seq
+        self._seq += 1
+        try:
+            if self.source.is_sse:
+                value = avro.encode_raw_sse_event(
+                    RawSseEvent(
+                        request_id=request_id,
+                        seq=seq,
+                        source=self.source,
+                        tenant=self.tenant,
+                        received_at=received,
+                        event=event.event,
+                        data=event.data,
+                        sse_id=event.id,
+                    )
+                )
+            else:
+                value = avro.encode_raw_engine_output(
+                    RawEngineOutput(
+                        request_id=request_id,
+                        seq=seq,
+                        source=self.source,
+                        tenant=self.tenant,
+                        received_at=received,
+                        payload=event,
+                        model=self.model,
+                    )
+                )
+        except Exception as exc:  # noqa: BLE001 - counted and logged, never the caller's
+            self.tap.stats.failed += 1
+            log.error(
+                "tap: event %d of request %s (%s) could not be encoded: %r",
+                seq,
+                request_id,
+                self.source.value,
+                exc,
+            )
+            return
+        self.tap._put(self.source, request_id, value)
+
+    def _drop(self, count: int) -> None:
+        first = self.dropped == 0
+        self.dropped += count
+        self._seq += count  # the gap tells the worker that events are missing
+        self.tap.stats.dropped_over_budget += count
+        if first:
+            log.warning(
+                "tap: request %s (%s, tenant %s): Kafka is behind, %d buffered; "
+                "event %d dropped after waiting %gs",
+                self._request_id,
+                self.source.value,
+                self.tenant,
+                self.tap.buffered,
+                self._seq - count,
+                self.tap.budget_s,
+            )
+
+    def end(self, *, cancelled: bool = False) -> None:
+        """The request is over: its END marker (cancelled: the client went away); never waits.
+
+        `async with` calls it; calling it again does nothing.
+        """
+        if self._ended:
+            return
+        if not cancelled:
+            self._drain_bytes()
+        self._ended = True
+        if self._request_id is None:
+            if self._held and self._raw is not None:
+                self._request_id = fallback_request_id(bytes(self._raw))
+            else:
+                self._request_id = "tap-" + uuid.uuid4().hex
+        if self._held:
+            held, self._held = self._held, []
+            self._send_held(held, self.tap._room_now(len(held)))
+        if self.dropped:
+            log.warning(
+                "tap: request %s (%s, tenant %s): %d events dropped over budget",
+                self._request_id,
+                self.source.value,
+                self.tenant,
+                self.dropped,
+            )
+        if self._seq == 0:
+            return  # no event: nothing to end (the worker refuses a lone END)
+        self.tap.stats.requests += 1
+        if cancelled and self.source.is_sse:
+            self.tap.stats.cancelled += 1
+        received = self.tap.clock()
+        if self.source.is_sse:
+            value = avro.encode_raw_sse_event(
+                RawSseEvent.end(
+                    request_id=self._request_id,
+                    seq=self._seq,
+                    source=self.source,
+                    tenant=self.tenant,
+                    received_at=received,
+                    cancelled=cancelled,
+                )
+            )
+        else:
+            value = avro.encode_raw_engine_output(
+                RawEngineOutput.end(
+                    request_id=self._request_id,
+                    seq=self._seq,
+                    source=self.source,
+                    tenant=self.tenant,
+                    received_at=received,
+                    model=self.model,
+                )
+            )
+        self._seq += 1
+        self.tap._put(self.source, self._request_id, value)
+
+    def _drain_bytes(self) -> None:
+        """At a normal end: what the byte decoders still hold (Gemini's raw JSON error tail)."""
+        if self._decoder is not None:
+            events = self._decoder.close()
+            taken = ADAPTERS[self.source].take_trailing_body(self._decoder.trailing_non_sse())
+            if taken is not None:
+                events.append(taken)
+            for event in events:
+                self._event_now(event)
+        elif self._lines.strip():
+            line, self._lines = bytes(self._lines), bytearray()
+            try:
+                self._event_now(json.loads(line))
+            except ValueError as exc:
+                log.warning("tap: a last line that is not JSON was not sent: %s", exc)
+
+    def _event_now(self, event: Any) -> None:
+        """`_event` without waiting: at the end, only what fits now is sent."""
+        received = self.tap.clock()
+        if self._request_id is None:
+            self._held.append((event, received))
+            self._find_id(event)
+            return
+        if self.tap._room_now(1):
+            self._send(event, received)
+        else:
+            self._drop(1)

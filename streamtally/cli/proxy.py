@@ -1,0 +1,335 @@
+"""`streamtally proxy`: a reverse proxy that taps the LLM traffic going through it.
+
+Requests are forwarded to the upstream as they came (method, path and query,
+headers but the hop-by-hop ones, body bytes); responses come back unchanged,
+streamed chunk by chunk.  On the way, the response of a known API call is
+teed to the raw topic through a `Tap`: each SSE event as it passes, or the
+JSON body of a non-streaming call once it is complete.  The tenant is the
+value of a request header (`X-Tenant` by default); the request id is the
+provider's, found in the stream.  A client that goes away mid-stream ends
+its request as cancelled; an upstream that breaks off ends it plainly (the
+worker closes it `error`).
+
+Which calls are tapped (by path): `/chat/completions` (openai),
+`/responses` (openai-responses), `/messages` (anthropic),
+`:streamGenerateContent` and `:generateContent` (gemini); 2xx responses only,
+not content-encoded ones other than gzip and deflate.  Non-streaming bodies are
+tapped for openai and gemini (their whole body is one event the fold reads);
+for openai-responses and anthropic they are forwarded only, and logged.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import zlib
+from dataclasses import dataclass
+from typing import Any, Final
+
+from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiokafka.errors import KafkaError
+from yarl import URL
+
+from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._output import say
+from streamtally.core.models import Source
+from streamtally.core.sse import SseEvent
+from streamtally.errors import InputError, StackError
+from streamtally.producers import Tap, TapRequest
+from streamtally.settings import Settings
+from streamtally.topics import Topics
+from streamtally.wire.kafka import ensure_topics
+
+__all__ = ["ProxyServer", "add_parser", "source_of"]
+
+log = logging.getLogger("streamtally.cli.proxy")
+
+#: Headers of one hop only (RFC 9110 7.6.1), never forwarded; Host and lengths are redone.
+_HOP_BY_HOP: Final = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+#: Headers aiohttp's client would add on its own: only those the client sent go upstream.
+_AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+#: Bytes of a non-streaming body the tap keeps (a raw record's limit).
+MAX_BODY_BYTES: Final = 4 << 20
+#: Sources whose non-streaming JSON body is one event their fold reads whole.
+_WHOLE_BODY: Final = frozenset({Source.OPENAI, Source.GEMINI})
+
+
+def source_of(path: str) -> Source | None:
+    """The wire format of an API call, from its path; None: not tapped."""
+    if path.endswith(":streamGenerateContent") or path.endswith(":generateContent"):
+        return Source.GEMINI
+    if path.endswith("/chat/completions"):
+        return Source.OPENAI
+    if path.endswith("/responses"):
+        return Source.OPENAI_RESPONSES
+    if path.endswith("/messages"):
+        return Source.ANTHROPIC
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    host: str
+    port: int
+
+
+def listen_address(value: str) -> Listen:
+    host, sep, port = value.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise argparse.ArgumentTypeError(f"not HOST:PORT: {value!r}")
+    return Listen(host.strip("[]") or "127.0.0.1", int(port))
+
+
+def upstream_url(value: str) -> str:
+    url = URL(value)
+    if url.scheme not in ("http", "https") or not url.host:
+        raise argparse.ArgumentTypeError(f"not an http(s) URL: {value!r}")
+    return value.rstrip("/")
+
+
+class ProxyServer:
+    """The proxy: an aiohttp server whose every request goes to `upstream`, tapped."""
+
+    def __init__(self, upstream: str, tap: Tap, *, tenant_header: str = "X-Tenant") -> None:
+        self.upstream = upstream.rstrip("/")
+        self.tap = tap
+        self.tenant_header = tenant_header
+        self._session: ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        #: Requests forwarded, and tapped ones (a `Tap` request each).
+        self.forwarded = 0
+        self.tapped = 0
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on `host`:`port` (0: any free port); returns the port."""
+        self._session = ClientSession(
+            connector=TCPConnector(limit=0),
+            auto_decompress=False,
+            timeout=ClientTimeout(total=None, sock_connect=30),
+        )
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        # A client that goes away cancels its handler: its request ends as cancelled.
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port)
+        await site.start()
+        bound = [address for address in self._runner.addresses if isinstance(address, tuple)]
+        return int(bound[0][1]) if bound else port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        assert self._session is not None
+        self.forwarded += 1
+        body = await request.read()
+        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        url = URL(self.upstream + request.raw_path, encoded=True)
+        try:
+            upstream = await self._session.request(
+                request.method,
+                url,
+                headers=headers,
+                data=body if body else None,
+                skip_auto_headers=_AUTO_HEADERS,
+                allow_redirects=False,
+            )
+        except (ClientError, OSError) as exc:
+            log.warning("upstream %s failed: %r", self.upstream, exc)
+            return web.Response(status=502, text=f"bad gateway: {exc}\n")
+        async with upstream:
+            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+            for name, value in upstream.headers.items():
+                if name.lower() not in _HOP_BY_HOP or name.lower() == "content-length":
+                    response.headers.add(name, value)
+            await response.prepare(request)
+            tee = self._tee(request, upstream.status, upstream.headers)
+            if tee is None:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+            else:
+                await self._stream_tapped(request, upstream, response, tee)
+            await response.write_eof()
+        return response
+
+    def _tee(self, request: web.Request, status: int, headers: Any) -> _Tee | None:
+        source = source_of(request.path)
+        if source is None or not 200 <= status < 300:
+            return None
+        encoding = headers.get("Content-Encoding", "identity").lower()
+        if encoding not in ("identity", "gzip", "deflate"):
+            log.warning("%s: a %s body is not tapped", request.path, encoding)
+            return None
+        streaming = headers.get("Content-Type", "").lower().startswith("text/event-stream")
+        if not streaming and source not in _WHOLE_BODY:
+            log.warning(
+                "%s: a non-streaming %s body is forwarded, not tapped", request.path, source.value
+            )
+            return None
+        tenant = request.headers.get(self.tenant_header) or "default"
+        return _Tee(self.tap.request(source, tenant=tenant), streaming, encoding)
+
+    async def _stream_tapped(
+        self, request: web.Request, upstream: Any, response: web.StreamResponse, tee: _Tee
+    ) -> None:
+        self.tapped += 1
+        req = tee.request
+        cancelled = True
+        try:
+            try:
+                async for chunk in upstream.content.iter_any():
+                    await response.write(chunk)
+                    await tee.feed(chunk)
+            except ClientError as exc:  # the upstream broke off: a plain end (`error`)
+                log.warning("upstream broke off %s: %r", request.path, exc)
+                cancelled = False
+                raise
+            await tee.close()
+            cancelled = False
+        finally:
+            req.end(cancelled=cancelled)
+
+
+class _Tee:
+    """What of a response goes to the tap: decoded, then fed as SSE or kept whole."""
+
+    def __init__(self, request: TapRequest, streaming: bool, encoding: str) -> None:
+        self.request = request
+        self.streaming = streaming
+        self._inflate = (
+            zlib.decompressobj(wbits=47 if encoding == "gzip" else zlib.MAX_WBITS)
+            if encoding != "identity"
+            else None
+        )
+        self._body = bytearray()
+        self._too_big = False
+
+    async def feed(self, chunk: bytes) -> None:
+        if self._inflate is not None:
+            chunk = self._inflate.decompress(chunk)
+        if self.streaming:
+            await self.request.feed(chunk)
+        elif not self._too_big:
+            self._body += chunk
+            if len(self._body) > MAX_BODY_BYTES:
+                self._too_big = True
+                self._body = bytearray()
+                log.warning("a body over %d bytes is not tapped", MAX_BODY_BYTES)
+
+    async def close(self) -> None:
+        if self.streaming or self._too_big or not self._body:
+            return
+        text = self._body.decode("utf-8", errors="replace")
+        if self.request.source is Source.GEMINI and text.lstrip().startswith("["):
+            try:  # streamGenerateContent without alt=sse: a JSON array of chunks
+                parts = json.loads(text)
+            except ValueError:
+                parts = None
+            if isinstance(parts, list):
+                for part in parts:
+                    await self.request.event(SseEvent(json.dumps(part, ensure_ascii=False)))
+                return
+        await self.request.event(SseEvent(text))
+
+
+def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = subparsers.add_parser(
+        "proxy",
+        help="a reverse proxy that taps LLM API traffic to the raw topics",
+        description=(
+            "Forward every request to --upstream unchanged and stream the response back,\n"
+            "teeing the SSE events (or the JSON body) of OpenAI, Anthropic and Gemini calls\n"
+            "to the raw topics, billed to the tenant named by --tenant-header."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--upstream", required=True, type=upstream_url, metavar="URL", help="where to forward"
+    )
+    parser.add_argument(
+        "--listen",
+        type=listen_address,
+        default=Listen("127.0.0.1", 8080),
+        metavar="HOST:PORT",
+        help="where to listen (default: 127.0.0.1:8080)",
+    )
+    parser.add_argument(
+        "--tenant-header",
+        default="X-Tenant",
+        metavar="NAME",
+        help="request header naming the tenant (default: X-Tenant; absent: default)",
+    )
+    parser.add_argument(
+        "--budget-ms",
+        type=float,
+        default=5.0,
+        metavar="MS",
+        help="longest wait of one event for room in the tap's buffer (default: 5)",
+    )
+    parser.add_argument(
+        "--bootstrap-servers", type=bootstrap_servers, metavar="HOST:PORT", help="Kafka to use"
+    )
+    parser.set_defaults(func=run)
+
+
+async def _serve(args: argparse.Namespace, servers: str, namespace: str) -> int:
+    await ensure_topics(servers, Topics.in_namespace(namespace).all)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(signum, stop.set)
+    async with Tap(servers, namespace=namespace, budget_s=args.budget_ms / 1000) as tap:
+        proxy = ProxyServer(args.upstream, tap, tenant_header=args.tenant_header)
+        try:
+            port = await proxy.start(args.listen.host, args.listen.port)
+        except OSError as exc:
+            raise InputError(
+                f"cannot listen on {args.listen.host}:{args.listen.port}: {exc}"
+            ) from exc
+        say(f"proxy: listening on {args.listen.host}:{port}, forwarding to {args.upstream}")
+        try:
+            await stop.wait()
+        finally:
+            await proxy.stop()
+    stats = tap.stats  # once the tap has sent what it had
+    say(
+        f"proxy: {proxy.forwarded} requests forwarded, {proxy.tapped} tapped; records "
+        f"sent {stats.sent}, dropped over budget {stats.dropped_over_budget}, "
+        f"failed {stats.failed}"
+    )
+    return 0
+
+
+def run(args: argparse.Namespace, settings: Settings) -> int:
+    if args.budget_ms < 0:
+        raise InputError("--budget-ms must be >= 0")
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    servers = args.bootstrap_servers or settings.bootstrap_servers
+    with contextlib.suppress(KeyboardInterrupt):
+        try:
+            return asyncio.run(_serve(args, servers, settings.namespace))
+        except KafkaError as exc:
+            raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc
+    return 0

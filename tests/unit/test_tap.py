@@ -1,0 +1,284 @@
+"""`Tap` (producers/tap.py) with a fake sender: order, ids, budget, backpressure, ends.
+
+The fake sender records what it is given and resolves each record's future
+at once, or holds it until the test lets it go (Kafka slow).  What the tap
+sent is then fed to a `RequestProcessor`, the worker's logic, to check how
+the worker closes the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from streamtally.core.fold import NO_FINISH
+from streamtally.core.models import FinishReason, Source, Tokens
+from streamtally.core.normalize import fallback_request_id, fold_stream, read_events
+from streamtally.core.pricing import PriceTable
+from streamtally.core.sse import SseEvent
+from streamtally.processors.requests import Outputs, Position, RequestProcessor
+from streamtally.producers import Tap
+from streamtally.topics import Topics, encode_key
+from streamtally.wire import avro
+from streamtally.wire.records import EventKind, RawSseEvent
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
+TEXT = SAMPLES / "openai" / "text_usage.sse"
+TOPICS = Topics.in_namespace()
+
+
+class FakeSender:
+    """Records (source, key, value); `hold` keeps the futures unresolved until `release`."""
+
+    def __init__(self, *, hold: bool = False, fail: bool = False) -> None:
+        self.hold = hold
+        self.fail = fail
+        self.records: list[tuple[Source, str, bytes]] = []
+        self.pending: list[asyncio.Future[Any]] = []
+        self.started = self.stopped = False
+
+    async def start(self) -> None:
+        self.started = True
+
+    async def stop(self) -> None:
+        self.stopped = True
+
+    async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
+        self.records.append((source, request_id, value))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        if self.fail:
+            future.set_exception(RuntimeError("broker said no"))
+        elif self.hold:
+            self.pending.append(future)
+        else:
+            future.set_result(None)
+        return future
+
+    def release(self, count: int | None = None) -> None:
+        count = len(self.pending) if count is None else count
+        for future in self.pending[:count]:
+            future.set_result(None)
+        del self.pending[:count]
+
+    def decoded(self) -> list[RawSseEvent]:
+        return [avro.decode_raw_sse_event(value) for _, _, value in self.records]
+
+
+def events_of(path: Path) -> list[SseEvent]:
+    return list(read_events(Source.OPENAI, path.open("rb")))
+
+
+async def settle() -> None:
+    """Let the tap's pump hand over what is queued."""
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def worker_tokens(sender: FakeSender) -> tuple[list[Tokens], Outputs]:
+    """What the worker's logic makes of the records the tap sent."""
+    processor = RequestProcessor(PriceTable.default(), timeout=60.0)
+    out = Outputs()
+    for offset, (_, key, value) in enumerate(sender.records):
+        out.extend(
+            processor.handle_sse(
+                encode_key(key), value, Position(TOPICS.raw_sse.name, 0, offset, None)
+            )
+        )
+    return [done.tokens for done in out.completed], out
+
+
+async def test_events_go_out_in_order_under_the_provider_id_then_end() -> None:
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap, tap.request(Source.OPENAI, tenant="acme") as req:
+        for event in events_of(TEXT):
+            await req.event(event)
+        await settle()
+        assert sender.records, "events are sent as they come, before the end"
+    assert sender.started
+    assert sender.stopped
+    records = sender.decoded()
+    expected = fold_stream(Source.OPENAI, events_of(TEXT))
+    assert {r.request_id for r in records} == {expected.request_id}
+    assert [r.seq for r in records] == list(range(len(records)))
+    assert [r.kind for r in records] == [EventKind.EVENT] * (len(records) - 1) + [EventKind.END]
+    assert not records[-1].cancelled
+    assert all(r.tenant == "acme" and r.received_at.tzinfo is not None for r in records)
+    assert tap.stats.sent == len(records)
+    assert tap.stats.requests == 1
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens == expected
+
+
+async def test_feeding_bytes_in_small_pieces_sends_the_same_events() -> None:
+    data = TEXT.read_bytes()
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap, tap.request(Source.OPENAI, tenant="acme") as req:
+        for start in range(0, len(data), 7):
+            await req.feed(data[start : start + 7])
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens == fold_stream(Source.OPENAI, events_of(TEXT))
+
+
+async def test_a_stream_without_an_id_gets_the_fallback_of_produce() -> None:
+    data = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap, tap.request(Source.OPENAI, tenant="acme") as req:
+        await req.feed(data)
+    assert {r.request_id for r in sender.decoded()} == {fallback_request_id(data)}
+
+
+async def test_a_given_request_id_keys_every_record() -> None:
+    sender = FakeSender()
+    tap = Tap(sender=sender)
+    async with tap, tap.request(Source.OPENAI, tenant="acme", request_id="gw-1") as req:
+        await req.event(events_of(TEXT)[0])
+        assert req.request_id == "gw-1"
+    assert {key for _, key, _ in sender.records} == {"gw-1"}
+
+
+async def test_cancellation_mid_stream_ends_the_request_cancelled() -> None:
+    sender = FakeSender()
+    events = events_of(TEXT)
+    streaming = asyncio.Event()
+
+    async def gateway(tap: Tap) -> None:
+        async with tap.request(Source.OPENAI, tenant="acme") as req:
+            for event in events[:2]:
+                await req.event(event)
+            streaming.set()
+            await asyncio.sleep(3600)  # the client goes away while we wait upstream
+
+    async with Tap(sender=sender) as tap:
+        task = asyncio.create_task(gateway(tap))
+        await streaming.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    records = sender.decoded()
+    assert [r.kind for r in records] == [EventKind.EVENT, EventKind.EVENT, EventKind.END]
+    assert records[-1].cancelled
+    assert records[-1].event == "cancelled"
+    assert tap.stats.cancelled == 1
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens.finish_reason is FinishReason.CANCELLED
+    assert tokens.finish_reason_raw is None
+    assert tokens.error is None
+    assert tokens.text == fold_stream(Source.OPENAI, events[:2]).text
+
+
+async def test_an_exception_ends_the_request_cancelled_and_propagates() -> None:
+    sender = FakeSender()
+
+    async def gateway() -> None:
+        tap = Tap(sender=sender)
+        async with tap, tap.request(Source.OPENAI, tenant="acme") as req:
+            await req.event(events_of(TEXT)[0])
+            raise ConnectionResetError("client went away")
+
+    with pytest.raises(ConnectionResetError):
+        await gateway()
+    assert sender.decoded()[-1].cancelled
+
+
+async def test_a_request_that_finished_before_the_cancel_keeps_its_finish() -> None:
+    sender = FakeSender()
+
+    async def gateway() -> None:
+        tap = Tap(sender=sender)
+        async with tap, tap.request(Source.OPENAI, tenant="acme") as req:
+            for event in events_of(TEXT):
+                await req.event(event)
+            raise RuntimeError("after the last event")
+
+    with pytest.raises(RuntimeError):
+        await gateway()
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens == fold_stream(Source.OPENAI, events_of(TEXT))
+
+
+async def test_a_request_with_no_event_sends_nothing() -> None:
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap, tap.request(Source.OPENAI, tenant="acme"):
+        pass
+    assert sender.records == []
+    assert tap.stats.requests == 0
+
+
+async def test_over_budget_an_event_is_dropped_counted_and_the_worker_sees_the_gap() -> None:
+    sender = FakeSender(hold=True)  # Kafka acknowledges nothing
+    events = events_of(TEXT)
+    budget = 0.02
+    tap = await Tap(sender=sender, budget_s=budget, max_buffered=2).start()
+    async with tap.request(Source.OPENAI, tenant="acme") as req:
+        await req.event(events[0])
+        await req.event(events[1])
+        started = time.perf_counter()
+        await req.event(events[2])  # no room: waits the budget, then drops it
+        waited = time.perf_counter() - started
+        assert tap.stats.dropped_over_budget == 1
+        assert req.dropped == 1
+        assert budget * 0.9 <= waited < budget + 0.05, waited
+        sender.release()
+        await settle()
+        await req.event(events[3])  # room again: sent
+    sender.hold = False
+    sender.release()
+    await tap.close(timeout=1)
+    seqs = [r.seq for r in sender.decoded()]
+    assert seqs == [0, 1, 3, 4], "the dropped event keeps its number: a gap"
+    assert tap.stats.sent == 4
+    assert tap.stats.failed == 0
+    tokens, _out = worker_tokens(sender)
+    assert tokens == [], "the worker waits for the missing event (then closes it `error`)"
+
+
+async def test_backpressure_an_event_waits_for_room_within_the_budget() -> None:
+    sender = FakeSender(hold=True)
+    events = events_of(TEXT)
+    tap = await Tap(sender=sender, budget_s=1.0, max_buffered=1).start()
+    async with tap.request(Source.OPENAI, tenant="acme") as req:
+        await req.event(events[0])
+        await settle()
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, sender.release)  # Kafka catches up while the event waits
+        started = time.perf_counter()
+        await req.event(events[1])
+        assert 0.04 <= time.perf_counter() - started < 0.5
+        assert tap.stats.dropped_over_budget == 0
+        sender.hold = False
+    await settle()
+    sender.release()
+    await tap.close(timeout=1)
+    assert [r.seq for r in sender.decoded()] == [0, 1, 2]
+    assert tap.stats.sent == 3
+
+
+async def test_records_kafka_refuses_are_counted_failed() -> None:
+    sender = FakeSender(fail=True)
+    async with Tap(sender=sender) as tap, tap.request(Source.OPENAI, tenant="acme") as req:
+        await req.event(events_of(TEXT)[0])
+    assert tap.stats.failed == 2
+    assert tap.stats.sent == 0
+
+
+def test_the_fold_of_a_cancelled_request() -> None:
+    from streamtally.core.fold import Fold
+    from streamtally.core.normalize import Normalizer
+
+    normalizer = Normalizer(Source.OPENAI, "r1")
+    acc = Fold("r1", Source.OPENAI)
+    when = datetime(2026, 3, 1, tzinfo=UTC)
+    for i, event in enumerate(events_of(TEXT)[:2]):
+        for chunk in normalizer.feed(event, when + timedelta(seconds=i)):
+            acc.add(chunk)
+    assert acc.result().finish_reason is FinishReason.ERROR
+    assert acc.result().error == NO_FINISH
+    acc.cancel()
+    cancelled = acc.result()
+    assert cancelled.finish_reason is FinishReason.CANCELLED
+    assert cancelled.error is None
