@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import warnings
 from datetime import UTC, datetime
 from typing import Any
 
@@ -238,3 +240,20 @@ async def test_a_close_decided_otherwise_is_never_written_and_its_records_stay_h
     written = await Sinks(sink).write(out)
     assert [c.tokens.request_id for c in written.completed] == ["mine"]
     assert [c.tokens.request_id for c in sink.added[0].completed] == ["mine"]
+
+
+def test_an_idle_kafka_sink_closes_its_producer_on_stop() -> None:
+    """A worker stopped before it wrote anything reports no unclosed producer at exit."""
+
+    async def idle() -> Any:
+        sink = KafkaSink("127.0.0.1:1", Topics.in_namespace("unit"))
+        await sink.stop()  # never started: nothing was written
+        return sink._producer
+
+    producer = asyncio.run(idle())
+    assert producer._closed
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        del producer
+        gc.collect()
+    assert not [w for w in caught if "Unclosed AIOKafkaProducer" in str(w.message)]
