@@ -1,7 +1,8 @@
 """Refusing records: the edge and the limits, and every dead letter `RequestProcessor` makes.
 
-A message is refused before it reaches a request when it does not decode or
-its key is not its request id (`_read`), or when it would open a request
+A message is refused before it reaches a request when it does not decode,
+its key is not its request id, or (with a trust file) its signed tenant claim
+does not hold (`_read`), or when it would open a request
 beyond the limits (`_refused_by_limits`); whatever is refused, here or later,
 is dead-lettered with its reason by `_dead`.  What the edge refuses and the
 limits themselves are in `processors.limits`.
@@ -9,7 +10,7 @@ limits themselves are in `processors.limits`.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 
 from streamtally.core.identity import RequestRef
@@ -19,10 +20,16 @@ from streamtally.processors._state import _ProcessorState
 from streamtally.processors.limits import PERMANENT_ERRORS, TOMBSTONE, refused_at_the_edge
 from streamtally.processors.outputs import Outputs, Position
 from streamtally.wire.records import DeadLetter
+from streamtally.wire.tenant_keys import TenantTrust
 
 
 class _Refusals(_ProcessorState):
     """Reading a message, and dead-lettering what is refused (a layer of `RequestProcessor`)."""
+
+    #: The worker's trust file: with one, a record bills its tenant only when its
+    #: ``st-auth`` header is signed by a key that may claim it (else it is dead-lettered);
+    #: None: every producer is trusted (`streamtally.wire.tenant_keys`).
+    trust: TenantTrust | None = None
 
     def _refused_by_limits(self, tenant: str) -> InputError | None:
         limits = self.limits
@@ -45,6 +52,8 @@ class _Refusals(_ProcessorState):
         value: bytes | None,
         position: Position,
         out: Outputs,
+        *,
+        headers: Sequence[tuple[str, bytes]] = (),
     ) -> _Raw | None:
         self.counters.received += 1
         refused = refused_at_the_edge(key, value)
@@ -70,6 +79,26 @@ class _Refusals(_ProcessorState):
                 request_id=record.request_id,
             )
             return None
+        trust = self.trust
+        if trust is not None:
+            untrusted = trust.refusal(
+                headers,
+                tenant=record.tenant,
+                request_id=record.request_id,
+                seq=record.seq,
+                value=value,
+            )
+            if untrusted is not None:
+                self._refuse(
+                    out,
+                    untrusted,
+                    key,
+                    value,
+                    position,
+                    source=record.source.value,
+                    request_id=record.request_id,
+                )
+                return None
         return _Raw(record, position, key, value, RequestRef(record.tenant, record.request_id))
 
     def _refuse(

@@ -39,6 +39,7 @@ from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, RawMessage, RawSource, Revocations
 from streamtally.settings import Settings
 from streamtally.topics import Topics
+from streamtally.wire.tenant_keys import TenantTrust
 
 __all__ = ["Pipeline", "create_app"]
 
@@ -126,6 +127,8 @@ def create_app(
         timeout=settings.request_timeout,
         limits=Limits.from_settings(settings),
     )
+    if settings.tenant_keys_path is not None:  # a bad file: InputError, one line, exit 2
+        processor.trust = TenantTrust.load(settings.tenant_keys_path)
     pipeline = Pipeline(
         app=app,
         processor=processor,
@@ -189,7 +192,11 @@ def create_app(
         # Decoded first: a record's request is (tenant, request id), known only from its body.
         raws = [
             (read_sse if m.topic == sse_topic else read_engine)(
-                m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), outputs
+                m.key,
+                m.value,
+                Position(m.topic, m.partition, m.offset, m.timestamp),
+                outputs,
+                m.headers,
             )
             for m in batch
         ]

@@ -74,8 +74,20 @@ _REASONS: Final = (
 )
 
 
+#: Refused tenant claims (`streamtally.wire.tenant_keys`), by exception type: the reason
+#: text names the tenant and the request, which the sender chose.
+_UNTRUSTED: Final = {
+    "UnsignedRecord": "unsigned",
+    "BadSignature": "bad_signature",
+    "TenantNotAllowed": "tenant_not_allowed",
+}
+
+
 def dead_letter_reason(letter: DeadLetter) -> str:
     """The reason label of a dead letter: one of a few words, never the request's id."""
+    untrusted = _UNTRUSTED.get(letter.error_type)
+    if untrusted is not None:
+        return untrusted
     for marker, label in _REASONS:
         if marker in letter.reason:
             return label

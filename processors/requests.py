@@ -42,6 +42,8 @@ the results are in `processors.outputs`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from streamtally.core.fold import Fold
 from streamtally.core.normalize import Normalizer
 from streamtally.errors import InputError
@@ -82,16 +84,30 @@ class RequestProcessor(_Closing):
     # the batch's unknown requests, `arrive`d.  `handle_sse` and `handle_engine` do both.
 
     def read_sse(
-        self, key: bytes | None, value: bytes | None, position: Position, out: Outputs
+        self,
+        key: bytes | None,
+        value: bytes | None,
+        position: Position,
+        out: Outputs,
+        headers: Sequence[tuple[str, bytes]] = (),
     ) -> _Raw | None:
-        """Decode one message of the raw SSE topic; None when it was dead-lettered into `out`."""
-        return self._read(avro.decode_raw_sse_event, key, value, position, out)
+        """Decode one message of the raw SSE topic; None when it was dead-lettered into `out`.
+
+        `headers` are the record's Kafka headers (its ``st-auth`` claim, checked when the
+        processor has a `trust` file).
+        """
+        return self._read(avro.decode_raw_sse_event, key, value, position, out, headers=headers)
 
     def read_engine(
-        self, key: bytes | None, value: bytes | None, position: Position, out: Outputs
+        self,
+        key: bytes | None,
+        value: bytes | None,
+        position: Position,
+        out: Outputs,
+        headers: Sequence[tuple[str, bytes]] = (),
     ) -> _Raw | None:
         """Decode one message of the raw engine topic; None when it was dead-lettered."""
-        return self._read(avro.decode_raw_engine_output, key, value, position, out)
+        return self._read(avro.decode_raw_engine_output, key, value, position, out, headers=headers)
 
     def handle_sse(
         self,
@@ -99,10 +115,11 @@ class RequestProcessor(_Closing):
         value: bytes | None,
         position: Position,
         out: Outputs | None = None,
+        headers: Sequence[tuple[str, bytes]] = (),
     ) -> Outputs:
         """One message of the raw SSE topic; its outputs are added to `out` (or a new one)."""
         out = Outputs() if out is None else out
-        raw = self.read_sse(key, value, position, out)
+        raw = self.read_sse(key, value, position, out, headers=headers)
         if raw is not None:
             self.arrive(out, raw)
         return out
@@ -113,10 +130,11 @@ class RequestProcessor(_Closing):
         value: bytes | None,
         position: Position,
         out: Outputs | None = None,
+        headers: Sequence[tuple[str, bytes]] = (),
     ) -> Outputs:
         """One message of the raw engine-output topic; its outputs are added to `out`."""
         out = Outputs() if out is None else out
-        raw = self.read_engine(key, value, position, out)
+        raw = self.read_engine(key, value, position, out, headers=headers)
         if raw is not None:
             self.arrive(out, raw)
         return out

@@ -13,7 +13,15 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, Iterable, Mapping
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Hashable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +51,9 @@ class RawMessage:
     key: bytes | None
     #: None for a tombstone (dead-lettered: raw records are never deleted).
     value: bytes | None
+    #: The record's Kafka headers, as aiokafka gives them (``st-auth``: a signed tenant
+    #: claim, checked when the worker has a trust file).
+    headers: Sequence[tuple[str, bytes]] = ()
 
 
 class Revocations:
@@ -187,6 +198,7 @@ class RawSource:
                     record.timestamp / 1000 if record.timestamp is not None else None,
                     record.key,
                     record.value,
+                    record.headers,
                 )
                 for tp, records in fetched.items()
                 for record in records

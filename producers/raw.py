@@ -27,6 +27,7 @@ from streamtally.topics import DEFAULT_NAMESPACE, Topics, encode_key
 from streamtally.wire import avro
 from streamtally.wire.kafka import idempotent_producer
 from streamtally.wire.records import RawEngineOutput, RawSseEvent
+from streamtally.wire.tenant_keys import HEADER, ProducerKey
 
 __all__ = ["RawProducer", "SentRequest", "raw_records"]
 
@@ -208,8 +209,11 @@ class RawProducer:
         *,
         namespace: str = DEFAULT_NAMESPACE,
         linger_ms: int = 5,
+        key: ProducerKey | None = None,
     ) -> None:
         self.bootstrap_servers = bootstrap_servers
+        #: With a key, every record carries its signed tenant claim (``st-auth`` header).
+        self.key = key
         self.topics = Topics.in_namespace(namespace)
         self._producer = idempotent_producer(bootstrap_servers, linger_ms=linger_ms)
 
@@ -267,11 +271,30 @@ class RawProducer:
         futures = [await self.send(source, request_id, value) for value in records]
         await asyncio.gather(*futures)
 
-    async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
-        """Queue one encoded record; the returned future resolves when Kafka has it."""
+    async def send(
+        self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
+    ) -> asyncio.Future[Any]:
+        """Queue one encoded record; the returned future resolves when Kafka has it.
+
+        With a `key`, the record carries the ``st-auth`` header: `auth` when the caller
+        signed it already (the tap, which knows the tenant and sequence number), else
+        signed here from the decoded record.
+        """
         topic = (self.topics.raw_sse if source.is_sse else self.topics.raw_engine).name
+        headers = None
+        if self.key is not None:
+            if auth is None:
+                record = (
+                    avro.decode_raw_sse_event(value)
+                    if source.is_sse
+                    else avro.decode_raw_engine_output(value)
+                )
+                auth = self.key.sign(
+                    tenant=record.tenant, request_id=record.request_id, seq=record.seq, value=value
+                )
+            headers = [(HEADER, auth)]
         future: asyncio.Future[Any] = await self._producer.send(
-            topic, value, key=encode_key(request_id)
+            topic, value, key=encode_key(request_id), headers=headers
         )
         return future
 

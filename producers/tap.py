@@ -56,6 +56,7 @@ from streamtally.producers.raw import RawProducer
 from streamtally.topics import DEFAULT_NAMESPACE
 from streamtally.wire import avro
 from streamtally.wire.records import RawEngineOutput, RawSseEvent
+from streamtally.wire.tenant_keys import ProducerKey
 
 __all__ = ["Sender", "Tap", "TapRequest", "TapStats"]
 
@@ -76,16 +77,25 @@ class Sender(Protocol):
 
     async def stop(self) -> None: ...
 
-    async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
-        """Queue one record; the future resolves when Kafka has it (or fails)."""
+    async def send(
+        self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
+    ) -> asyncio.Future[Any]:
+        """Queue one record; the future resolves when Kafka has it (or fails).
+
+        `auth` is its ``st-auth`` header, given only when the tap has a key.
+        """
         ...
 
 
 class _KafkaSender:
     """A `RawProducer` (idempotent, batching) as a `Sender`."""
 
-    def __init__(self, bootstrap_servers: str, namespace: str, linger_ms: int) -> None:
-        self._producer = RawProducer(bootstrap_servers, namespace=namespace, linger_ms=linger_ms)
+    def __init__(
+        self, bootstrap_servers: str, namespace: str, linger_ms: int, key: ProducerKey | None
+    ) -> None:
+        self._producer = RawProducer(
+            bootstrap_servers, namespace=namespace, linger_ms=linger_ms, key=key
+        )
 
     async def start(self) -> None:
         await self._producer.__aenter__()
@@ -93,8 +103,10 @@ class _KafkaSender:
     async def stop(self) -> None:
         await self._producer.__aexit__(None, None, None)
 
-    async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
-        return await self._producer.send(source, request_id, value)
+    async def send(
+        self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
+    ) -> asyncio.Future[Any]:
+        return await self._producer.send(source, request_id, value, auth=auth)
 
 
 @dataclass(slots=True)
@@ -127,6 +139,7 @@ class Tap:
         sender: Sender | None = None,
         clock: Callable[[], datetime] = utc_now,
         options: AdapterOptions | None = None,
+        key: ProducerKey | None = None,
     ) -> None:
         if budget_s < 0:
             raise ValueError(f"budget_s must be >= 0, got {budget_s}")
@@ -135,15 +148,17 @@ class Tap:
         if sender is None:
             if bootstrap_servers is None:
                 raise ValueError("give bootstrap_servers (or a sender)")
-            sender = _KafkaSender(bootstrap_servers, namespace, linger_ms)
+            sender = _KafkaSender(bootstrap_servers, namespace, linger_ms, key)
         self.budget_s = budget_s
         self.max_buffered = max_buffered
         self.id_wait_events = max(1, id_wait_events)
         self.clock = clock
         self.options = options
+        #: With a key, every record carries its signed tenant claim (``st-auth``).
+        self.key = key
         self.stats = TapStats()
         self._sender = sender
-        self._queue: deque[tuple[Source, str, bytes]] = deque()
+        self._queue: deque[tuple[Source, str, bytes, bytes | None]] = deque()
         #: Records queued here or given to the sender and not yet acknowledged.
         self._buffered = 0
         self._ready = asyncio.Event()  # the queue has something (or the tap is closing)
@@ -235,8 +250,14 @@ class Tap:
     def _room_now(self, wanted: int) -> int:
         return max(0, min(wanted, self.max_buffered - self._buffered))
 
-    def _put(self, source: Source, request_id: str, value: bytes) -> None:
-        self._queue.append((source, request_id, value))
+    def _put(self, request: TapRequest, request_id: str, seq: int, value: bytes) -> None:
+        key = self.key
+        auth = (
+            None
+            if key is None
+            else key.sign(tenant=request.tenant, request_id=request_id, seq=seq, value=value)
+        )
+        self._queue.append((request.source, request_id, value, auth))
         self._buffered += 1
         self._ready.set()
 
@@ -249,9 +270,12 @@ class Tap:
                     return
                 self._ready.clear()
                 await self._ready.wait()
-            source, request_id, value = queue.popleft()
+            source, request_id, value, auth = queue.popleft()
             try:
-                future = await self._sender.send(source, request_id, value)
+                if auth is None:
+                    future = await self._sender.send(source, request_id, value)
+                else:
+                    future = await self._sender.send(source, request_id, value, auth=auth)
             except Exception as exc:  # noqa: BLE001 - counted and logged; the tap goes on
                 self._gone(failed=exc, request_id=request_id)
                 continue
@@ -450,7 +474,7 @@ class TapRequest:
                 exc,
             )
             return
-        self.tap._put(self.source, request_id, value)
+        self.tap._put(self, request_id, seq, value)
 
     def _drop(self, count: int) -> None:
         first = self.dropped == 0
@@ -523,8 +547,8 @@ class TapRequest:
                     model=self.model,
                 )
             )
+        self.tap._put(self, self._request_id, self._seq, value)
         self._seq += 1
-        self.tap._put(self.source, self._request_id, value)
 
     def _drain_bytes(self) -> None:
         """At a normal end: what the byte decoders still hold (Gemini's raw JSON error tail)."""

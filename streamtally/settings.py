@@ -21,6 +21,8 @@ variable                            meaning                                     
 ``STREAMTALLY_KAFKA_PORT``          the local stack's Kafka listener                ``9092``
 ``STREAMTALLY_CONTROLLER_PORT``     the local stack's KRaft controller listener     ``9093``
 ``STREAMTALLY_REDIS_PORT``          the local stack's Redis                         ``6379``
+``STREAMTALLY_TENANT_KEYS``         the worker's trust file (signed tenant claims)  none: trust all
+``STREAMTALLY_PRODUCER_KEY``        the key file ``produce`` signs records with     none: unsigned
 ==================================  ==============================================  =========
 
 The state directory defaults to ``.stack`` in the clone when streamtally runs
@@ -148,6 +150,16 @@ class Settings(BaseSettings):
     #: Their port; 0: the worker serves none of them.
     web_port: int = Field(
         6066, ge=0, le=65535, validation_alias=_env("STREAMTALLY_WEB_PORT", "web_port")
+    )
+    #: The worker's trust file (`streamtally.wire.tenant_keys`): with one, a raw record
+    #: bills its tenant only when signed by a key that may claim it; without, every
+    #: producer is trusted.
+    tenant_keys_path: Path | None = Field(
+        None, validation_alias=_env("STREAMTALLY_TENANT_KEYS", "tenant_keys_path")
+    )
+    #: The key file `streamtally produce` signs its records with (``--key-file`` wins).
+    producer_key_path: Path | None = Field(
+        None, validation_alias=_env("STREAMTALLY_PRODUCER_KEY", "producer_key_path")
     )
     state_dir_setting: Path | None = Field(
         None, validation_alias=_env("STREAMTALLY_STATE_DIR", "state_dir_setting")

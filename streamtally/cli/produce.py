@@ -30,8 +30,17 @@ from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
+from streamtally.wire.tenant_keys import ProducerKey
 
-__all__ = ["ManifestEntry", "add_parser", "check_entries", "prepare", "read_manifest"]
+__all__ = [
+    "ManifestEntry",
+    "add_key_file_argument",
+    "add_parser",
+    "check_entries",
+    "prepare",
+    "producer_key",
+    "read_manifest",
+]
 
 _EPILOG = """\
 manifest lines (JSON): {"file": "openai/chat.sse", "source": "openai", "request_id": "r1",
@@ -42,8 +51,11 @@ checks: every file is read and checked before anything is sent; a file with an
   content, or with an event larger than a raw record may be (4 MiB) is refused,
   naming the event or line. --allow-invalid sends such an SSE file anyway
   (engine outputs travel as structured records and must be valid).
-exit status: 0 sent, 2 a bad argument, manifest or file (nothing sent), or Kafka
-  unreachable (message on stderr)
+signing: with --key-file (or STREAMTALLY_PRODUCER_KEY) every record carries a
+  signed tenant claim (Kafka header st-auth), which a worker with a trust file
+  (STREAMTALLY_TENANT_KEYS) requires; see README.md, "Tenant trust".
+exit status: 0 sent, 2 a bad argument, manifest, file or key file (nothing sent),
+  or Kafka unreachable (message on stderr)
 """
 
 
@@ -84,8 +96,25 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--bootstrap-servers", type=bootstrap_servers, metavar="HOST:PORT", help="Kafka to use"
     )
+    add_key_file_argument(parser)
     parser.add_argument("files", nargs="*", type=Path, metavar="FILE")
     parser.set_defaults(func=run)
+
+
+def add_key_file_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--key-file",
+        type=Path,
+        metavar="FILE",
+        help="sign every record with this producer key (default: STREAMTALLY_PRODUCER_KEY; "
+        "none: unsigned)",
+    )
+
+
+def producer_key(args: argparse.Namespace, settings: Settings) -> ProducerKey | None:
+    """The key of ``--key-file``, else of ``STREAMTALLY_PRODUCER_KEY``; None: unsigned."""
+    path = args.key_file or settings.producer_key_path
+    return None if path is None else ProducerKey.load(path)
 
 
 def read_manifest(path: Path) -> list[ManifestEntry]:
@@ -191,11 +220,16 @@ def check_entries(entries: list[ManifestEntry], *, allow_invalid: bool = False) 
 
 
 async def _produce(
-    servers: str, namespace: str, entries: list[ManifestEntry], *, allow_invalid: bool
+    servers: str,
+    namespace: str,
+    entries: list[ManifestEntry],
+    *,
+    allow_invalid: bool,
+    key: ProducerKey | None = None,
 ) -> int:
     await ensure_topics(servers, Topics.in_namespace(namespace).all)
     total = 0
-    async with RawProducer(servers, namespace=namespace) as producer:
+    async with RawProducer(servers, namespace=namespace, key=key) as producer:
         for number, entry in enumerate(entries, start=1):
             try:
                 rid, records = prepare(entry, allow_invalid=allow_invalid)
@@ -222,6 +256,7 @@ async def _produce(
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
     entries = _entries(args)
+    key = producer_key(args, settings)
     # Every file is checked before Kafka is even asked: a bad one sends nothing.
     check_entries(entries, allow_invalid=args.allow_invalid)
     # aiokafka logs every failed connection attempt and retried send (a new topic's first
@@ -230,7 +265,9 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     servers = args.bootstrap_servers or settings.bootstrap_servers
     try:
         return asyncio.run(
-            _produce(servers, settings.namespace, entries, allow_invalid=args.allow_invalid)
+            _produce(
+                servers, settings.namespace, entries, allow_invalid=args.allow_invalid, key=key
+            )
         )
     except KafkaError as exc:  # creating the topics, or stopping the producer
         raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc

@@ -36,6 +36,7 @@ from yarl import URL
 
 from streamtally.cli._args import bootstrap_servers
 from streamtally.cli._output import say
+from streamtally.cli.produce import add_key_file_argument, producer_key
 from streamtally.core.models import Source
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError, StackError
@@ -43,6 +44,7 @@ from streamtally.producers import Tap, TapRequest
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
+from streamtally.wire.tenant_keys import ProducerKey
 
 __all__ = ["ProxyServer", "add_parser", "source_of"]
 
@@ -291,16 +293,19 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--bootstrap-servers", type=bootstrap_servers, metavar="HOST:PORT", help="Kafka to use"
     )
+    add_key_file_argument(parser)
     parser.set_defaults(func=run)
 
 
-async def _serve(args: argparse.Namespace, servers: str, namespace: str) -> int:
+async def _serve(
+    args: argparse.Namespace, servers: str, namespace: str, key: ProducerKey | None
+) -> int:
     await ensure_topics(servers, Topics.in_namespace(namespace).all)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    async with Tap(servers, namespace=namespace, budget_s=args.budget_ms / 1000) as tap:
+    async with Tap(servers, namespace=namespace, budget_s=args.budget_ms / 1000, key=key) as tap:
         proxy = ProxyServer(args.upstream, tap, tenant_header=args.tenant_header)
         try:
             port = await proxy.start(args.listen.host, args.listen.port)
@@ -325,11 +330,12 @@ async def _serve(args: argparse.Namespace, servers: str, namespace: str) -> int:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.budget_ms < 0:
         raise InputError("--budget-ms must be >= 0")
+    key = producer_key(args, settings)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     servers = args.bootstrap_servers or settings.bootstrap_servers
     with contextlib.suppress(KeyboardInterrupt):
         try:
-            return asyncio.run(_serve(args, servers, settings.namespace))
+            return asyncio.run(_serve(args, servers, settings.namespace, key))
         except KafkaError as exc:
             raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc
     return 0

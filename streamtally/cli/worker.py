@@ -146,6 +146,19 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         redact_url(settings.redis_url),
         settings.prices_path or "(packaged)",
     )
+    trust = pipeline.processor.trust
+    if trust is None:
+        logging.getLogger(STATUS_LOGGER).warning(
+            "tenant trust: no STREAMTALLY_TENANT_KEYS, every producer is trusted: any client "
+            'that can write the raw topics can bill any tenant (README.md, "Tenant trust")'
+        )
+    else:
+        logging.getLogger(STATUS_LOGGER).info(
+            "tenant trust: %d producer keys from %s; unsigned or unauthorised records "
+            "are dead-lettered",
+            len(trust.keys),
+            settings.tenant_keys_path,
+        )
     level = args.loglevel.upper()
     worker = faust.Worker(
         pipeline.app,

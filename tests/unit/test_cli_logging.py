@@ -204,7 +204,10 @@ def test_the_worker_gives_faust_its_log_format(
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
     main(["worker", "--log-format", "json", "--loglevel", "info"])
     err = capsys.readouterr().err
-    start = json.loads(err)  # the start line is a record of the chosen format too
+    # the start line is a record of the chosen format too, as is the trust-everyone warning
+    start, trust = map(json.loads, err.splitlines())
+    assert (trust["level"], trust["logger"]) == ("WARNING", "streamtally.cli")
+    assert "every producer is trusted" in trust["message"]
     assert (start["level"], start["logger"]) == ("INFO", "streamtally.cli")
     assert start["message"].startswith("streamtally worker: kafka 127.0.0.1:1, redis ")
     (options,) = made

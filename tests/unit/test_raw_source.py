@@ -26,6 +26,7 @@ class _Record:
     timestamp: int | None
     key: bytes | None
     value: bytes | None
+    headers: tuple[tuple[str, bytes], ...] = ()
 
 
 class _ConsumerRebalancedDuringFetch:
