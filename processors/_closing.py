@@ -23,7 +23,7 @@ from streamtally.processors.limits import PERMANENT_ERRORS
 from streamtally.processors.outputs import Closed, CloseReason, Completed, Outputs
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
-from streamtally.wire.records import BillingEvent, EventKind, RawSseEvent
+from streamtally.wire.records import BillingEvent, EventKind, Provenance, RawSseEvent, UsageSource
 
 #: The processor's logger, named after the module it is known by.
 log = logging.getLogger("streamtally.processors.requests")
@@ -42,6 +42,7 @@ class _Closing(_Refusals):
         if record.kind is EventKind.END:
             state.records += 1
             self.counters.applied += 1
+            state.applied(raw)
             if not closing:
                 if record.cancelled:  # the client went away: unfinished choices `cancelled`
                     state.fold.cancel()
@@ -68,6 +69,7 @@ class _Closing(_Refusals):
             return
         state.records += 1
         self.counters.applied += 1
+        state.applied(raw)
         for chunk in chunks:
             state.fold.add(chunk)
         out.chunks.extend(chunks)
@@ -117,7 +119,7 @@ class _Closing(_Refusals):
             state.fold.add(chunk)
         tokens = state.fold.result(ended=True, reason=reason)
         tokens_value = avro.encode_tokens(tokens)
-        billing, billing_value = self._bill(tokens, state.tenant, when)
+        billing, billing_value = self._bill(tokens, state.tenant, when, _provenance(state))
         self._remember(ref, Closed(closed.offset, closed.reason, applied=True))
         self.counters.requests_completed += 1
         out.chunks.extend(chunks)
@@ -135,7 +137,9 @@ class _Closing(_Refusals):
             )
         )
 
-    def _bill(self, tokens: Tokens, tenant: str, when: datetime) -> tuple[BillingEvent, bytes]:
+    def _bill(
+        self, tokens: Tokens, tenant: str, when: datetime, provenance: Provenance | None = None
+    ) -> tuple[BillingEvent, bytes]:
         """The request's billing event and its Avro value; never fails on the price.
 
         An unknown model, or a cost the billing record cannot carry (beyond
@@ -145,7 +149,7 @@ class _Closing(_Refusals):
         unpriced too.
         """
         try:
-            billing = bill(tokens, tenant, when, self.prices)
+            billing = bill(tokens, tenant, when, self.prices, provenance)
             value = avro.encode_billing_event(billing)
         except PERMANENT_ERRORS as exc:
             log.warning(
@@ -155,8 +159,32 @@ class _Closing(_Refusals):
                 ascii(tokens.model),
                 exc,
             )
-            billing = bill(tokens, tenant, when, self._no_prices)
+            billing = bill(tokens, tenant, when, self._no_prices, provenance)
             value = avro.encode_billing_event(billing)
         if not billing.priced:  # counted once, whichever way it was billed
             self.counters.unpriced += 1
         return billing, value
+
+
+def _provenance(state: _Open) -> Provenance:
+    """What the request's billing event was folded from, and where its usage came from.
+
+    MISSING when no chunk of the stream carried usage (the fold's usage is None: its
+    Tokens says 0), else ENGINE_COUNTED or PROVIDER_REPORTED after the adapter's
+    `counted` at the last usage (`Normalizer.usage_counted`).
+    """
+    if state.fold.usage is None:
+        usage_source = UsageSource.MISSING
+    elif state.normalizer.usage_counted:
+        usage_source = UsageSource.ENGINE_COUNTED
+    else:
+        usage_source = UsageSource.PROVIDER_REPORTED
+    topic, partition = state.topic_partition
+    return Provenance(
+        raw_topic=topic,
+        raw_partition=partition,
+        first_offset=state.first_offset,
+        last_offset=state.last_offset,
+        raw_sha256=state.digest.hexdigest(),
+        usage_source=usage_source,
+    )

@@ -12,6 +12,7 @@ from streamtally.core.fold import Fold
 from streamtally.core.identity import RequestRef
 from streamtally.core.normalize import Normalizer
 from streamtally.processors.outputs import Closed, Position
+from streamtally.wire.provenance import RawDigest
 from streamtally.wire.records import RawEngineOutput, RawSseEvent
 
 RawRecord = RawSseEvent | RawEngineOutput
@@ -48,3 +49,20 @@ class _Open:
     waiting: dict[int, _Raw] = field(default_factory=dict)
     #: Set when an earlier run decided to close this request here.
     close_at: Closed | None = None
+    #: Provenance of its billing event: `raw_sha256` of the records applied so far, and
+    #: the lowest and highest of their offsets (None: none applied yet).
+    digest: RawDigest = field(default_factory=RawDigest)
+    first_offset: int | None = None
+    last_offset: int | None = None
+
+    def applied(self, raw: _Raw) -> None:
+        """Count `raw` (just applied) into the request's provenance."""
+        self.digest.add(raw.value)
+        offset = raw.position.offset
+        first = self.first_offset
+        if first is None:
+            self.first_offset = self.last_offset = offset
+        elif offset < first:
+            self.first_offset = offset
+        elif offset > (self.last_offset or 0):
+            self.last_offset = offset

@@ -50,6 +50,11 @@ discrepancy kinds:
   usage_mismatch       its one billing event differs in a usage field, the model,
                        source, finish reason or event time (field names it)
   cost_mismatch        its one billing event differs in cost, priced or currency
+  provenance_mismatch  its one billing event differs in what it says it was folded
+                       from: raw_topic, raw_partition, first_offset, last_offset,
+                       raw_sha256 (the hash of the raw records applied) or
+                       usage_source (provider_reported, engine_counted, missing);
+                       an event of before BillingEvent v3 carries none: not compared
   usage_row_mismatch   a Redis usage row (tenant, model, day) differs from the sum of
                        the replayed requests (field names it; request_id is null)
 partial requests (straddling the range, still open or not yet processed at the

@@ -113,7 +113,11 @@ def run_export(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def event_json(event: BillingEvent) -> dict[str, Any]:
-    """A billing event as a JSON object: cost an exact decimal string, times ISO-8601."""
+    """A billing event as a JSON object: cost an exact decimal string, times ISO-8601.
+
+    The provenance fields (BillingEvent v3) are null, and `usage_source` "unknown", for
+    an event written before them.
+    """
     return {
         "event_id": event.event_id,
         "request_id": event.request_id,
@@ -127,6 +131,12 @@ def event_json(event: BillingEvent) -> dict[str, Any]:
         "currency": event.currency,
         "price_table_version": event.price_table_version,
         "event_time": event.event_time.isoformat(),
+        "raw_topic": event.raw_topic,
+        "raw_partition": event.raw_partition,
+        "first_offset": event.first_offset,
+        "last_offset": event.last_offset,
+        "raw_sha256": event.raw_sha256,
+        "usage_source": event.usage_source.value,
     }
 
 

@@ -95,6 +95,12 @@ class Normalizer:
     def model(self) -> str | None:
         return self._adapter.model or self._model
 
+    @property
+    def usage_counted(self) -> bool:
+        """Whether the last usage of the chunks returned so far was counted by the adapter
+        (from the engine's token ids) rather than reported in the stream."""
+        return self._adapter.counted
+
     def feed(self, event: SseEvent | Any, event_time: datetime | None = None) -> list[Chunk]:
         """Apply one raw event (an `SseEvent`, or a JSON object for engines)."""
         self.events += 1

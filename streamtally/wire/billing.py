@@ -40,10 +40,10 @@ from decimal import Decimal
 from typing import Final
 
 from streamtally.core.identity import RequestRef
-from streamtally.core.models import USAGE_FIELDS, Tokens, Usage
+from streamtally.core.models import Tokens, Usage
 from streamtally.core.money import COST_SCALE, scaled_cost
 from streamtally.core.pricing import NO_VERSION, PriceTable, Quote
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingEvent, Provenance, UsageSource
 
 __all__ = [
     "EVENT_ID_PREFIX",
@@ -128,8 +128,18 @@ def charge(model: str | None, usage: Usage, received: datetime, prices: PriceTab
 _WARNED: set[tuple[str | None, str]] = set()
 
 
-def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: PriceTable) -> Billed:
+def price_request(
+    tokens: Tokens,
+    tenant: str,
+    event_time: datetime,
+    prices: PriceTable,
+    provenance: Provenance | None = None,
+) -> Billed:
     """The billing event of the finished request `tokens`, and the quote behind its cost.
+
+    `provenance` (the processor's: raw topic, partition, offsets, `raw_sha256`, usage
+    source) goes onto the event as is; without it the event carries none (as before
+    BillingEvent v3).  It changes neither the price nor `event_id`.
 
     `event_time` is the request's receive time, and the time it is priced at: the
     receive time of its last raw record (the worker's and the replay's
@@ -188,19 +198,35 @@ def price_request(tokens: Tokens, tenant: str, event_time: datetime, prices: Pri
         model=tokens.model,
         source=tokens.source,
         finish_reason=tokens.finish_reason,
-        **dict(zip(USAGE_FIELDS, usage.counts(), strict=True)),
+        input_tokens=usage.input_tokens,
+        output_tokens=usage.output_tokens,
+        reasoning_tokens=usage.reasoning_tokens,
+        cached_tokens=usage.cached_tokens,
+        cache_write_tokens=usage.cache_write_tokens,
         cost=charged.billed_cost,
         priced=charged.cost is not None,
         currency=prices.currency,
         price_table_version=version,
         event_time=event_time,
+        raw_topic=None if provenance is None else provenance.raw_topic,
+        raw_partition=None if provenance is None else provenance.raw_partition,
+        first_offset=None if provenance is None else provenance.first_offset,
+        last_offset=None if provenance is None else provenance.last_offset,
+        raw_sha256=None if provenance is None else provenance.raw_sha256,
+        usage_source=UsageSource.UNKNOWN if provenance is None else provenance.usage_source,
     )
     return Billed(event=event, quote=quote)
 
 
-def bill(tokens: Tokens, tenant: str, event_time: datetime, prices: PriceTable) -> BillingEvent:
+def bill(
+    tokens: Tokens,
+    tenant: str,
+    event_time: datetime,
+    prices: PriceTable,
+    provenance: Provenance | None = None,
+) -> BillingEvent:
     """The billing event of the finished request `tokens` (unpriced: cost 0, priced False)."""
-    return price_request(tokens, tenant, event_time, prices).event
+    return price_request(tokens, tenant, event_time, prices, provenance).event
 
 
 def _carried(cost: Decimal) -> bool:

@@ -25,8 +25,10 @@ __all__ = [
     "BillingEvent",
     "DeadLetter",
     "EventKind",
+    "Provenance",
     "RawEngineOutput",
     "RawSseEvent",
+    "UsageSource",
     "scaled_cost",
 ]
 
@@ -46,6 +48,47 @@ class EventKind(StrEnum):
 
     EVENT = "event"
     END = "end"
+
+
+class UsageSource(StrEnum):
+    """Where a billed request's usage came from (`BillingEvent.usage_source`, Avro `UsageSource`).
+
+    `MISSING` is a request whose stream never reported usage: its counts are 0 because
+    nothing was reported, which a request that used 0 tokens (`PROVIDER_REPORTED` or
+    `ENGINE_COUNTED` with zeros) is not.  `UNKNOWN` is never written by the worker: it is
+    what an event written before the field existed (BillingEvent v1, v2) reads as, and
+    says that the event carries no provenance at all.
+    """
+
+    UNKNOWN = "unknown"
+    #: Usage reported in the stream: an SSE usage object, Dynamo `completion_usage`, atomr
+    #: `usage`.
+    PROVIDER_REPORTED = "provider_reported"
+    #: Counted by the engine adapter from the token ids the engine emitted (vLLM always,
+    #: Dynamo while it reports no `completion_usage`).
+    ENGINE_COUNTED = "engine_counted"
+    #: No usage at all in the stream: the counts are 0 by absence.
+    MISSING = "missing"
+
+
+_HEX: Final = frozenset("0123456789abcdef")
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Provenance:
+    """What a billing event was folded from (`BillingEvent` version 3).
+
+    The raw topic and partition of the request, the lowest and highest offsets of its
+    applied raw records (None when none was applied), `raw_sha256` over those records'
+    values (`streamtally.wire.provenance.raw_sha256`), and where its usage came from.
+    """
+
+    raw_topic: str
+    raw_partition: int
+    first_offset: int | None
+    last_offset: int | None
+    raw_sha256: str
+    usage_source: UsageSource
 
 
 #: The `event` of an SSE END marker that says the request was cancelled (its client went
@@ -213,6 +256,17 @@ class BillingEvent:
     currency: str = "USD"
     price_table_version: str
     event_time: datetime
+    # -- provenance (BillingEvent v3; an older event reads as None / UNKNOWN: none) ----------
+    #: The raw topic and partition the request was folded from.
+    raw_topic: str | None = None
+    raw_partition: int | None = None
+    #: Lowest and highest offsets of the raw records applied to the request.
+    first_offset: int | None = None
+    last_offset: int | None = None
+    #: `streamtally.wire.provenance.raw_sha256` of those records' values.
+    raw_sha256: str | None = None
+    #: Where the usage came from; UNKNOWN: an event with no provenance (before v3).
+    usage_source: UsageSource = UsageSource.UNKNOWN
 
     def __post_init__(self) -> None:
         if not self.event_id:
@@ -229,6 +283,35 @@ class BillingEvent:
         if not self.priced and self.cost != 0:
             raise ValueError(f"an unpriced event has cost 0, got {self.cost}")
         _check_aware("event_time", self.event_time)
+        self._check_provenance()
+
+    def _check_provenance(self) -> None:
+        if not isinstance(self.usage_source, UsageSource):
+            raise ValueError(f"usage_source must be a UsageSource, got {self.usage_source!r}")
+        for name in ("raw_partition", "first_offset", "last_offset"):
+            value = getattr(self, name)
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 0
+            ):
+                raise ValueError(f"{name} must be None or an int >= 0, got {value!r}")
+        if (self.first_offset is None) != (self.last_offset is None):
+            raise ValueError("first_offset and last_offset are both set or both None")
+        if (
+            self.first_offset is not None
+            and self.last_offset is not None
+            and self.first_offset > self.last_offset
+        ):
+            raise ValueError(
+                f"first_offset {self.first_offset} is after last_offset {self.last_offset}"
+            )
+        digest = self.raw_sha256
+        if digest is not None and (len(digest) != 64 or not _HEX.issuperset(digest)):
+            raise ValueError(f"raw_sha256 must be 64 lower-case hex digits, got {digest!r}")
+
+    @property
+    def has_provenance(self) -> bool:
+        """Whether the event says what it was folded from (False: written before v3)."""
+        return self.usage_source is not UsageSource.UNKNOWN
 
     @property
     def usage(self) -> Usage:

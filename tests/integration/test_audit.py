@@ -11,9 +11,10 @@ in Redis and the processors have committed everything:
 - then one tampering at a time, each of another tenant, and after each the audit reports
   exactly the discrepancies so far: a usage row changed with HINCRBY, a forged billing
   event for a request that never existed, a second, different billing event for an
-  existing request, and a request billed with altered usage (the worker stopped, the
-  request's outputs written as a worker would, its billing event altered, then a new
-  worker started, which finds the request closed and skips it).
+  existing request, and a request billed with altered usage and a `raw_sha256` that is
+  not of its raw records (the worker stopped, the request's outputs written as a worker
+  would, its billing event altered, then a new worker started, which finds the request
+  closed and skips it): a ``usage_mismatch`` and a ``provenance_mismatch``.
 """
 
 from __future__ import annotations
@@ -443,6 +444,10 @@ async def _billing_of(scene: Scene, ref: RequestRef) -> BillingEvent:
     raise AssertionError(f"no billing event for {ref}")
 
 
+#: The `raw_sha256` of the tampered bill of step 4.
+TAMPERED_SHA256 = "0" * 64
+
+
 async def _bill_behind_the_workers_back(scene: Scene, sent: Sent) -> BillingEvent:
     """Produce `sent` while no worker runs, write its outputs as a worker does (Tokens, row,
     close marker), but bill it with altered usage; return the true billing event."""
@@ -464,7 +469,10 @@ async def _bill_behind_the_workers_back(scene: Scene, sent: Sent) -> BillingEven
         assert await sink.flush() == [True]
     finally:
         await store.aclose()
-    altered = dataclasses.replace(done.billing, input_tokens=done.billing.input_tokens + 100)
+    # Altered usage, and a hash that is not of the raw records the request was folded from.
+    altered = dataclasses.replace(
+        done.billing, input_tokens=done.billing.input_tokens + 100, raw_sha256=TAMPERED_SHA256
+    )
     await _produce_billing(scene, altered)
     return done.billing
 
@@ -539,6 +547,14 @@ def test_each_tampering_is_reported_exactly(scene: Scene, tmp_path: Path) -> Non
     # 3. A second, different billing event for an existing request.
     victim = next(s for s in scene.early if s.ref.tenant == scene.tenant("initech"))
     true = asyncio.run(_billing_of(scene, victim.ref))
+    # What the worker wrote says what it was folded from (BillingEvent v3).
+    assert true.has_provenance
+    assert true.raw_topic in {scene.topics.raw_sse.name, scene.topics.raw_engine.name}
+    assert true.first_offset is not None
+    assert true.last_offset is not None
+    assert true.first_offset <= true.last_offset
+    assert true.raw_sha256 is not None
+    assert len(true.raw_sha256) == 64
     asyncio.run(
         _produce_billing(scene, dataclasses.replace(true, output_tokens=true.output_tokens + 1))
     )
@@ -580,13 +596,25 @@ def test_each_tampering_is_reported_exactly(scene: Scene, tmp_path: Path) -> Non
             true.input_tokens + 100,
         )
     )
+    expected.append(
+        (
+            "provenance_mismatch",
+            true.request_id,
+            true.tenant,
+            true.model,
+            None,
+            "raw_sha256",
+            true.raw_sha256,
+            TAMPERED_SHA256,
+        )
+    )
     report = check(mismatched=1, replayed=len(scene.everything), partial=0)
     assert report["usage_rows"]["mismatched"] == 1  # the row of step 1 only
 
     # Each tenant's audit holds that tenant's discrepancy alone.
     code, mine = audit("--tenant", scene.tenant("hooli"))
     assert code == 1
-    assert [d["kind"] for d in mine["discrepancies"]] == ["usage_mismatch"]
+    assert [d["kind"] for d in mine["discrepancies"]] == ["provenance_mismatch", "usage_mismatch"]
 
     # The CSV of the discrepancies, and the table.
     out = tmp_path / "found.csv"
@@ -598,7 +626,7 @@ def test_each_tampering_is_reported_exactly(scene: Scene, tmp_path: Path) -> Non
     assert by_kind["usage_mismatch"]["expected"] == str(true.input_tokens)
     assert by_kind["unexpected_billing"]["expected"] == ""
     text = result.out.decode()
-    assert "4 discrepancies:" in text
+    assert "5 discrepancies:" in text
     assert f"altered-{scene.tag}" in text
 
 

@@ -14,13 +14,14 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source
 from streamtally.errors import InputError
 from streamtally.ops.audit import TimeRange, parse_time
-from streamtally.ops.audit._billing import BillingIndex
+from streamtally.ops.audit._billing import BillingIndex, Entry
 from streamtally.ops.audit._compare import (
     Discrepancy,
     Kind,
     billing_discrepancies,
     event_digest,
     event_key,
+    legacy_digest,
     missing_billing,
     unexpected_billing,
 )
@@ -28,7 +29,7 @@ from streamtally.ops.audit._ledger import Ledger, Scope
 from streamtally.ops.audit._rows import RowSum, compare_rows, row_key
 from streamtally.ops.audit._snapshot import _window
 from streamtally.wire.billing import event_id
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingEvent, UsageSource
 
 WHEN = datetime(2026, 11, 23, 10, 30, tzinfo=UTC)
 DAY = "2026-11-23"
@@ -375,3 +376,107 @@ def test_rows_are_checked_only_where_the_audit_saw_everything() -> None:
     assert {(d.tenant, d.day, d.field, d.expected, d.found) for d in rows.discrepancies} >= {
         ("acme", "2026-11-24", "requests", None, 7)
     }
+
+
+# --------------------------------------------------------------------------- provenance
+
+SHA = "ab" * 32
+PROVENANCE: dict[str, Any] = {
+    "raw_topic": "streamtally.raw.sse",
+    "raw_partition": 2,
+    "first_offset": 40,
+    "last_offset": 57,
+    "raw_sha256": SHA,
+    "usage_source": UsageSource.PROVIDER_REPORTED,
+}
+
+
+def proven(request_id: str = "r1", **changes: Any) -> BillingEvent:
+    """`event` with the provenance a v3 worker gives it."""
+    return event(request_id, **{**PROVENANCE, **changes})
+
+
+def test_each_provenance_field_is_a_provenance_mismatch() -> None:
+    expected = proven()
+    changes: dict[str, Any] = {
+        "raw_topic": "streamtally.raw.engine",
+        "raw_partition": 3,
+        "first_offset": 39,
+        "last_offset": 58,
+        "raw_sha256": "cd" * 32,
+        "usage_source": UsageSource.MISSING,
+    }
+    for name, value in changes.items():
+        found = dataclasses.replace(expected, **{name: value})
+        assert event_digest(found) != event_digest(expected), name
+        (got,) = billing_discrepancies(expected, [found], conflicting=False)
+        want = value.value if isinstance(value, UsageSource) else value
+        have = PROVENANCE[name]
+        have = have.value if isinstance(have, UsageSource) else have
+        assert (got.kind, got.field, got.expected, got.found) == (
+            Kind.PROVENANCE_MISMATCH,
+            name,
+            have,
+            want,
+        )
+    # Tampered usage shows both: the count differs, and so does where it came from.
+    zeroed = dataclasses.replace(
+        expected, input_tokens=0, output_tokens=0, cached_tokens=0, usage_source=UsageSource.MISSING
+    )
+    got = billing_discrepancies(expected, [zeroed], conflicting=False)
+    assert {(d.kind, d.field) for d in got} == {
+        (Kind.USAGE_MISMATCH, "input_tokens"),
+        (Kind.USAGE_MISMATCH, "output_tokens"),
+        (Kind.USAGE_MISMATCH, "cached_tokens"),
+        (Kind.PROVENANCE_MISMATCH, "usage_source"),
+    }
+
+
+def test_an_event_of_before_v3_has_no_provenance_to_mismatch() -> None:
+    expected = proven()
+    old = event()  # what a v2 event decodes to: no provenance, usage_source unknown
+    assert not old.has_provenance
+    assert old.usage_source is UsageSource.UNKNOWN
+    assert billing_discrepancies(expected, [old], conflicting=False) == []
+    assert legacy_digest(expected) == event_digest(old) != event_digest(expected)
+    # ... but its other fields still are compared.
+    wrong = dataclasses.replace(old, output_tokens=1)
+    (got,) = billing_discrepancies(expected, [wrong], conflicting=False)
+    assert (got.kind, got.field) == (Kind.USAGE_MISMATCH, "output_tokens")
+
+
+def test_the_ledger_matches_a_bill_of_before_v3_and_catches_a_tampered_hash() -> None:
+    old, fine, tampered = event("old"), proven("fine"), proven("tampered")
+    ledger = _ledger(old, fine, dataclasses.replace(tampered, raw_sha256="00" * 32))
+    for e in (proven("old"), fine, tampered):
+        ledger.closed(e)
+    assert ledger.close_index() == {event_key(tampered.event_id)}
+    assert (ledger.counts.matched, ledger.counts.mismatched) == (2, 1)
+    ledger.resolve(
+        {event_key(tampered.event_id): [dataclasses.replace(tampered, raw_sha256="00" * 32)]}
+    )
+    (got,) = ledger.discrepancies
+    assert (got.kind.value, got.request_id, got.field, got.expected, got.found) == (
+        "provenance_mismatch",
+        "tampered",
+        "raw_sha256",
+        SHA,
+        "00" * 32,
+    )
+
+
+def test_the_index_takes_a_v3_copy_of_a_v2_bill_as_the_same_bill() -> None:
+    """A worker upgraded while the request was replayed: v2 event, then its v3 copy."""
+    index = BillingIndex()
+    index.add(event())
+    index.add(proven())
+    index.add(proven())
+    assert (index.records, index.billed) == (3, 1)
+    entry = index.take(event_key(event().event_id))
+    assert entry == Entry(event_digest(proven()))
+    other = BillingIndex()
+    other.add(event())
+    other.add(proven(output_tokens=1))  # not the same bill: a conflict
+    conflict = other.take(event_key(event().event_id))
+    assert conflict is not None
+    assert conflict.conflicting

@@ -6,6 +6,7 @@ processed), or dead-lettered."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import io
 import sys
 from collections.abc import Callable, Mapping
@@ -27,7 +28,7 @@ from streamtally.topics import Topics
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.kafka import TopicRecord
-from streamtally.wire.records import BillingEvent, RawSseEvent
+from streamtally.wire.records import BillingEvent, Provenance, RawSseEvent, UsageSource
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 TOPICS = Topics.in_namespace()
@@ -66,8 +67,12 @@ class Request:
     #: Receive time of each record.
     times: list[datetime]
 
-    def expected(self) -> BillingEvent:
-        """What `streamtally fold` prints, priced as the worker prices it."""
+    def expected(self, placed: list[TopicRecord] | None = None) -> BillingEvent:
+        """What `streamtally fold` prints, priced as the worker prices it.
+
+        With `placed` (where `Log.put` wrote every record of the request) the event
+        carries the provenance the replay must give it; without, none.
+        """
         data = (SAMPLES / self.file).read_bytes()
         tokens = fold_stream(
             self.source,
@@ -75,7 +80,24 @@ class Request:
             request_id=self.ref.request_id,
             model=self.model,
         )
-        return bill(tokens, self.ref.tenant, self.times[-1], PRICES)
+        if placed is None:
+            return bill(tokens, self.ref.tenant, self.times[-1], PRICES)
+        assert [r.value for r in placed] == self.records  # whole, in seq order
+        ((topic, partition),) = {(r.topic, r.partition) for r in placed}
+        hashed = b"".join(len(v).to_bytes(8, "big") + v for v in self.records)
+        provenance = Provenance(
+            raw_topic=topic,
+            raw_partition=partition,
+            first_offset=min(r.offset for r in placed),
+            last_offset=max(r.offset for r in placed),
+            raw_sha256=hashlib.sha256(hashed).hexdigest(),
+            usage_source=(
+                UsageSource.ENGINE_COUNTED
+                if self.source is Source.VLLM
+                else UsageSource.PROVIDER_REPORTED
+            ),
+        )
+        return bill(tokens, self.ref.tenant, self.times[-1], PRICES, provenance)
 
 
 def request(
@@ -109,6 +131,8 @@ class Log:
 
     def __init__(self) -> None:
         self.next: dict[tuple[str, int], int] = {}
+        #: The records put, by request id.
+        self.placed: dict[str, list[TopicRecord]] = {}
 
     def put(
         self, req: Request, indexes: range | list[int] | None = None, *, partition: int = 0
@@ -124,6 +148,7 @@ class Log:
                     topic, partition, offset, req.ref.request_id.encode(), req.records[i], appended
                 )
             )
+        self.placed.setdefault(req.ref.request_id, []).extend(out)
         return out
 
 
@@ -199,7 +224,7 @@ def test_the_replay_bills_what_fold_prints() -> None:
     batches = [records[i : i + 7] for i in range(0, len(records), 7)]
     outcomes, machine = replay(*batches)
     assert sorted(outcomes.bills, key=lambda e: e.request_id) == sorted(
-        (r.expected() for r in reqs), key=lambda e: e.request_id
+        (r.expected(log.placed[r.ref.request_id]) for r in reqs), key=lambda e: e.request_id
     )
     assert (outcomes.partials, outcomes.dead) == ([], [])
     assert machine.processor.open_requests == 0
@@ -303,8 +328,9 @@ def test_a_marker_that_names_no_close_is_ignored(marker: str) -> None:
     def markers(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
         return {req.ref: (marker, True)}
 
-    outcomes, _ = replay(Log().put(req), markers=markers)
-    assert outcomes.bills == [req.expected()]
+    log = Log()
+    outcomes, _ = replay(log.put(req), markers=markers)
+    assert outcomes.bills == [req.expected(log.placed["rebuilt"])]
 
 
 def test_a_request_past_the_committed_offsets_is_not_yet_processed() -> None:
@@ -314,7 +340,7 @@ def test_a_request_past_the_committed_offsets_is_not_yet_processed() -> None:
     outcomes, _ = replay(records, committed={(SSE, 0): end})
     assert outcomes.partials == [(req.ref, "2026-11-23", "not yet processed")]
     outcomes, _ = replay(records, committed={(SSE, 0): end + 1})
-    assert outcomes.bills == [req.expected()]
+    assert outcomes.bills == [req.expected(records)]
 
 
 def test_a_lone_end_marker_is_a_dead_lettered_request() -> None:
@@ -346,4 +372,4 @@ def test_batches_do_not_change_the_outcome(size: int) -> None:
     reqs = [request(f, f"b{i}", start=T0 + i * STEP) for i, f in enumerate(FILES[:4])]
     records = [r for req in reqs for r in log.put(req)]
     outcomes, _ = replay(*[records[i : i + size] for i in range(0, len(records), size)])
-    assert outcomes.bills == [r.expected() for r in reqs]
+    assert outcomes.bills == [r.expected(log.placed[r.ref.request_id]) for r in reqs]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import io
 import json
 import random
 import re
@@ -12,6 +14,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import fastavro
 import pytest
 
 from streamtally.core.models import (
@@ -32,6 +35,7 @@ from streamtally.wire.records import (
     EventKind,
     RawEngineOutput,
     RawSseEvent,
+    UsageSource,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -832,8 +836,7 @@ def test_a_billing_event_of_version_1_decodes_as_priced() -> None:
 
 def test_billing_event_version_2_only_adds_priced_with_default_true() -> None:
     v1, v2 = (v.schema for v in avro.history("BillingEvent")[:2])
-    assert [v.version for v in avro.history("BillingEvent")] == [1, 2]
-    assert avro.current("BillingEvent").version == 2
+    assert [v.version for v in avro.history("BillingEvent")][:2] == [1, 2]
     names_v1 = [f["name"] for f in v1["fields"]]
     names_v2 = [f["name"] for f in v2["fields"]]
     assert [n for n in names_v2 if n != "priced"] == names_v1
@@ -842,6 +845,114 @@ def test_billing_event_version_2_only_adds_priced_with_default_true() -> None:
     assert (priced["type"], priced["default"]) == ("boolean", True)
     assert avro.compatibility_errors(v1, v2) == []
     assert avro.compatibility_errors(v2, v1) == []
+
+
+#: The provenance fields BillingEvent v3 adds after `event_time`: (name, type, default).
+_PROVENANCE_V3 = [
+    ("raw_topic", ["null", "string"], None),
+    ("raw_partition", ["null", "int"], None),
+    ("first_offset", ["null", "long"], None),
+    ("last_offset", ["null", "long"], None),
+    ("raw_sha256", ["null", "string"], None),
+]
+
+
+def test_billing_event_version_3_only_appends_provenance_with_defaults() -> None:
+    v2, v3 = (v.schema for v in avro.history("BillingEvent")[1:3])
+    assert [v.version for v in avro.history("BillingEvent")] == [1, 2, 3]
+    assert avro.current("BillingEvent").version == 3
+    assert avro.current("BillingEvent").fingerprint.hex() == "af3f0820356351b9"
+    names_v2 = [f["name"] for f in v2["fields"]]
+    names_v3 = [f["name"] for f in v3["fields"]]
+    added = [name for name, _, _ in _PROVENANCE_V3] + ["usage_source"]
+    assert names_v3 == names_v2 + added
+    for name, kind, default in _PROVENANCE_V3:
+        field = _field(v3, name)
+        assert (field["type"], field["default"]) == (kind, default), name
+    usage_source = _field(v3, "usage_source")
+    assert usage_source["default"] == "UNKNOWN"
+    assert usage_source["type"]["symbols"] == [
+        "UNKNOWN",
+        "PROVIDER_REPORTED",
+        "ENGINE_COUNTED",
+        "MISSING",
+    ]
+    assert usage_source["type"]["default"] == "UNKNOWN"  # a symbol added later reads UNKNOWN
+    assert [s.name for s in UsageSource] == usage_source["type"]["symbols"]
+    for old in (v.schema for v in avro.history("BillingEvent")[:2]):
+        assert avro.compatibility_errors(old, v3) == []  # backward: old events read
+        assert avro.compatibility_errors(v3, old) == []  # forward: old readers read v3
+
+
+PROVEN = BillingEvent(
+    **{
+        **_fields(BILLING),
+        "raw_topic": "streamtally.raw.sse",
+        "raw_partition": 5,
+        "first_offset": 1200,
+        "last_offset": 1213,
+        "raw_sha256": hashlib.sha256(b"x").hexdigest(),
+        "usage_source": UsageSource.ENGINE_COUNTED,
+    }
+)
+
+
+def test_billing_provenance_round_trips() -> None:
+    data = avro.encode_billing_event(PROVEN)
+    assert avro.writer_of(data).version == 3
+    assert avro.decode_billing_event(data) == PROVEN
+    record = avro.decode("BillingEvent", data)
+    assert (record["raw_partition"], record["usage_source"]) == (5, "ENGINE_COUNTED")
+    for source in UsageSource:
+        event = BillingEvent(**{**_fields(PROVEN), "usage_source": source})
+        assert avro.decode_billing_event(avro.encode_billing_event(event)) == event
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_a_billing_event_of_before_version_3_decodes_without_provenance(version: int) -> None:
+    """Events written before v3 read with the defaults: no provenance, usage_source unknown."""
+    record = avro.decode("BillingEvent", avro.encode_billing_event(PROVEN))
+    old = avro.encode("BillingEvent", record, version=version)
+    assert avro.writer_of(old).version == version
+    back = avro.decode_billing_event(old)
+    assert back == BILLING  # every field but the provenance survives
+    assert (back.raw_topic, back.raw_partition, back.first_offset, back.last_offset) == (
+        None,
+        None,
+        None,
+        None,
+    )
+    assert back.raw_sha256 is None
+    assert back.usage_source is UsageSource.UNKNOWN
+    assert not back.has_provenance
+
+
+def test_a_version_2_reader_reads_a_version_3_event() -> None:
+    """Forward: a consumer built before v3 reads a v3 event, provenance ignored."""
+    data = avro.encode_billing_event(PROVEN)
+    v2 = avro.history("BillingEvent")[1]
+    out = fastavro.schemaless_reader(
+        io.BytesIO(data[10:]), avro.current("BillingEvent").parsed, v2.parsed
+    )
+    assert "raw_sha256" not in out
+    assert out["output_tokens"] == PROVEN.output_tokens
+    assert out["priced"] is True
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"raw_sha256": "AB" * 32}, "raw_sha256"),
+        ({"raw_sha256": "ab" * 31}, "raw_sha256"),
+        ({"first_offset": 5, "last_offset": 4}, "after last_offset"),
+        ({"first_offset": None}, "both set"),
+        ({"raw_partition": -1}, "raw_partition"),
+        ({"usage_source": "missing"}, "usage_source"),
+    ],
+)
+def test_billing_provenance_is_checked(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BillingEvent(**{**_fields(PROVEN), **changes})
 
 
 # --------------------------------------------------------------------------- dead letters

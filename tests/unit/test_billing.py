@@ -10,10 +10,13 @@ from decimal import Decimal
 
 import pytest
 
+from streamtally.cli.billing import event_json
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.wire.avro import decode_billing_event, encode_billing_event
 from streamtally.wire.billing import bill, event_id, price_request
+from streamtally.wire.provenance import EMPTY_SHA256, RawDigest, raw_sha256
+from streamtally.wire.records import Provenance, UsageSource
 
 PRICES = PriceTable.from_dict(
     {
@@ -203,3 +206,96 @@ def test_event_time_must_be_aware_and_keeps_its_instant() -> None:
     plus_two = WHEN.astimezone(timezone(timedelta(hours=2)))
     event = bill(make_tokens(), "acme", plus_two, PRICES)
     assert decode_billing_event(encode_billing_event(event)).event_time == WHEN
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+def test_raw_sha256_is_pinned_to_its_exact_bytes() -> None:
+    """Each value preceded by its length as 8 bytes big-endian, then SHA-256, hex."""
+    spelled = b"\x00\x00\x00\x00\x00\x00\x00\x02" + b"ab" + b"\x00\x00\x00\x00\x00\x00\x00\x00"
+    assert raw_sha256([b"ab", b""]) == hashlib.sha256(spelled).hexdigest()
+    assert raw_sha256([b"ab", b""]) == (
+        "5275cd81a7ab85c7219cbe049231f08aab0913631cfd098890af6791862ef41e"
+    )
+    assert raw_sha256([]) == EMPTY_SHA256 == hashlib.sha256(b"").hexdigest()
+    # The length prefix keeps the boundaries: ["a", "b"] is not ["ab"].
+    assert raw_sha256([b"a", b"b"]) == (
+        "3c9d591045bc8876f9d0399bbfb05c6a412096e906f73278f98406cd5dca86df"
+    )
+    assert raw_sha256([b"ab"]) != raw_sha256([b"a", b"b"])
+    incremental = RawDigest()
+    for value in (b"ab", b""):
+        incremental.add(value)
+    assert incremental.hexdigest() == raw_sha256([b"ab", b""])
+
+
+def test_provenance_goes_onto_the_event_and_leaves_price_and_id_alone() -> None:
+    provenance = Provenance(
+        raw_topic="streamtally.raw.sse",
+        raw_partition=1,
+        first_offset=10,
+        last_offset=12,
+        raw_sha256=raw_sha256([b"x"]),
+        usage_source=UsageSource.PROVIDER_REPORTED,
+    )
+    plain = bill(make_tokens(), "acme", WHEN, PRICES)
+    proven = bill(make_tokens(), "acme", WHEN, PRICES, provenance)
+    assert not plain.has_provenance
+    assert plain.usage_source is UsageSource.UNKNOWN
+    assert proven.has_provenance
+    assert (proven.event_id, proven.cost, proven.usage) == (plain.event_id, plain.cost, plain.usage)
+    assert (
+        dataclasses.replace(
+            proven,
+            raw_topic=None,
+            raw_partition=None,
+            first_offset=None,
+            last_offset=None,
+            raw_sha256=None,
+            usage_source=UsageSource.UNKNOWN,
+        )
+        == plain
+    )
+    assert (proven.raw_topic, proven.raw_partition) == ("streamtally.raw.sse", 1)
+    assert (proven.first_offset, proven.last_offset) == (10, 12)
+    assert decode_billing_event(encode_billing_event(proven)) == proven
+
+
+def test_billing_export_json_carries_the_provenance() -> None:
+    old = bill(make_tokens(), "acme", WHEN, PRICES)
+    assert {k: v for k, v in event_json(old).items() if k in _PROVENANCE_KEYS} == {
+        "raw_topic": None,
+        "raw_partition": None,
+        "first_offset": None,
+        "last_offset": None,
+        "raw_sha256": None,
+        "usage_source": "unknown",
+    }
+    provenance = Provenance(
+        raw_topic="streamtally.raw.engine",
+        raw_partition=0,
+        first_offset=3,
+        last_offset=9,
+        raw_sha256=EMPTY_SHA256,
+        usage_source=UsageSource.MISSING,
+    )
+    new = event_json(bill(make_tokens(), "acme", WHEN, PRICES, provenance))
+    assert [new[k] for k in _PROVENANCE_KEYS] == [
+        "streamtally.raw.engine",
+        0,
+        3,
+        9,
+        EMPTY_SHA256,
+        "missing",
+    ]
+
+
+_PROVENANCE_KEYS = (
+    "raw_topic",
+    "raw_partition",
+    "first_offset",
+    "last_offset",
+    "raw_sha256",
+    "usage_source",
+)

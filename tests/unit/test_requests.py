@@ -11,6 +11,7 @@ waiting`) checked after every single step.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import random
@@ -40,7 +41,13 @@ from streamtally.producers import raw_records
 from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
-from streamtally.wire.records import RawEngineOutput, RawSseEvent
+from streamtally.wire.records import (
+    EventKind,
+    Provenance,
+    RawEngineOutput,
+    RawSseEvent,
+    UsageSource,
+)
 
 TOPICS = Topics.in_namespace()
 
@@ -74,6 +81,37 @@ SEVERAL = [
     "vllm/n2_delta.jsonl",
     "atomr/parallel_tool_fragments.jsonl",
 ]
+
+
+#: The transcripts whose stream never reports usage (their Tokens says 0 by absence).
+NO_USAGE = {
+    "openai/error_mid_stream.sse",
+    "openai/named_tool_choice_stop.sse",
+    "openai-responses/error_event_mid_stream.sse",
+    "openai-responses/failed_mid_stream.sse",
+}
+#: The transcripts whose usage the engine adapter counts from token ids: vLLM always,
+#: Dynamo without `completion_usage` (only `eos_with_usage` has it).
+COUNTED = {
+    file
+    for file in MANIFEST
+    if file.startswith("vllm/")
+    or (file.startswith("dynamo/") and file != "dynamo/eos_with_usage.jsonl")
+}
+
+
+def usage_source_of(file: str) -> UsageSource:
+    """Where the usage of a transcript comes from, by the table above."""
+    if file in NO_USAGE:
+        return UsageSource.MISSING
+    if file in COUNTED:
+        return UsageSource.ENGINE_COUNTED
+    return UsageSource.PROVIDER_REPORTED
+
+
+def sha256_of(values: list[bytes]) -> str:
+    """The billing event's `raw_sha256`, spelled out: each value length-prefixed (8 bytes)."""
+    return hashlib.sha256(b"".join(len(v).to_bytes(8, "big") + v for v in values)).hexdigest()
 
 
 # --------------------------------------------------------------------------- helpers
@@ -275,7 +313,16 @@ def test_a_whole_request_completes_once_with_the_fold_of_its_transcript(file: st
     assert done.records == len(s.records)
     assert done.duplicates == 0
     end_time = s.received_at(last)
-    assert done.billing == bill(expected, s.tenant, end_time, PRICES)
+    provenance = Provenance(
+        raw_topic=s.topic,
+        raw_partition=0,
+        first_offset=0,
+        last_offset=last,
+        raw_sha256=sha256_of(s.records),
+        usage_source=usage_source_of(file),
+    )
+    assert done.billing == bill(expected, s.tenant, end_time, PRICES, provenance)
+    assert done.billing.event_id == bill(expected, s.tenant, end_time, PRICES).event_id
     assert done.billing.tenant == s.tenant
     assert done.billing.usage == expected.usage
     # The chunks of the request: contiguous from 0, as many as the Tokens says.
@@ -1029,3 +1076,121 @@ def test_close_markers_round_trip() -> None:
         closed = Closed(42, reason, applied=False)
         assert Closed.from_marker(closed.marker(), applied=False) == closed
     assert Closed.from_marker("17", applied=True) == Closed(17, CloseReason.END, True)
+
+
+# --------------------------------------------------------------------------- provenance
+
+
+def test_provenance_covers_the_applied_records_in_seq_order_not_duplicates() -> None:
+    """Records arrive out of order with a duplicate, on partition 3 from offset 100:
+    the hash is of the applied values in seq order, the offsets the lowest and highest
+    of the records applied (the duplicate's is neither hashed nor counted)."""
+    s = sample("openai/text_usage.sse")
+    n = len(s.records)
+    order = [0, 2, 1, 1, *range(3, n)]  # seq 2 waits for 1; seq 1 is then re-sent
+    run = Run()
+    offsets = {}
+    for i, seq in enumerate(order):
+        run.send(s, seq, 100 + i, partition=3)
+        offsets.setdefault(seq, 100 + i)
+    done = run.only(s.request_id)
+    assert done.duplicates == 1
+    billing = done.billing
+    assert (billing.raw_topic, billing.raw_partition) == (TOPICS.raw_sse.name, 3)
+    assert (billing.first_offset, billing.last_offset) == (100, 100 + n)
+    assert billing.raw_sha256 == sha256_of(s.records)
+    assert billing.usage_source is UsageSource.PROVIDER_REPORTED
+    # In order, without the duplicate, elsewhere: the same hash (the input is the same).
+    plain = Run()
+    plain.send_all(s, first=7)
+    again = plain.only(s.request_id).billing
+    assert again.raw_sha256 == billing.raw_sha256
+    assert again.event_id == billing.event_id
+    assert (again.first_offset, again.last_offset) == (7, 7 + n - 1)
+
+
+def test_a_record_left_out_changes_the_hash_of_a_request_closed_over_the_gap() -> None:
+    s = sample("openai/text_usage.sse")
+    run = Run()
+    seqs = [i for i in range(len(s.records)) if i != 2]
+    run.send_all(s, seqs)
+    run.expire()
+    done = run.only(s.request_id)
+    assert done.closed.reason is CloseReason.GAP
+    kept = [s.records[i] for i in seqs]
+    assert done.billing.raw_sha256 == sha256_of(kept)
+    assert done.billing.raw_sha256 != sha256_of(s.records)
+
+
+def _atomr(seq: int, payload: dict[str, Any] | None) -> bytes:
+    record = RawEngineOutput(
+        request_id="r-atomr",
+        seq=seq,
+        source=Source.ATOMR,
+        tenant="acme",
+        received_at=T0 + seq * STEP,
+        kind=EventKind.EVENT if payload is not None else EventKind.END,
+        payload=payload,
+        model="atomr-1",
+    )
+    return avro.encode_raw_engine_output(record)
+
+
+def _atomr_request(usage: dict[str, int] | None) -> Completed:
+    run = Run()
+    chunk: dict[str, Any] = {
+        "request_id": "r-atomr",
+        "text_delta": "hi",
+        "finish_reason": "stop",
+    }
+    if usage is not None:
+        chunk["usage"] = usage
+    run.feed(Source.ATOMR, _atomr(0, chunk), 0, key=encode_key("r-atomr"))
+    run.feed(Source.ATOMR, _atomr(1, None), 1, key=encode_key("r-atomr"))
+    return run.only("r-atomr")
+
+
+def test_no_usage_reported_is_missing_never_a_request_that_used_zero_tokens() -> None:
+    missing = _atomr_request(None).billing
+    zero = _atomr_request({"input_tokens": 0, "output_tokens": 0}).billing
+    some = _atomr_request({"input_tokens": 5, "output_tokens": 2}).billing
+    assert missing.usage_counts() == zero.usage_counts()  # both bill 0 tokens ...
+    assert missing.usage_source is UsageSource.MISSING  # ... but only one reported it
+    assert zero.usage_source is UsageSource.PROVIDER_REPORTED
+    assert (some.usage_source, some.input_tokens) == (UsageSource.PROVIDER_REPORTED, 5)
+    back = avro.decode_billing_event(avro.encode_billing_event(missing))
+    assert back.usage_source is UsageSource.MISSING
+
+
+@pytest.mark.parametrize(
+    ("file", "source"),
+    [
+        ("openai/text_usage.sse", UsageSource.PROVIDER_REPORTED),
+        ("openai/named_tool_choice_stop.sse", UsageSource.MISSING),
+        ("openai-responses/failed_mid_stream.sse", UsageSource.MISSING),
+        ("anthropic/text_end_turn.sse", UsageSource.PROVIDER_REPORTED),
+        ("gemini/text_stop.sse", UsageSource.PROVIDER_REPORTED),
+        ("dynamo/eos_with_usage.jsonl", UsageSource.PROVIDER_REPORTED),
+        ("dynamo/eos_no_usage.jsonl", UsageSource.ENGINE_COUNTED),
+        ("vllm/delta_stop_cached.jsonl", UsageSource.ENGINE_COUNTED),
+        ("atomr/text_stop.jsonl", UsageSource.PROVIDER_REPORTED),
+    ],
+)
+def test_usage_source_per_source_family(file: str, source: UsageSource) -> None:
+    run = Run()
+    run.send_all(sample(file))
+    assert run.only(sample(file).request_id).billing.usage_source is source
+
+
+def test_dynamo_usage_counted_until_the_engine_reports_it() -> None:
+    """Dynamo without `completion_usage` counts the emitted token ids; once it reports
+    usage, the report wins (and the source says so)."""
+    s = sample("dynamo/eos_with_usage.jsonl")
+    lines = s.data.decode().splitlines()
+    reported = [i for i, line in enumerate(lines) if "completion_usage" in line]
+    assert reported == [len(lines) - 1]  # only the last event reports usage
+    before = Run()
+    before.send_all(s, list(range(len(s.records) - 2)))
+    before.send(s, len(s.records) - 1, len(s.records) - 2)  # END without the report: a gap
+    before.expire()
+    assert before.only(s.request_id).billing.usage_source is UsageSource.ENGINE_COUNTED

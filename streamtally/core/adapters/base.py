@@ -71,6 +71,10 @@ class Adapter(ABC):
     """Turns one request's raw events of one source into drafts."""
 
     source: ClassVar[Source]
+    #: Whether the last usage this adapter returned was counted by the adapter itself from
+    #: the token ids the engine emitted, not reported in the stream (vLLM always; Dynamo
+    #: while it reports no `completion_usage`): `BillingEvent.usage_source`.
+    counted: bool = False
 
     def __init__(self, options: AdapterOptions | None = None) -> None:
         self.options = options or AdapterOptions()

@@ -113,8 +113,10 @@ class DynamoAdapter(Adapter):
                     "reasoning": completion_details.get("reasoning_tokens"),
                 }
             )
+            self.counted = False
         elif token_ids and not self._has_report:
             draft.usage = trusted_usage(output_tokens=self._emitted)
+            self.counted = True
         return [draft] if draft.carries_anything() else []
 
 
@@ -127,7 +129,10 @@ _REQUEST_OUTPUT_USAGE = ("input", "output", "cached")
 
 
 class VllmAdapter(Adapter):
+    """vLLM `RequestOutput`: its usage is counted here from the token ids (`counted`)."""
+
     source = Source.VLLM
+    counted = True
 
     def __init__(self, options: Any = None) -> None:
         super().__init__(options)

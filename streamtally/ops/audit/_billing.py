@@ -3,7 +3,10 @@
 `BillingIndex` keeps, per billing event in the audit's scope, 64 bits of its `event_id`
 and 64 bits of a digest of its compared fields (`event_digest`): about 125 bytes per
 request in CPython, whatever the events hold.  Byte-identical replays collapse; two
-different events with one `event_id` are kept as a conflict.  The replay `take`s each
+different events with one `event_id` are kept as a conflict, except a copy with provenance
+(BillingEvent v3) of an event without it that is otherwise the same: a worker upgraded
+while the request was replayed, one bill (the v3 copy is kept).  The other order (v3
+first, then the same bill without provenance) is reported as a conflict.  The replay `take`s each
 request's entry as it closes; what is left at the end was billed for no request it found.
 Only the few events behind a discrepancy are read again, whole (`find_events`).
 """
@@ -14,7 +17,7 @@ import contextlib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
-from streamtally.ops.audit._compare import event_digest, event_key
+from streamtally.ops.audit._compare import event_digest, event_key, legacy_digest
 from streamtally.wire.avro import AvroDecodeError, decode_billing_event
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import BillingEvent
@@ -51,6 +54,15 @@ class BillingIndex:
             self._digests[key] = digest
             self.billed += 1
         elif known != digest:
+            if (
+                event.has_provenance
+                and key not in self._conflicts
+                and legacy_digest(event) == known
+            ):
+                # The same bill written again with provenance (a worker upgraded to
+                # BillingEvent v3 replayed it): one bill, the more telling copy kept.
+                self._digests[key] = digest
+                return
             self._conflicts.setdefault(key, {known}).add(digest)
 
     def take(self, key: int) -> Entry | None:

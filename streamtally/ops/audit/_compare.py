@@ -2,9 +2,16 @@
 
 A billing event is compared on `EVENT_FIELDS` (every field but `event_id`, its key, and
 `price_table_version`: the replay prices with the settings' table, see the package
-docstring).  A difference in `COST_FIELDS` is a ``cost_mismatch``, in any other field a
-``usage_mismatch``; each `Discrepancy` names one field.  Token counts are JSON numbers,
-costs decimal strings with 12 places.  Usage rows are compared in `_rows`.
+docstring).  A difference in `COST_FIELDS` is a ``cost_mismatch``, in
+`PROVENANCE_FIELDS` a ``provenance_mismatch``, in any other field a ``usage_mismatch``;
+each `Discrepancy` names one field.  Token counts and offsets are JSON numbers, costs
+decimal strings with 12 places.  Usage rows are compared in `_rows`.
+
+Provenance (BillingEvent v3: raw topic, partition, first and last offset, `raw_sha256`,
+`usage_source`) is compared only when the billing event carries it: an event written
+before v3 reads `usage_source` "unknown" and no provenance, which is no mismatch.  Its
+digest then covers the other fields alone (`event_digest`), which is what the ledger
+also tries (`legacy_digest`) before calling it a mismatch.
 """
 
 from __future__ import annotations
@@ -23,12 +30,14 @@ from streamtally.wire.records import BillingEvent
 __all__ = [
     "COST_FIELDS",
     "EVENT_FIELDS",
+    "PROVENANCE_FIELDS",
     "Discrepancy",
     "Kind",
     "billing_discrepancies",
     "event_digest",
     "event_key",
     "event_values",
+    "legacy_digest",
     "missing_billing",
     "unexpected_billing",
 ]
@@ -45,9 +54,25 @@ EVENT_FIELDS: Final = (
     "priced",
     "currency",
     "event_time",
+    "raw_topic",
+    "raw_partition",
+    "first_offset",
+    "last_offset",
+    "raw_sha256",
+    "usage_source",
 )
-#: Fields whose difference is a ``cost_mismatch`` (any other: ``usage_mismatch``).
+#: Fields whose difference is a ``cost_mismatch``.
 COST_FIELDS: Final = frozenset({"cost", "priced", "currency"})
+#: Fields whose difference is a ``provenance_mismatch``, compared only when the billing
+#: event carries provenance (BillingEvent v3; any other difference: ``usage_mismatch``).
+PROVENANCE_FIELDS: Final = (
+    "raw_topic",
+    "raw_partition",
+    "first_offset",
+    "last_offset",
+    "raw_sha256",
+    "usage_source",
+)
 
 
 class Kind(StrEnum):
@@ -58,6 +83,7 @@ class Kind(StrEnum):
     CONFLICTING_BILLING = "conflicting_billing"
     USAGE_MISMATCH = "usage_mismatch"
     COST_MISMATCH = "cost_mismatch"
+    PROVENANCE_MISMATCH = "provenance_mismatch"
     USAGE_ROW_MISMATCH = "usage_row_mismatch"
 
 
@@ -102,9 +128,13 @@ def _cost(value: Any) -> str:
     return format(scaled_cost(value), "f")
 
 
-def event_values(event: BillingEvent) -> dict[str, Any]:
-    """The compared fields of `event` as JSON values (counts numbers, the cost a string)."""
-    return {
+def event_values(event: BillingEvent, *, provenance: bool = True) -> dict[str, Any]:
+    """The compared fields of `event` as JSON values (counts numbers, the cost a string).
+
+    The `PROVENANCE_FIELDS` are there only when the event carries provenance
+    (`BillingEvent.has_provenance`) and `provenance` is true.
+    """
+    values = {
         "request_id": event.request_id,
         "tenant": event.tenant,
         "model": event.model,
@@ -116,12 +146,35 @@ def event_values(event: BillingEvent) -> dict[str, Any]:
         "currency": event.currency,
         "event_time": event.event_time.isoformat(),
     }
+    if provenance and event.has_provenance:
+        values.update(
+            raw_topic=event.raw_topic,
+            raw_partition=event.raw_partition,
+            first_offset=event.first_offset,
+            last_offset=event.last_offset,
+            raw_sha256=event.raw_sha256,
+            usage_source=event.usage_source.value,
+        )
+    return values
+
+
+def _digest(values: dict[str, Any]) -> int:
+    text = json.dumps(list(values.values()), ensure_ascii=False)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
 
 
 def event_digest(event: BillingEvent) -> int:
-    """64 bits of a hash of the compared fields: equal digests, equal events (to 2**-64)."""
-    text = json.dumps(list(event_values(event).values()), ensure_ascii=False)
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+    """64 bits of a hash of the compared fields: equal digests, equal events (to 2**-64).
+
+    An event without provenance (before BillingEvent v3) digests its other fields alone.
+    """
+    return _digest(event_values(event))
+
+
+def legacy_digest(event: BillingEvent) -> int:
+    """`event_digest` of `event` without its provenance: what an event of before v3 of the
+    same bill digests to."""
+    return _digest(event_values(event, provenance=False))
 
 
 def event_key(event_id: str) -> int:
@@ -130,12 +183,24 @@ def event_key(event_id: str) -> int:
 
 
 def _kind(name: str) -> Kind:
-    return Kind.COST_MISMATCH if name in COST_FIELDS else Kind.USAGE_MISMATCH
+    if name in COST_FIELDS:
+        return Kind.COST_MISMATCH
+    if name in PROVENANCE_FIELDS:
+        return Kind.PROVENANCE_MISMATCH
+    return Kind.USAGE_MISMATCH
 
 
 def _differences(expected: BillingEvent, found: BillingEvent) -> list[tuple[str, Any, Any]]:
-    want, got = event_values(expected), event_values(found)
-    return [(name, want[name], got[name]) for name in EVENT_FIELDS if want[name] != got[name]]
+    """The fields in which `found` differs from `expected`; provenance only when both
+    carry it (an event of before v3 has none: not a mismatch)."""
+    both = expected.has_provenance and found.has_provenance
+    want = event_values(expected, provenance=both)
+    got = event_values(found, provenance=both)
+    return [
+        (name, want[name], got[name])
+        for name in EVENT_FIELDS
+        if name in want and want[name] != got[name]
+    ]
 
 
 def billing_discrepancies(

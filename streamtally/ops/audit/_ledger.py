@@ -21,6 +21,7 @@ from streamtally.ops.audit._compare import (
     billing_discrepancies,
     event_digest,
     event_key,
+    legacy_digest,
     missing_billing,
     unexpected_billing,
 )
@@ -113,8 +114,8 @@ class Ledger:
             counts.conflicting_billing += 1
             self._suspects[key] = expected
             self._conflicting.add(key)
-        elif entry.digest == event_digest(expected):
-            counts.matched += 1
+        elif entry.digest == event_digest(expected) or entry.digest == legacy_digest(expected):
+            counts.matched += 1  # the same bill (billed before v3: without provenance)
         else:
             counts.mismatched += 1
             self._suspects[key] = expected

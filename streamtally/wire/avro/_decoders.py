@@ -34,6 +34,7 @@ from streamtally.wire.records import (
     EventKind,
     RawEngineOutput,
     RawSseEvent,
+    UsageSource,
 )
 
 if TYPE_CHECKING:
@@ -198,11 +199,19 @@ def decode_billing_event(data: bytes) -> BillingEvent:
     """A billing event written with any released version of its schema.
 
     One written before `priced` existed (version 1) reads as priced, the field's default.
+    One written before the provenance fields existed (versions 1 and 2) reads with their
+    defaults: `raw_topic`, `raw_partition`, the offsets and `raw_sha256` None and
+    `usage_source` UNKNOWN, which say that the event carries no provenance.
     """
     r = read("BillingEvent", data)
     finish = _finish(r["finish_reason"])
     _require(finish is not None, "BillingEvent: no finish reason")
-    fields = {**r, "source": _source(r["source"]), "finish_reason": finish}
+    fields = {
+        **r,
+        "source": _source(r["source"]),
+        "finish_reason": finish,
+        "usage_source": UsageSource[r["usage_source"]],
+    }
     return cast(BillingEvent, _record(BillingEvent, fields))
 
 

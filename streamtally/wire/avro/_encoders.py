@@ -229,6 +229,12 @@ def encode_billing_event(event: BillingEvent) -> bytes:
             "currency": event.currency,
             "price_table_version": event.price_table_version,
             "event_time": event.event_time,
+            "raw_topic": event.raw_topic,
+            "raw_partition": event.raw_partition,
+            "first_offset": event.first_offset,
+            "last_offset": event.last_offset,
+            "raw_sha256": event.raw_sha256,
+            "usage_source": event.usage_source.name,
         },
     )
 
