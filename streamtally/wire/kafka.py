@@ -167,6 +167,8 @@ class TopicRecord:
     value: bytes | None
     #: The record's Kafka timestamp, milliseconds since the Unix epoch.
     timestamp_ms: int
+    #: The record's Kafka headers (a raw record's ``st-auth`` tenant claim).
+    headers: tuple[tuple[str, bytes], ...] = ()
 
 
 def read_ranges(
@@ -282,6 +284,7 @@ async def read_topic(
                             key=record.key,
                             value=record.value,
                             timestamp_ms=record.timestamp,
+                            headers=tuple(record.headers or ()),
                         )
             for tp in list(remaining):
                 position = await consumer.position(tp)

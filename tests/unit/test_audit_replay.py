@@ -6,6 +6,7 @@ processed), or dead-lettered."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import io
 import sys
@@ -29,6 +30,7 @@ from streamtally.wire import avro
 from streamtally.wire.billing import bill
 from streamtally.wire.kafka import TopicRecord
 from streamtally.wire.records import BillingEvent, Provenance, RawSseEvent, UsageSource
+from streamtally.wire.tenant_keys import HEADER, ProducerKey, TenantTrust
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 TOPICS = Topics.in_namespace()
@@ -162,6 +164,7 @@ def replay(
     tenants: frozenset[str] | None = None,
     markers: Callable[[list[RequestRef]], Mapping[RequestRef, tuple[str, bool]]] = no_markers,
     committed: Mapping[tuple[str, int], int] | None = None,
+    trust: TenantTrust | None = None,
 ) -> tuple[Recorder, Replay]:
     outcomes = Recorder()
     processor = RequestProcessor(
@@ -170,6 +173,7 @@ def replay(
         clock=lambda: 0.0,
         limits=Limits(open_requests=sys.maxsize, open_per_tenant=sys.maxsize),
     )
+    processor.trust = trust
     asked: list[list[RequestRef]] = []
 
     async def lookup(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
@@ -373,3 +377,27 @@ def test_batches_do_not_change_the_outcome(size: int) -> None:
     records = [r for req in reqs for r in log.put(req)]
     outcomes, _ = replay(*[records[i : i + size] for i in range(0, len(records), size)])
     assert outcomes.bills == [r.expected(log.placed[r.ref.request_id]) for r in reqs]
+
+
+def test_with_a_trust_file_the_replay_refuses_what_the_worker_refused() -> None:
+    """Headers reach the processor: a signed request is billed, an unsigned one is not."""
+    secret = bytes(range(32))
+    trust = TenantTrust.from_document(
+        {"keys": {"k1": {"secret": secret.hex(), "tenants": ["acme"]}}}
+    )
+    key = ProducerKey("k1", secret)
+    log = Log()
+    signed = request("openai/text_usage.sse", "signed-1")
+    unsigned = request("openai/text_usage.sse", "unsigned-1")
+    batch = []
+    for rec in log.put(signed):
+        record = avro.decode_raw_sse_event(rec.value or b"")
+        auth = key.sign(
+            tenant="acme", request_id="signed-1", seq=record.seq, value=rec.value or b""
+        )
+        batch.append(dataclasses.replace(rec, headers=((HEADER, auth),)))
+    batch += log.put(unsigned)
+    outcomes, _ = replay(batch, trust=trust)
+    assert [bill.request_id for bill in outcomes.bills] == ["signed-1"]
+    outcomes, _ = replay(batch)  # without the trust file both are billed, as by the worker
+    assert sorted(bill.request_id for bill in outcomes.bills) == ["signed-1", "unsigned-1"]

@@ -106,7 +106,7 @@ class Replay:
         for rec in batch:
             position = Position(rec.topic, rec.partition, rec.offset, rec.timestamp_ms / 1000)
             read = processor.read_sse if rec.topic == self._sse_topic else processor.read_engine
-            raw = read(rec.key, rec.value, position, out)
+            raw = read(rec.key, rec.value, position, out, rec.headers)
             if raw is None:  # refused before it names a request (counted by the processor)
                 continue
             if not window.contains(raw.record.received_at):

@@ -27,6 +27,7 @@ from streamtally.settings import Settings
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
 from streamtally.wire.kafka import TopicRecord, read_topic
+from streamtally.wire.tenant_keys import TenantTrust
 
 __all__ = ["AuditOptions", "Progress", "run_audit"]
 
@@ -118,6 +119,9 @@ async def run_audit(
             text_bytes=settings.max_text_bytes,
         ),
     )
+
+    if settings.tenant_keys_path is not None:  # refuse what the worker refused
+        processor.trust = TenantTrust.load(settings.tenant_keys_path)
 
     async def lookup(refs: list[RequestRef]) -> dict[RequestRef, tuple[str, bool]]:
         return await store.closed_markers(refs)
