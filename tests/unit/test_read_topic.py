@@ -28,6 +28,7 @@ class _Record:
     key: bytes | None
     value: bytes | None
     timestamp: int
+    headers: tuple[tuple[str, bytes], ...] = ()
 
 
 class _Cluster:
