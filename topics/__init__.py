@@ -250,8 +250,22 @@ _DEADLETTER: Final = Topic(
     min_insync_replicas=OUTPUT_MIN_INSYNC,
 )
 
+_CORRECTIONS: Final = Topic(
+    name="billing.corrections",
+    partitions=1,
+    retention_ms=FOREVER,
+    key="tenant:request_id of the request corrected (as the billing topic), or the usage row",
+    value_schema="BillingCorrection",
+    description=(
+        "Append-only corrections of the billing topic, written only by `streamtally audit "
+        "--correct`: one per discrepancy, naming the event_id it supersedes and the bill that "
+        "stands. One partition: corrections apply in the order written. Kept forever."
+    ),
+    min_insync_replicas=OUTPUT_MIN_INSYNC,
+)
+
 #: Every topic as declared (names inside a namespace), in pipeline order.
-DECLARED: Final = (_RAW_SSE, _RAW_ENGINE, _CHUNKS, _TOKENS, _BILLING, _DEADLETTER)
+DECLARED: Final = (_RAW_SSE, _RAW_ENGINE, _CHUNKS, _TOKENS, _BILLING, _DEADLETTER, _CORRECTIONS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,6 +279,7 @@ class Topics:
     tokens: Topic
     billing: Topic
     deadletter: Topic
+    corrections: Topic
 
     @classmethod
     def in_namespace(cls, namespace: str = DEFAULT_NAMESPACE) -> Topics:
@@ -284,6 +299,7 @@ class Topics:
             self.tokens,
             self.billing,
             self.deadletter,
+            self.corrections,
         )
 
     @property

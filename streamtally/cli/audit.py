@@ -1,7 +1,9 @@
 """`streamtally audit`: replay the raw topics and prove every bill (`streamtally.ops.audit`).
 
-Read-only: the raw and billing topics are read with consumers of no group, the
-processors' committed offsets with an admin request, Redis through `RedisStore` reads.
+Read-only unless ``--correct``: the raw, billing and corrections topics are read with
+consumers of no group, the processors' committed offsets with an admin request, Redis
+through `RedisStore` reads.  ``--correct`` appends to the corrections topic and adds
+usage row differences through `RedisStore.correct_row`.
 """
 
 from __future__ import annotations
@@ -67,6 +69,14 @@ the report shows per tenant the cost billed (the replay, at the prices in force)
 the cost at FILE's prices and the difference (FILE's minus billed), under "rerating"
 with --json.  It changes nothing; FILE must price in the settings' currency.
 
+--correct (never the default) writes one correction per discrepancy to the
+corrections topic (<namespace>.billing.corrections: the reason, the superseded
+event_id, the bill that stands, with its usage and cost; the billing topic is never
+rewritten) and adds each differing usage row's difference to Redis once.  Audits
+read the bills as corrected, so the next run reports clean; a billing consumer
+applies the corrections the same way (see the README).  The exit status is still 1
+when there was something to correct.
+
 --out FILE writes the report as JSON, or the discrepancies as CSV when FILE ends
 in .csv.  Progress (rate, ETA) goes to stderr on a terminal, never with --json.
 exit status: 0 no discrepancy, 1 discrepancies, 2 a bad argument, Kafka or Redis
@@ -103,6 +113,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         type=file_or_stdin,
         metavar="FILE",
         help="also re-rate the period at the prices of this price table (changes nothing)",
+    )
+    parser.add_argument(
+        "--correct",
+        action="store_true",
+        help="write a correction per discrepancy and set the Redis usage rows right",
     )
     parser.add_argument("--json", action="store_true", help="print the report as one JSON document")
     parser.add_argument(
@@ -171,6 +186,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         tenants=frozenset(args.tenant) if args.tenant else None,
         rerate=rerate_prices(args.prices, settings),
         rerate_name=args.prices or "",
+        correct=args.correct,
     )
     out = _out_path(args.out)
     servers: str = args.bootstrap_servers or settings.bootstrap_servers
@@ -218,6 +234,18 @@ def format_report(report: Report) -> str:
         f"{rows['mismatched']:,} mismatched ({rows['skipped']:,} not checked: a partial "
         "request may be counted in them)",
     ]
+    corrections = doc["corrections"]
+    if corrections is not None:
+        lines.append(
+            f"corrected: {corrections['written']:,} corrections written to "
+            f"{corrections['topic']} (audit {corrections['audit_id']}), "
+            f"{corrections['rows_fixed']:,} usage rows set right"
+            + (
+                f" ({corrections['rows_applied_before']:,} were already)"
+                if corrections["rows_applied_before"]
+                else ""
+            )
+        )
     text = "".join(escape(line) + "\n" for line in lines)
     if doc["rerating"] is not None:
         text += format_rerating(doc["rerating"])

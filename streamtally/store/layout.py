@@ -87,6 +87,11 @@ when read.  A dead-lettered record lives in ``crc32(position) % 16``.
 ``st:{T}:dead:{position}`` (string ``"1"``, expires after the state TTL)
     One per dead-lettered raw record (``topic:partition:offset``), so each
     counts once in ``dead_lettered`` however often it is dead-lettered again.
+
+``st:{T}:correction:{correction_id}`` (string ``"1"``, expires after the state TTL)
+    One per usage row corrected by ``streamtally audit --correct``
+    (`streamtally.ops.audit`), in the shard `shard_of_row` of the row: the
+    correction's difference was added to that shard's part of the row, once.
 """
 
 from __future__ import annotations
@@ -115,6 +120,7 @@ __all__ = [
     "UNPRICED_FIELD",
     "closed_key",
     "closed_pattern",
+    "correction_key",
     "day_of",
     "dead_key",
     "guard_key",
@@ -125,6 +131,7 @@ __all__ = [
     "rows_key",
     "shard_of",
     "shard_of_position",
+    "shard_of_row",
     "stats_key",
     "tokens_json",
     "tokens_key",
@@ -182,6 +189,18 @@ def shard_of(ref: RequestRef) -> int:
 def shard_of_position(position: str) -> int:
     """The shard of a dead-lettered record's `position_of` text."""
     return zlib.crc32(position.encode("utf-8")) % SHARDS
+
+
+def shard_of_row(member: str) -> int:
+    """The shard an audit's correction of a usage row goes to: of its `row_member` text."""
+    return zlib.crc32(member.encode("utf-8")) % SHARDS
+
+
+def correction_key(shard: int, correction_id: str) -> str:
+    """``st:{T}:correction:{id}``: that a usage row correction was applied (in its shard)."""
+    if not correction_id or not correction_id.isalnum():
+        raise ValueError(f"bad correction id {correction_id!r}")
+    return f"{_tag(shard)}correction:{correction_id}"
 
 
 def guard_key(shard: int) -> str:

@@ -22,6 +22,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
 from streamtally.core.identity import RequestRef
+from streamtally.core.models import USAGE_FIELDS
 from streamtally.errors import StreamtallyError
 from streamtally.store import layout, layout_v2
 from streamtally.store.layout import (
@@ -33,13 +34,16 @@ from streamtally.store.layout import (
     STATS_FIELDS,
     closed_key,
     closed_pattern,
+    correction_key,
     dead_key,
     guard_key,
     parse_row_member,
     parse_tokens_key,
+    row_member,
     rows_key,
     shard_of,
     shard_of_position,
+    shard_of_row,
     stats_key,
     tokens_key,
     tokens_pattern,
@@ -49,6 +53,7 @@ from streamtally.store.layout import (
 from streamtally.store.rows import day_filter, reply_text, usage_row
 from streamtally.store.scripts import (
     CLOSE_ONCE_SCRIPT,
+    CORRECT_ROW_SCRIPT,
     DEAD_LETTER_SCRIPT,
     FLUSH_SCRIPT,
     FinishedRequest,
@@ -86,6 +91,7 @@ class RedisStore:
         self._flush = client.register_script(FLUSH_SCRIPT)
         self._dead = client.register_script(DEAD_LETTER_SCRIPT)
         self._close_once = client.register_script(CLOSE_ONCE_SCRIPT)
+        self._correct_row = client.register_script(CORRECT_ROW_SCRIPT)
 
     @classmethod
     def from_url(
@@ -272,6 +278,39 @@ class RedisStore:
                     await self._client.srem(rows_key(shard), member)
                     deleted.add(row)
         return len(deleted)
+
+    async def correct_row(
+        self, row: tuple[str, str, str], differences: Mapping[str, int], correction_id: str
+    ) -> bool:
+        """Add `differences` to the usage row (day, tenant, model), once per `correction_id`.
+
+        `differences` are signed, by field: ``requests``, ``unpriced_requests``, the five
+        usage fields and ``cost_pico``, the cost's whole difference in 10**-12 units
+        (carried into ``cost_units``); absent fields are 0.  One atomic script on the
+        row's correction shard (`shard_of_row`), whose part of the row may go below zero:
+        the row is the sum of the parts.  Returns False when the correction had been
+        applied before (``streamtally audit --correct`` run again after a failure).
+        """
+        day, tenant, model = row
+        member = row_member(day, tenant, model)
+        shard = shard_of_row(member)
+        units, pico = divmod(differences.get("cost_pico", 0), 10**12)
+        names = ("requests", "unpriced_requests", *USAGE_FIELDS)
+        argv = [
+            LAYOUT_VERSION,
+            str(self._ttl_s),
+            member,
+            *(str(differences.get(name, 0)) for name in names),
+            str(units),
+            str(pico),
+        ]
+        keys = [
+            guard_key(shard),
+            rows_key(shard),
+            usage_key(shard, day, tenant, model),
+            correction_key(shard, correction_id),
+        ]
+        return int(await self._correct_row(keys=keys, args=argv)) == 1
 
     # ------------------------------------------------------------------ Tokens
 

@@ -38,6 +38,7 @@ from streamtally.store.layout import LAYOUT_VERSION, guard_key, rows_key, stats_
 __all__ = [
     "ARGS_PER_REQUEST",
     "CLOSE_ONCE_SCRIPT",
+    "CORRECT_ROW_SCRIPT",
     "DEAD_LETTER_SCRIPT",
     "FLUSH_SCRIPT",
     "FinishedRequest",
@@ -221,6 +222,43 @@ for i = 2, #KEYS do
   end
 end
 return conflicts
+"""
+)
+
+CORRECT_ROW_SCRIPT: Final = (
+    """
+-- KEYS[1] st:{T}:layout, KEYS[2] st:{T}:usage:rows, KEYS[3] st:{T}:usage:{day}:{tenant}:{model},
+-- KEYS[4] st:{T}:correction:{id}
+-- ARGV[1] the layout version, ARGV[2] the state TTL in seconds, ARGV[3] the row member,
+-- ARGV[4..10] the differences of requests, unpriced_requests and the five usage fields,
+-- ARGV[11] of cost_units, ARGV[12] of cost_pico (0 <= x < 10**12): signed decimal strings.
+-- Adds the differences to this shard's part of the row once per correction id (KEYS[4]);
+-- returns 1 when it did, 0 when that correction had been applied before.
+"""
+    + _PRELUDE
+    + """
+local PICO = 1000000000000
+local refused = layout_is(KEYS[1], ARGV[1])
+if refused then return refused end
+local t = redis.call('TYPE', KEYS[3])
+if type(t) == 'table' then t = t['ok'] end
+if t ~= 'none' and t ~= 'hash' then
+  return redis.error_reply('streamtally: ' .. KEYS[3] .. ' is a ' .. t .. ', not a hash')
+end
+if not set(KEYS[4], '1', tonumber(ARGV[2]), true) then return 0 end
+local names = {'requests', 'unpriced_requests', 'input_tokens', 'output_tokens',
+               'reasoning_tokens', 'cached_tokens', 'cache_write_tokens', 'cost_units'}
+for i, name in ipairs(names) do
+  if ARGV[3 + i] ~= '0' then redis.call('HINCRBY', KEYS[3], name, ARGV[3 + i]) end
+end
+local pico = tonumber(redis.call('HGET', KEYS[3], 'cost_pico') or '0') + tonumber(ARGV[12])
+if pico >= PICO then
+  pico = pico - PICO
+  redis.call('HINCRBY', KEYS[3], 'cost_units', 1)
+end
+redis.call('HSET', KEYS[3], 'cost_pico', string.format('%d', pico))
+redis.call('SADD', KEYS[2], ARGV[3])
+return 1
 """
 )
 

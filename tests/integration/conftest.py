@@ -113,8 +113,11 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         _unavailable(f"a Redis Cluster needs {', '.join(missing)}")
     state = tmp_path_factory.mktemp("redis-cluster")
     for _ in range(50):
-        cfg = StackConfig(state, redis_port=random.randrange(32000, 39000, 10), redis_cluster=True)
-        if not any(port_in_use(cfg.host, port) for port in cfg.redis_cluster_ports):
+        # Below Linux's ephemeral range (32768-60999), bus ports (+10000) included: an
+        # outgoing connection may take any port in it between this check and the start.
+        cfg = StackConfig(state, redis_port=random.randrange(13000, 15000, 10), redis_cluster=True)
+        ports = [port for name, port in cfg.named_ports() if name.startswith("redis")]
+        if not any(port_in_use(cfg.host, port) for port in ports):
             break
     else:
         pytest.fail("no spare ports for a Redis Cluster")

@@ -48,6 +48,7 @@ from streamtally.store import SHARDS, RedisSink, RedisStore, usage_key
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.billing import event_id
+from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic
 from streamtally.wire.records import BillingEvent
 from tests.integration.worker import REQUEST_TIMEOUT_S, SAMPLES, WorkerProcess, cli
@@ -668,3 +669,113 @@ def test_the_audit_writes_nothing(scene: Scene) -> None:
     names, committed = asyncio.run(groups())
     assert committed == known[1]  # the processors' group untouched
     assert [n for n in names - known[0] if scene.tag in n or "audit" in n] == []
+
+
+async def _corrections(scene: Scene) -> list[Any]:
+    out = []
+    async for record in read_topic(scene.servers, scene.topics.corrections.name):
+        assert record.value is not None
+        out.append(avro.decode_billing_correction(record.value))
+    return out
+
+
+async def _billing_records(scene: Scene) -> list[tuple[int, int, BillingEvent]]:
+    out = []
+    async for record in read_topic(scene.servers, scene.topics.billing.name):
+        assert record.value is not None
+        out.append((record.partition, record.offset, avro.decode_billing_event(record.value)))
+    return sorted(out, key=lambda r: (r[0], r[1]))
+
+
+def test_correct_writes_one_correction_per_discrepancy_and_the_next_audit_is_clean(
+    scene: Scene,
+) -> None:
+    """After the tamperings: ``audit --correct`` appends corrections (the billing topic stays
+    as written), sets the Redis row right, and the audit after it is clean; a billing
+    consumer applying the corrections gets the replay's totals; a second --correct writes
+    nothing."""
+    code, before = audit()
+    assert code == 1
+    found = before["discrepancies"]
+    kinds = sorted(d["kind"] for d in found)
+    assert kinds == sorted(
+        [
+            "usage_row_mismatch",
+            "unexpected_billing",
+            "conflicting_billing",
+            "usage_mismatch",
+            "provenance_mismatch",
+        ]
+    )
+    billing_before = asyncio.run(_billing_records(scene))
+
+    code, report = audit("--correct")
+    assert code == 1  # there was something to correct
+    assert _found(report) == _found(before)
+    done = report["corrections"]
+    assert done["topic"] == scene.topics.corrections.name
+    assert (done["written"], done["rows_fixed"], done["rows_applied_before"]) == (len(found), 1, 0)
+
+    written = asyncio.run(_corrections(scene))
+    assert len(written) == len(found)
+    assert {c.audit_id for c in written} == {done["audit_id"]}
+    assert sorted(c.reason for c in written) == kinds
+    by_reason = {c.reason: c for c in written}
+    # the forged bill is withdrawn, nothing stands for it
+    void = by_reason["unexpected_billing"]
+    forged = next(d for d in found if d["kind"] == "unexpected_billing")
+    assert void.superseded_event_id == event_id(forged["tenant"], forged["request_id"])
+    assert (void.corrected, void.requests, void.cost) == (None, 0, Decimal(0))
+    # the conflicting and the altered bills are replaced by the replay's
+    for reason in ("conflicting_billing", "usage_mismatch", "provenance_mismatch"):
+        c = by_reason[reason]
+        assert c.corrected is not None
+        assert c.superseded_event_id == c.corrected.event_id
+        assert (c.tenant, c.request_id) == (c.corrected.tenant, c.corrected.request_id)
+        assert (c.input_tokens, c.cost) == (c.corrected.input_tokens, c.corrected.cost)
+    altered = by_reason["usage_mismatch"]
+    wrong = next(
+        e
+        for _, _, e in billing_before
+        if e.event_id == altered.superseded_event_id and e.input_tokens != altered.input_tokens
+    )
+    assert wrong.input_tokens == altered.input_tokens + 100
+    # the row: the whole row as the replay sums it, and Redis holds it again
+    row = by_reason["usage_row_mismatch"]
+    row_found = next(d for d in found if d["kind"] == "usage_row_mismatch")
+    assert (row.request_id, row.day, row.field) == (None, row_found["day"], "output_tokens")
+    assert row.output_tokens == row_found["expected"]
+    [stored] = [
+        r for r in _rows(scene.url, row.tenant) if (r["model"], r["day"]) == (row.model, row.day)
+    ]
+    assert stored["output_tokens"] == row_found["expected"]
+    # nothing was rewritten: the billing topic is as it was
+    assert asyncio.run(_billing_records(scene)) == billing_before
+
+    code, after = audit()
+    assert (code, after["discrepancies"]) == (0, [])
+    assert after["corrections"] is None
+    assert after["snapshot"]["correction_records"]["read"] == len(found)
+    assert after["requests"]["unexpected_billing"] == after["requests"]["conflicting_billing"] == 0
+
+    # A billing consumer applies the corrections to the bills it read: the replay's totals.
+    log = CorrectionLog()
+    for c in written:
+        log.add(c)
+    standing: dict[str, BillingEvent] = {}
+    for partition, offset, event in billing_before:
+        if not log.superseded(event, partition, offset):
+            standing.setdefault(event.event_id, event)
+    for bill in log.standing():
+        standing[bill.event_id] = bill
+    for tenant, totals in after["totals"].items():
+        mine = [e for e in standing.values() if e.tenant == tenant]
+        assert sum(e.input_tokens for e in mine) == totals["input_tokens"], tenant
+        assert sum(e.output_tokens for e in mine) == totals["output_tokens"], tenant
+        assert sum((e.cost for e in mine), Decimal(0)) == Decimal(totals["cost"]), tenant
+
+    # Run again: nothing left to correct, nothing written.
+    code, again = audit("--correct")
+    assert code == 0
+    assert (again["corrections"]["written"], again["corrections"]["rows_fixed"]) == (0, 0)
+    assert len(asyncio.run(_corrections(scene))) == len(found)

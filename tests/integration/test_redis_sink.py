@@ -53,10 +53,12 @@ from streamtally.store import (
 from streamtally.store.layout import (
     PREFIX,
     SHARD_TAGS,
+    correction_key,
     dead_key,
     guard_key,
     rows_key,
     shard_of_position,
+    shard_of_row,
     stats_key,
 )
 from streamtally.wire import avro
@@ -1103,3 +1105,51 @@ async def test_one_request_id_of_two_tenants_is_two_requests(
     assert await replay.flush() == [False]
     assert await store.usage_rows() == before
     assert await store.tokens_text(acme_eu) == tokens_json(theirs)
+
+
+# --------------------------------------------------------------------------- audit --correct
+
+
+async def test_a_row_correction_is_added_once_and_keeps_the_row_writable(
+    redis_client: aioredis.Redis, store: RedisStore, scope: Scope
+) -> None:
+    """`RedisStore.correct_row` (``audit --correct``): a signed difference, added once per id,
+    to the part of the row in its correction shard; later flushes carry on from it."""
+    tenant = scope.tenant()
+    member = row_member(DAY, tenant, MODEL)
+    shard = shard_of_row(member)
+    sink = RedisSink(store)
+    first, second, third = scope.ids_in_shard(tenant, shard, 3)
+    for rid, cost in ((first, "0.300000000000"), (second, "0.000000000002")):
+        tokens = make_tokens(rid)
+        sink.add(tokens, billed(tokens, tenant, cost))
+    assert await sink.flush() == [True, True]
+    # the second request was billed twice over, say: take one request and its cost out
+    fix = {"requests": -1, "input_tokens": -1000, "cached_tokens": -400, "output_tokens": -200}
+    fix["cost_pico"] = -3  # 0.300000000002 - 0.000000000003 = 0.299999999999: a borrow
+    marker = correction_key(shard, "c" * 32)
+    try:
+        assert await store.correct_row((DAY, tenant, MODEL), fix, "c" * 32) is True
+        [row] = await store.usage_rows(tenant=tenant)
+        assert (row["requests"], row["input_tokens"], row["output_tokens"]) == (1, 1000, 200)
+        assert row["cost"] == "0.299999999999"
+        part = await hash_of(redis_client, usage_key(shard, DAY, tenant, MODEL))
+        assert (part["cost_units"], part["cost_pico"]) == ("-1", "299999999999")
+        # the same correction again (a rerun after a failure) adds nothing
+        assert await store.correct_row((DAY, tenant, MODEL), fix, "c" * 32) is False
+        assert await store.usage_rows(tenant=tenant) == [row]
+        # the worker's script still writes the corrected part, and carries exactly
+        tokens = make_tokens(third)
+        sink.add(tokens, billed(tokens, tenant, "0.700000000001"))
+        assert await sink.flush() == [True]
+        [row] = await store.usage_rows(tenant=tenant)
+        assert (row["requests"], row["cost"]) == (2, "1.000000000000")
+        # a row that only a correction writes is listed like any other
+        other = scope.tenant("globex")
+        added = {"requests": 1, "input_tokens": 7, "cost_pico": 10**12 + 5}
+        assert await store.correct_row((DAY, other, MODEL), added, "d" * 32) is True
+        [new] = await store.usage_rows(tenant=other)
+        assert (new["requests"], new["input_tokens"], new["cost"]) == (1, 7, "1.000000000005")
+    finally:
+        other_shard = shard_of_row(row_member(DAY, scope.tenant("globex"), MODEL))
+        await redis_client.delete(marker, correction_key(other_shard, "d" * 32))

@@ -53,8 +53,10 @@ PHASE_TIMEOUT_S = 90.0
 def _spare_config(state_dir: Path) -> StackConfig:
     """A 3-broker, Redis Cluster config on ports nothing listens on (nor the shared stack)."""
     for _ in range(50):
-        kafka_port = random.randrange(21000, 29000, 10)
-        redis_port = random.randrange(31000, 39000, 10)
+        # Every port (Redis bus ports are +10000) below Linux's ephemeral range (32768-60999):
+        # an outgoing connection may take a port in it between this check and the start.
+        kafka_port = random.randrange(25000, 29000, 10)
+        redis_port = random.randrange(11000, 13000, 10)
         cfg = StackConfig(
             state_dir,
             kafka_port=kafka_port,

@@ -110,8 +110,17 @@ def test_the_csv_lists_every_discrepancy_safely() -> None:
 
 def test_the_json_report_has_the_documented_shape() -> None:
     doc = json.loads(json.dumps(report(BILL).to_json()))
-    assert set(doc) == {"requests", "usage_rows", "discrepancies", "totals", "rerating", "snapshot"}
+    assert set(doc) == {
+        "requests",
+        "usage_rows",
+        "discrepancies",
+        "totals",
+        "rerating",
+        "corrections",
+        "snapshot",
+    }
     assert doc["rerating"] is None  # without --prices
+    assert doc["corrections"] is None  # without --correct
     assert set(doc["requests"]) == {
         "replayed",
         "billed",

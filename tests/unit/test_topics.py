@@ -27,6 +27,7 @@ def test_names_are_unique_and_namespaced() -> None:
         "streamtally.tokens",
         "streamtally.billing",
         "streamtally.deadletter",
+        "streamtally.billing.corrections",
     }
 
 
@@ -56,6 +57,10 @@ def test_layout_and_retention() -> None:
     assert T.tokens.value_schema == "Tokens"
     assert T.billing.value_schema == "BillingEvent"
     assert T.deadletter.value_schema == "DeadLetter"
+    assert T.corrections.value_schema == "BillingCorrection"
+    # corrections apply in the order written (one partition), and are kept like the bills
+    assert T.corrections.partitions == 1
+    assert T.corrections.config() == {"cleanup.policy": "delete", "retention.ms": "-1"}
     for topic in (T.raw_sse, T.raw_engine, T.chunks):
         assert topic.partitions == 6
         assert topic.retention_ms == 7 * DAY_MS
@@ -73,7 +78,7 @@ def test_layout_and_retention() -> None:
     readable_s = max((t.retention_ms + (t.segment_ms or 0)) // 1000 for t in T.raw)
     assert readable_s == DEFAULT_STATE_TTL_S == 8 * 24 * 3600
     # every topic a request's records flow through is co-partitioned by request id
-    keyed = {t.partitions for t in ALL_TOPICS if t is not T.deadletter}
+    keyed = {t.partitions for t in ALL_TOPICS if t not in (T.deadletter, T.corrections)}
     assert keyed == {6}
     assert all(t.replication_factor == 1 for t in ALL_TOPICS)
 
@@ -98,6 +103,7 @@ def test_a_namespace_prefixes_every_name_and_the_group() -> None:
         "tenant-b.tokens",
         "tenant-b.billing",
         "tenant-b.deadletter",
+        "tenant-b.billing.corrections",
     ]
     assert other.processors_group == "tenant-b.processors"
     assert other.worker_app_id == "tenant-b.worker"

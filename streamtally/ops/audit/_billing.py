@@ -18,11 +18,16 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from streamtally.ops.audit._compare import event_digest, event_key, legacy_digest
-from streamtally.wire.avro import AvroDecodeError, decode_billing_event
+from streamtally.wire.avro import (
+    AvroDecodeError,
+    decode_billing_correction,
+    decode_billing_event,
+)
+from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import BillingEvent
 
-__all__ = ["BillingIndex", "Entry", "find_events", "index_billing"]
+__all__ = ["BillingIndex", "Entry", "find_events", "index_billing", "read_corrections"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +50,8 @@ class BillingIndex:
     billed: int = 0
     #: (partition, offset, reason) of records that did not decode.
     bad: list[tuple[int, int, str]] = field(default_factory=list)
+    #: Billing records in scope superseded by a correction (``audit --correct``).
+    superseded: int = 0
 
     def add(self, event: BillingEvent) -> None:
         self.records += 1
@@ -89,6 +96,29 @@ def _decoded(value: bytes | None) -> BillingEvent | str:
         return str(exc)
 
 
+async def read_corrections(
+    servers: str, topic: str, ranges: Mapping[int, tuple[int, int]]
+) -> tuple[CorrectionLog, list[tuple[int, int, str]]]:
+    """The corrections of `ranges`, in topic order; and (partition, offset, reason) of those
+    that did not decode."""
+    log = CorrectionLog()
+    bad: list[tuple[int, int, str]] = []
+    if not any(end > start for start, end in ranges.values()):
+        return log, bad
+    start = {p: r[0] for p, r in ranges.items()}
+    end = {p: r[1] for p, r in ranges.items()}
+    async with contextlib.aclosing(read_topic(servers, topic, start=start, end=end)) as records:
+        async for record in records:
+            if record.value is None:
+                bad.append((record.partition, record.offset, "no value (tombstone)"))
+                continue
+            try:
+                log.add(decode_billing_correction(record.value))
+            except AvroDecodeError as exc:
+                bad.append((record.partition, record.offset, str(exc)))
+    return log, bad
+
+
 async def index_billing(
     servers: str,
     topic: str,
@@ -96,9 +126,18 @@ async def index_billing(
     accept: Callable[[BillingEvent], bool],
     index: BillingIndex,
     *,
+    corrections: CorrectionLog | None = None,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Add the events of `ranges` (partition -> [start, end)) that `accept` takes to `index`."""
+    """Add the events of `ranges` (partition -> [start, end)) that `accept` takes to `index`.
+
+    With `corrections`, the bills as corrected: the bills the corrections stand first, then
+    the billing events no correction supersedes.
+    """
+    if corrections is not None:
+        for bill in corrections.standing():
+            if accept(bill):
+                index.add(bill)
     start = {p: r[0] for p, r in ranges.items()}
     end = {p: r[1] for p, r in ranges.items()}
     async with contextlib.aclosing(read_topic(servers, topic, start=start, end=end)) as records:
@@ -106,6 +145,10 @@ async def index_billing(
             event = _decoded(record.value)
             if isinstance(event, str):
                 index.bad.append((record.partition, record.offset, event))
+            elif corrections is not None and corrections.superseded(
+                event, record.partition, record.offset
+            ):
+                index.superseded += accept(event)
             elif accept(event):
                 index.add(event)
             if progress is not None:
@@ -117,16 +160,27 @@ async def find_events(
     topic: str,
     ranges: Mapping[int, tuple[int, int]],
     keys: Collection[int],
+    *,
+    corrections: CorrectionLog | None = None,
 ) -> dict[int, list[BillingEvent]]:
-    """The distinct events of `ranges` whose event key is one of `keys`, in topic order."""
+    """The distinct events of `ranges` whose event key is one of `keys`, in topic order
+    (with `corrections`: as corrected, see `index_billing`)."""
     found: dict[int, list[BillingEvent]] = {}
     seen: set[tuple[int, int]] = set()
+    for bill in () if corrections is None else corrections.standing():
+        key = event_key(bill.event_id)
+        if key in keys and (key, event_digest(bill)) not in seen:
+            seen.add((key, event_digest(bill)))
+            found.setdefault(key, []).append(bill)
     start = {p: r[0] for p, r in ranges.items()}
     end = {p: r[1] for p, r in ranges.items()}
     async with contextlib.aclosing(read_topic(servers, topic, start=start, end=end)) as records:
         async for record in records:
             event = _decoded(record.value)
-            if isinstance(event, str):
+            if isinstance(event, str) or (
+                corrections is not None
+                and corrections.superseded(event, record.partition, record.offset)
+            ):
                 continue
             key = event_key(event.event_id)
             if key not in keys:

@@ -20,6 +20,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from enum import StrEnum
 from typing import Any, Final
 
@@ -99,6 +100,9 @@ class Discrepancy:
     field: str | None
     expected: Any
     found: Any
+    #: The billing event id the discrepancy is about (the replay's, or the unexpected
+    #: event's); None for a usage row.  Not part of the report: what a correction names.
+    event_id: str | None = dataclass_field(default=None, compare=False)
 
     def sort_key(self) -> tuple[str, ...]:
         return (
@@ -226,6 +230,7 @@ def billing_discrepancies(
                     name,
                     want,
                     got,
+                    event_id=expected.event_id,
                 )
             )
     return out
@@ -242,6 +247,7 @@ def missing_billing(expected: BillingEvent) -> Discrepancy:
         "cost",
         _cost(expected.cost),
         None,
+        event_id=expected.event_id,
     )
 
 
@@ -256,4 +262,5 @@ def unexpected_billing(found: BillingEvent) -> Discrepancy:
         "cost",
         None,
         _cost(found.cost),
+        event_id=found.event_id,
     )

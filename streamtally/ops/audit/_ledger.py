@@ -92,6 +92,10 @@ class Ledger:
     _unsure: set[tuple[str, str]] = field(default_factory=set)
     #: event key -> the replay's event, for requests whose billing differs.
     _suspects: dict[int, BillingEvent] = field(default_factory=dict)
+    #: event key -> the replay's event, for requests billed nowhere.
+    _missing: dict[int, BillingEvent] = field(default_factory=dict)
+    #: The replay's values of the usage rows found differing (`compare_rows`).
+    row_expected: dict[RowKey, dict[str, Any]] = field(default_factory=dict)
     _conflicting: set[int] = field(default_factory=set)
     _unexpected: set[int] = field(default_factory=set)
 
@@ -109,6 +113,7 @@ class Ledger:
         entry = self.index.take(key)
         if entry is None:
             counts.missing_billing += 1
+            self._missing[key] = expected
             self.discrepancies.append(missing_billing(expected))
         elif entry.conflicting:
             counts.conflicting_billing += 1
@@ -165,7 +170,17 @@ class Ledger:
         keys = {k for k in set(found) | set(self._rows) if self.scope.checks_row(k)}
         unsure = {k for k in keys if (k[0], k[2]) in self._unsure}
         expected = {k: self._rows[k].values() for k in keys - unsure if k in self._rows}
-        return compare_rows(expected, found, keys - unsure), len(unsure)
+        comparison = compare_rows(expected, found, keys - unsure)
+        for d in comparison.discrepancies:
+            key = (d.tenant, d.model or "", d.day or "")
+            self.row_expected[key] = expected.get(key) or RowSum().values()
+        return comparison, len(unsure)
+
+    def expected_bill(self, event_id: str) -> BillingEvent | None:
+        """The replay's billing event of `event_id`, for a request whose billing differs."""
+        key = event_key(event_id)
+        bill = self._suspects.get(key) or self._missing.get(key)
+        return bill if bill is not None and bill.event_id == event_id else None
 
     def totals(self) -> dict[str, dict[str, Any]]:
         """Per tenant: requests replayed, the five usage fields and the cost."""

@@ -3,7 +3,8 @@
 `Report.to_json` is the document ``streamtally audit --json`` prints: `requests` (counts),
 `usage_rows` (counts), `discrepancies`, `totals` (per tenant, from the replay),
 `rerating` (``--prices``: per tenant, billed, at the other prices and the difference; null
-without it) and `snapshot` (what was read: topics, partitions, offset ranges, and how the
+without it), `corrections` (``--correct``: what was written; null without it) and
+`snapshot` (what was read: topics, partitions, offset ranges, and how the
 raw records were used).
 """
 
@@ -45,6 +46,8 @@ class Report:
     snapshot: dict[str, Any]
     #: `Rerating.to_json` with ``--prices``, else None.
     rerating: dict[str, Any] | None = None
+    #: `Corrected.to_json` with ``--correct``, else None.
+    corrections: dict[str, Any] | None = None
 
     @property
     def clean(self) -> bool:
@@ -62,6 +65,7 @@ class Report:
             "discrepancies": [d.to_json() for d in self.discrepancies],
             "totals": self.totals,
             "rerating": self.rerating,
+            "corrections": self.corrections,
             "snapshot": self.snapshot,
         }
 

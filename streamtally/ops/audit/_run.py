@@ -14,8 +14,16 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from streamtally.core.identity import RequestRef
+from streamtally.core.models import utc_now
 from streamtally.core.pricing import PriceTable
-from streamtally.ops.audit._billing import BillingIndex, find_events, index_billing
+from streamtally.errors import InputError
+from streamtally.ops.audit._billing import (
+    BillingIndex,
+    find_events,
+    index_billing,
+    read_corrections,
+)
+from streamtally.ops.audit._corrections import Corrected, apply_plan, audit_id, plan_corrections
 from streamtally.ops.audit._ledger import Ledger, Scope
 from streamtally.ops.audit._range import TimeRange
 from streamtally.ops.audit._replay import Replay
@@ -45,6 +53,8 @@ class AuditOptions:
     #: ``--prices``: re-rate the period at these prices too (see `_rerate`), named so.
     rerate: PriceTable | None = None
     rerate_name: str = ""
+    #: ``--correct``: write a correction per discrepancy and set the usage rows right.
+    correct: bool = False
 
 
 class _Meter:
@@ -90,21 +100,39 @@ async def run_audit(
     servers = servers or settings.bootstrap_servers
     topics = Topics.in_namespace(settings.namespace)
     prices = PriceTable.load_or_default(settings.prices_path)
+    stored_rows: list[dict[str, object]] = []
+
+    async def read_rows() -> None:  # inside the snapshot (see `_snapshot`)
+        stored_rows.extend(await store.usage_rows())
+
     snapshot = await take_snapshot(
-        servers, topics, options.window, request_timeout=settings.request_timeout
+        servers,
+        topics,
+        options.window,
+        request_timeout=settings.request_timeout,
+        between=read_rows,
     )
-    stored_rows = await store.usage_rows()  # at the snapshot (see the package docstring)
+    corrections, bad_corrections = await read_corrections(
+        servers, snapshot.corrections_topic, snapshot.corrections
+    )
     scope = Scope(snapshot.window, options.tenants)
     meter = _Meter(snapshot.raw_records() + snapshot.billing_records(), progress)
     index = BillingIndex()
-    if snapshot.billing_records():
+    if snapshot.billing_records() or len(corrections):
         await index_billing(
             servers,
             snapshot.billing_topic,
             snapshot.billing,
             scope.accepts,
             index,
+            corrections=corrections,
             progress=meter,
+        )
+    if options.correct and (index.bad or bad_corrections):
+        raise InputError(
+            f"{len(index.bad)} billing and {len(bad_corrections)} correction records in range "
+            "do not decode (see `streamtally audit --json`, snapshot): an audit cannot correct "
+            "bills it cannot read; run it without --correct and repair those first"
         )
     rerating = None if options.rerate is None else Rerating(options.rerate, options.rerate_name)
     ledger = Ledger(index, scope, rerating=rerating)
@@ -148,19 +176,49 @@ async def run_audit(
     replay.finish()
     wanted = ledger.close_index()
     if wanted:
-        ledger.resolve(await find_events(servers, snapshot.billing_topic, snapshot.billing, wanted))
+        ledger.resolve(
+            await find_events(
+                servers,
+                snapshot.billing_topic,
+                snapshot.billing,
+                wanted,
+                corrections=corrections,
+            )
+        )
     rows, skipped = ledger.compare_rows(stored_rows)
     if progress is not None:
         progress(meter.done, meter.total)
     discrepancies = sorted(ledger.discrepancies + rows.discrepancies, key=lambda d: d.sort_key())
+    corrected = None
+    if options.correct:
+        corrected = Corrected(topics.corrections.name, audit_id=audit_id(snapshot.to_json()))
+        plan = plan_corrections(
+            discrepancies,
+            ledger,
+            audit=corrected.audit_id,
+            billing_before={p: end for p, (_, end) in snapshot.billing.items()},
+            currency=prices.currency,
+            now=utc_now(),
+        )
+        await apply_plan(
+            plan, servers=servers, topic=topics.corrections, store=store, done=corrected
+        )
+    json_snapshot = _snapshot_json(snapshot, replay, index, ledger, options)
+    json_snapshot["correction_records"] = {
+        "read": corrections.records,
+        "bills_corrected": len(corrections),
+        "billing_records_superseded": index.superseded,
+        "undecodable": [{"partition": p, "offset": o, "reason": r} for p, o, r in bad_corrections],
+    }
     return Report(
         requests=ledger.counts,
         rows=rows,
         rows_skipped=skipped,
         discrepancies=tuple(discrepancies),
         totals=ledger.totals(),
-        snapshot=_snapshot_json(snapshot, replay, index, ledger, options),
+        snapshot=json_snapshot,
         rerating=None if rerating is None else rerating.to_json(),
+        corrections=None if corrected is None else corrected.to_json(),
     )
 
 

@@ -4,8 +4,13 @@ In this order, so that each later read covers what the earlier ones imply:
 
 1. the processors' committed offsets (their consumer group, read with an admin request,
    never joined): a request closed below them has its outputs durable;
-2. the billing topic's end offsets: every event of those requests is below them;
-3. the raw topics' end offsets, and where `--since` / `--until` start and stop reading
+2. the billing topic's end offsets: every event of those requests is below them; with
+   them the corrections topic's (``audit --correct`` writes it);
+3. the usage rows, read from Redis by the caller (`take_snapshot`'s `between`): every
+   request in them was applied before, so its raw records are below the raw end offsets
+   taken next (read after those, a request whose records all came after the snapshot
+   could be in a row the replay cannot explain);
+4. the raw topics' end offsets, and where `--since` / `--until` start and stop reading
    (`offsets_for_times` on the records' Kafka time, which the raw topics set to the
    broker's append time: a record received at t is appended after t - `SKEW_S`, and
    read up to `LATE_APPEND_S` past `--until`, a producer's backlog).
@@ -17,8 +22,8 @@ that record's time plus the request timeout (`Snapshot.window`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
@@ -55,6 +60,9 @@ class Snapshot:
     group: str
     #: (raw topic, partition) -> the processors' committed offset (absent: none yet).
     committed: dict[tuple[str, int], int]
+    corrections_topic: str = ""
+    #: The corrections topic from its start (empty: the topic does not exist yet).
+    corrections: Ranges = field(default_factory=dict)
 
     def raw_records(self) -> int:
         return sum(end - start for ranges in self.raw.values() for start, end in ranges.values())
@@ -72,6 +80,7 @@ class Snapshot:
             "topics": {
                 **{name: spans(ranges) for name, ranges in self.raw.items()},
                 self.billing_topic: spans(self.billing),
+                **({self.corrections_topic: spans(self.corrections)} if self.corrections else {}),
             },
             "processors_group": self.group,
             "processors_committed": {
@@ -138,9 +147,18 @@ class _Offsets:
 
 
 async def take_snapshot(
-    servers: str, topics: Topics, wanted: TimeRange, *, request_timeout: float
+    servers: str,
+    topics: Topics,
+    wanted: TimeRange,
+    *,
+    request_timeout: float,
+    between: Callable[[], Awaitable[None]] | None = None,
 ) -> Snapshot:
-    """The offsets to read (see the module docstring); `StackError` when Kafka fails."""
+    """The offsets to read (see the module docstring); `StackError` when Kafka fails.
+
+    `between` is awaited after the billing topic's end offsets are taken and before the
+    raw topics' are: where the usage rows must be read.
+    """
     group = topics.processors_group
     consumer = AIOKafkaConsumer(
         bootstrap_servers=servers,
@@ -157,6 +175,13 @@ async def take_snapshot(
         offsets = _Offsets(consumer, servers, cluster)
         billing_tps = await offsets.partitions(topics.billing.name)
         billing_begins, billing_ends = await offsets.bounds(billing_tps)
+        corrections: Ranges = {}
+        if cluster.partitions_for_topic(topics.corrections.name):
+            correction_tps = await offsets.partitions(topics.corrections.name)
+            begins, ends = await offsets.bounds(correction_tps)
+            corrections = {tp.partition: (begins[tp], ends[tp]) for tp in correction_tps}
+        if between is not None:
+            await between()
         taken_at = datetime.now(UTC)
         raw: dict[str, Ranges] = {}
         retained_from: float | None = None
@@ -200,7 +225,17 @@ async def take_snapshot(
         ) from exc
     finally:
         await consumer.stop()
-    return Snapshot(taken_at, window, raw, topics.billing.name, billing, group, committed)
+    return Snapshot(
+        taken_at,
+        window,
+        raw,
+        topics.billing.name,
+        billing,
+        group,
+        committed,
+        topics.corrections.name,
+        corrections,
+    )
 
 
 def _window(wanted: TimeRange, retained_from: float | None, request_timeout: float) -> TimeRange:

@@ -36,6 +36,7 @@ from __future__ import annotations
 from streamtally.wire.avro._codec import decode, encode
 from streamtally.wire.avro._compat import compatibility_errors
 from streamtally.wire.avro._decoders import (
+    decode_billing_correction,
     decode_billing_event,
     decode_chunk,
     decode_dead_letter,
@@ -45,6 +46,7 @@ from streamtally.wire.avro._decoders import (
     decode_tokens,
 )
 from streamtally.wire.avro._encoders import (
+    encode_billing_correction,
     encode_billing_event,
     encode_chunk,
     encode_dead_letter,
@@ -88,6 +90,7 @@ __all__ = [
     "compatibility_errors",
     "current",
     "decode",
+    "decode_billing_correction",
     "decode_billing_event",
     "decode_chunk",
     "decode_dead_letter",
@@ -96,6 +99,7 @@ __all__ = [
     "decode_raw_sse_event",
     "decode_tokens",
     "encode",
+    "encode_billing_correction",
     "encode_billing_event",
     "encode_chunk",
     "encode_dead_letter",

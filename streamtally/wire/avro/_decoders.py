@@ -27,6 +27,7 @@ from streamtally.core.models import (
 from streamtally.wire.avro._codec import read
 from streamtally.wire.avro._errors import AvroDecodeError
 from streamtally.wire.avro._schemas import NAMESPACE
+from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.records import (
     ENGINE_PAYLOAD_TYPES,
     BillingEvent,
@@ -41,6 +42,7 @@ if TYPE_CHECKING:
     from streamtally.wire.avro._encoders import Model
 
 __all__ = [
+    "decode_billing_correction",
     "decode_billing_event",
     "decode_chunk",
     "decode_dead_letter",
@@ -195,15 +197,7 @@ def decode_raw_engine_output(data: bytes) -> RawEngineOutput:
     return cast(RawEngineOutput, _record(RawEngineOutput, fields))
 
 
-def decode_billing_event(data: bytes) -> BillingEvent:
-    """A billing event written with any released version of its schema.
-
-    One written before `priced` existed (version 1) reads as priced, the field's default.
-    One written before the provenance fields existed (versions 1 and 2) reads with their
-    defaults: `raw_topic`, `raw_partition`, the offsets and `raw_sha256` None and
-    `usage_source` UNKNOWN, which say that the event carries no provenance.
-    """
-    r = read("BillingEvent", data)
+def _billing_event(r: dict[str, Any]) -> BillingEvent:
     finish = _finish(r["finish_reason"])
     _require(finish is not None, "BillingEvent: no finish reason")
     fields = {
@@ -213,6 +207,29 @@ def decode_billing_event(data: bytes) -> BillingEvent:
         "usage_source": UsageSource[r["usage_source"]],
     }
     return cast(BillingEvent, _record(BillingEvent, fields))
+
+
+def decode_billing_event(data: bytes) -> BillingEvent:
+    """A billing event written with any released version of its schema.
+
+    One written before `priced` existed (version 1) reads as priced, the field's default.
+    One written before the provenance fields existed (versions 1 and 2) reads with their
+    defaults: `raw_topic`, `raw_partition`, the offsets and `raw_sha256` None and
+    `usage_source` UNKNOWN, which say that the event carries no provenance.
+    """
+    return _billing_event(read("BillingEvent", data))
+
+
+def decode_billing_correction(data: bytes) -> BillingCorrection:
+    """A correction (`streamtally.wire.corrections`) written with any version of its schema."""
+    r = read("BillingCorrection", data)
+    before: dict[int, int] = {}
+    for partition, offset in r["billing_before"].items():
+        _require(partition.isdigit(), f"BillingCorrection: bad partition {partition!r}")
+        before[int(partition)] = offset
+    corrected = None if r["corrected"] is None else _billing_event(r["corrected"])
+    fields = {**r, "billing_before": before, "corrected": corrected}
+    return cast(BillingCorrection, _record(BillingCorrection, fields))
 
 
 def decode_dead_letter(data: bytes) -> DeadLetter:

@@ -26,6 +26,7 @@ from streamtally.wire.avro._chunk_writer import check_schema, chunk_body
 from streamtally.wire.avro._codec import write
 from streamtally.wire.avro._errors import AvroEncodeError
 from streamtally.wire.avro._schemas import CURRENT, NAMESPACE
+from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.records import (
     BillingEvent,
     DeadLetter,
@@ -36,6 +37,7 @@ from streamtally.wire.records import (
 
 __all__ = [
     "Model",
+    "encode_billing_correction",
     "encode_billing_event",
     "encode_chunk",
     "encode_dead_letter",
@@ -212,29 +214,58 @@ def encode_raw_engine_output(output: RawEngineOutput) -> bytes:
     )
 
 
+def _billing_datum(event: BillingEvent) -> dict[str, Any]:
+    return {
+        "event_id": event.event_id,
+        "request_id": event.request_id,
+        "tenant": event.tenant,
+        "model": event.model,
+        "source": event.source.name,
+        "finish_reason": event.finish_reason.name,
+        **event.usage_counts(),
+        "cost": scaled_cost(event.cost),
+        "priced": event.priced,
+        "currency": event.currency,
+        "price_table_version": event.price_table_version,
+        "event_time": event.event_time,
+        "raw_topic": event.raw_topic,
+        "raw_partition": event.raw_partition,
+        "first_offset": event.first_offset,
+        "last_offset": event.last_offset,
+        "raw_sha256": event.raw_sha256,
+        "usage_source": event.usage_source.name,
+    }
+
+
 def encode_billing_event(event: BillingEvent) -> bytes:
     """A `BillingEvent` as a single-object message (value of `streamtally.billing`)."""
+    return write(CURRENT["BillingEvent"], _billing_datum(event))
+
+
+def encode_billing_correction(correction: BillingCorrection) -> bytes:
+    """A `BillingCorrection` (value of `streamtally.billing.corrections`)."""
+    c = correction
     return write(
-        CURRENT["BillingEvent"],
+        CURRENT["BillingCorrection"],
         {
-            "event_id": event.event_id,
-            "request_id": event.request_id,
-            "tenant": event.tenant,
-            "model": event.model,
-            "source": event.source.name,
-            "finish_reason": event.finish_reason.name,
-            **event.usage_counts(),
-            "cost": scaled_cost(event.cost),
-            "priced": event.priced,
-            "currency": event.currency,
-            "price_table_version": event.price_table_version,
-            "event_time": event.event_time,
-            "raw_topic": event.raw_topic,
-            "raw_partition": event.raw_partition,
-            "first_offset": event.first_offset,
-            "last_offset": event.last_offset,
-            "raw_sha256": event.raw_sha256,
-            "usage_source": event.usage_source.name,
+            "correction_id": c.correction_id,
+            "audit_id": c.audit_id,
+            "reason": c.reason,
+            "field": c.field,
+            "tenant": c.tenant,
+            "request_id": c.request_id,
+            "model": c.model,
+            "day": c.day,
+            "expected": c.expected,
+            "found": c.found,
+            "superseded_event_id": c.superseded_event_id,
+            "billing_before": {str(p): o for p, o in sorted(c.billing_before.items())},
+            "corrected": None if c.corrected is None else _billing_datum(c.corrected),
+            **{name: getattr(c, name) for name in USAGE_FIELDS},
+            "requests": c.requests,
+            "cost": scaled_cost(c.cost),
+            "currency": c.currency,
+            "created_at": c.created_at,
         },
     )
 
