@@ -243,8 +243,7 @@ def create_app(
         gate.drop(tps, dropped)  # the next owner re-reads them
 
     async def consume_raw_topics() -> None:
-        source = RawSource(settings, topics, revoked)
-        source.revocations = pipeline.revocations
+        source = RawSource(settings, topics, revoked, pipeline.revocations)
         source.on_assigned = metrics.assigned
         source.on_commit_error = lambda exc: metrics.sink_error("kafka", exc, False)
         await source.start()

@@ -16,7 +16,14 @@ from collections.abc import Hashable, Iterable
 
 from streamtally.core.identity import RequestRef
 
-__all__ = ["CommitGate"]
+__all__ = ["CommitGate", "CommitOrderError"]
+
+
+class CommitOrderError(RuntimeError):
+    """A record was held out of its partition's order: the gate would commit past records
+    it never held.  Raised, never worked around: a stalled partition loses no money, a
+    commit past an open request does (its start is never read again, it is never billed).
+    """
 
 
 class _Held:
@@ -34,13 +41,26 @@ class CommitGate:
         self._queues: defaultdict[Hashable, deque[_Held]] = defaultdict(deque)
         self._open: defaultdict[RequestRef, list[_Held]] = defaultdict(list)
         self._ready: dict[Hashable, int] = {}
+        #: The last offset held per partition since it was (re)assigned.
+        self._last: dict[Hashable, int] = {}
 
     def __len__(self) -> int:
         """Records held, done or not."""
         return sum(len(q) for q in self._queues.values())
 
     def hold(self, tp: Hashable, offset: int, request: RequestRef | None) -> None:
-        """Hold the record at `offset`; it is done now unless `request` is still open."""
+        """Hold the record at `offset`; it is done now unless `request` is still open.
+
+        Offsets of a partition come in increasing order between two `drop`s of it (one
+        assignment, read from the committed offset on); `CommitOrderError` otherwise.
+        """
+        last = self._last.get(tp)
+        if last is not None and offset <= last:
+            raise CommitOrderError(
+                f"record {offset} of {tp} held after record {last}: a batch of an earlier "
+                "assignment was applied after the partition was revoked"
+            )
+        self._last[tp] = offset
         held = _Held(offset, done=request is None)
         self._queues[tp].append(held)
         if request is not None:
@@ -72,5 +92,6 @@ class CommitGate:
         for tp in tps:
             self._queues.pop(tp, None)
             self._ready.pop(tp, None)
+            self._last.pop(tp, None)
         for request in requests:
             self._open.pop(request, None)

@@ -120,7 +120,11 @@ class RawSource:
         settings: Settings,
         topics: Topics,
         on_revoked: Callable[[set[TopicPartition]], Awaitable[None]],
+        revocations: Revocations,
     ) -> None:
+        """`revocations` is THE fence: the rebalance listener moves it on, `batches` stamps
+        each fetch with it, and the caller checks each batch against it before applying
+        it.  One object for all three, given here, so the three cannot drift apart."""
         self.settings = settings
         self._topics = topics
         self._consumer = AIOKafkaConsumer(
@@ -135,10 +139,21 @@ class RawSource:
             session_timeout_ms=int(settings.session_timeout * 1000),
             heartbeat_interval_ms=int(max(settings.session_timeout / 10, 0.5) * 1000),
         )
-        self.revocations = Revocations()
-        self._listener = _Listener(self.revocations, on_revoked)
+        self._revocations = revocations
+        self._listener = _Listener(revocations, on_revoked)
         #: Told of each failed commit (the metrics).
         self.on_commit_error: Callable[[BaseException], None] | None = None
+
+    @property
+    def revocations(self) -> Revocations:
+        """The fence this source's listener moves on and its batches are stamped with.
+
+        Read-only: rebinding it would leave the listener moving another object on, and
+        no batch would ever be stale (a money-losing bug once: batches fetched before a
+        revoke were applied after it, and a returning partition committed past open
+        requests).
+        """
+        return self._revocations
 
     @property
     def on_assigned(self) -> Callable[[set[tuple[str, int]]], None] | None:
@@ -189,7 +204,7 @@ class RawSource:
             # Stamped with the generation from before the fetch, they were dropped as
             # stale while the consumer's position moved past them, and a later commit
             # skipped their open requests (never billed).
-            generation = self.revocations.generation
+            generation = self._revocations.generation
             batch = tuple(
                 RawMessage(
                     tp.topic,

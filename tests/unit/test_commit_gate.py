@@ -17,7 +17,7 @@ import pytest
 from aiokafka import TopicPartition
 
 from streamtally.core.identity import RequestRef
-from streamtally.processors.commits import CommitGate
+from streamtally.processors.commits import CommitGate, CommitOrderError
 
 TP_A = TopicPartition("streamtally.raw.sse", 0)
 TP_B = TopicPartition("streamtally.raw.sse", 1)
@@ -285,6 +285,26 @@ def test_drop_forgets_the_commit_point_of_the_partition() -> None:
     assert gate.committable() == {TP_B: 1}
     assert gate.release() == {}
     assert gate.committable() == {TP_B: 1}
+
+
+def test_a_record_held_out_of_its_partitions_order_is_refused() -> None:
+    """What a batch of an earlier assignment applied after its partition was revoked and
+    given back looks like: the stale records, then the partition re-read from the committed
+    offset.  Held anyway, the stale ones would be released first and the gate would hand
+    out an offset past records of open requests it never held (seen in a three-worker run:
+    three requests never billed)."""
+    gate = CommitGate()
+    gate.hold(TP_A, 300, None)  # a stale batch: records 300.. of a request that closed
+    with pytest.raises(CommitOrderError, match=r"record 0 of .* held after record 300"):
+        gate.hold(TP_A, 0, R1)  # the partition re-read from 0: r1 opens at 0
+    assert gate.release() == {TP_A: 301}  # what the refusal keeps from being committed late
+    gate.hold(TP_B, 5, None)  # another partition has its own order
+    with pytest.raises(CommitOrderError):
+        gate.hold(TP_B, 5, None)  # the same offset twice is out of order too
+    # after a drop (the revoke), the partition starts afresh, from any offset
+    gate.drop({TP_A}, [])
+    gate.hold(TP_A, 0, R1)
+    assert gate.release() == {TP_B: 6}  # nothing of TP_A: r1 is open
 
 
 def test_drop_also_forgets_done_records_and_the_partition_starts_afresh() -> None:

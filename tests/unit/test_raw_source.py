@@ -13,9 +13,10 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import pytest
 from aiokafka import TopicPartition
 
-from streamtally.processors.source import RawSource
+from streamtally.processors.source import RawSource, Revocations
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 
@@ -46,7 +47,9 @@ class _ConsumerRebalancedDuringFetch:
 
 
 async def _two_batches(topics: Topics, tp: TopicPartition) -> tuple[RawSource, list[Any]]:
-    source = RawSource(Settings.load(), topics, on_revoked=lambda _: asyncio.sleep(0))
+    source = RawSource(
+        Settings.load(), topics, on_revoked=lambda _: asyncio.sleep(0), revocations=Revocations()
+    )
     source._consumer = _ConsumerRebalancedDuringFetch(source, tp)  # type: ignore[assignment]
     batches = []
     async for batch in source.batches():
@@ -72,3 +75,32 @@ def test_records_returned_after_a_revoke_are_of_the_new_assignment_not_stale() -
     source.revocations.revoke([key])
     assert source.revocations.stale(key, second.generation)
     assert source.revocations.stale(key, first.generation)
+
+
+def test_the_listener_moves_on_the_fence_the_caller_checks_batches_against() -> None:
+    """A revoke reaches the `Revocations` the worker fences batches with (its pipeline's),
+    through the consumer's rebalance listener: once, the worker gave its source another
+    object than the listener's, no batch was ever stale, and batches fetched before a
+    revoke were applied after it (a second bill, and a commit past open requests)."""
+    topics = Topics.in_namespace("unit")
+    tp = TopicPartition(topics.raw_sse.name, 3)
+    fence = Revocations()
+    seen: list[set[TopicPartition]] = []
+
+    async def revoked(tps: set[TopicPartition]) -> None:
+        seen.append(tps)
+
+    async def revoke_through_the_listener() -> RawSource:
+        source = RawSource(Settings.load(), topics, revoked, fence)
+        await source._listener.on_partitions_revoked({tp})
+        return source
+
+    fetched_in = fence.generation
+    source = asyncio.run(revoke_through_the_listener())
+    assert source.revocations is fence
+    assert seen == [{tp}]
+    assert fence.stale((tp.topic, tp.partition), fetched_in)  # the worker's own object
+    assert not fence.stale((tp.topic, 4), fetched_in)
+    # and it cannot be swapped behind the listener's back
+    with pytest.raises(AttributeError):
+        source.revocations = Revocations()  # type: ignore[misc]
