@@ -21,6 +21,7 @@ finished.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ from streamtally.processors.source import FetchedBatch, RawMessage, RawSource, R
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.tenant_keys import TenantTrust
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Pipeline", "create_app"]
 
@@ -186,6 +189,12 @@ def create_app(
             batch = [
                 m for m in fetched.messages if not fence.stale((m.topic, m.partition), generation)
             ]
+            if len(batch) < len(fetched.messages):
+                log.info(
+                    "fenced %d records of partitions revoked since their fetch "
+                    "(their next owner reads them from the committed offset)",
+                    len(fetched.messages) - len(batch),
+                )
         else:  # handed over directly (agent tests): nothing to fence
             batch = fetched
         outputs = Outputs()

@@ -542,6 +542,12 @@ async def _run(
             for line in worker.log_text().splitlines()
             if "Traceback" in line or "[ERROR]" in line
         ][:10],
+        # Records of batches fetched before a revoke and dropped after it (the fence at work).
+        fenced_records=sum(
+            int(m.group(1))
+            for worker in group.workers.values()
+            for m in re.finditer(r"fenced (\d+) records of partitions revoked", worker.log_text())
+        ),
         clean_stops=[{"worker": n, "exit_code": c, "seconds": s} for n, c, s in stops],
         never_finished=[ref.text for ref in waiting[:5]],
         never_finished_count=len(waiting),

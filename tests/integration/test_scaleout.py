@@ -43,7 +43,8 @@ def test_three_workers_through_leaves_joins_and_a_kill_stay_exact(
     print(
         f"rebalance pause (group stopped, s): max {report['max_rebalance_pause_s']}; per change "
         f"(pause, until all partitions assigned): {pauses}; largest gap in billing output "
-        f"{report['max_output_gap_s']} s at {report['max_output_gap_at_s']} s"
+        f"{report['max_output_gap_s']} s at {report['max_output_gap_at_s']} s; records fenced "
+        f"(fetched before a revoke, dropped after it): {report['fenced_records']}"
     )
 
     # the schedule ran, each membership change in the middle of open requests
