@@ -11,9 +11,8 @@ UTC clock), and is handed to one background task that gives it to the Kafka
 client, which batches; nothing waits for a request's end.  On a normal exit
 of `request` the END marker follows; on an exception or a cancellation (the
 client went away mid-stream) the END marker says `cancelled`
-(`RawSseEvent.end(..., cancelled=True)`) and the worker closes the request
-`cancelled` with the usage seen so far.  Engine records have no field for it:
-their END is plain, and the worker closes such a request `error`.
+(`RawSseEvent.end(..., cancelled=True)`, `RawEngineOutput.end(..., cancelled=True)`)
+and the worker closes the request `cancelled` with the usage seen so far.
 
 Bounded, never blocking: at most `max_buffered` records wait in the tap or in
 the Kafka client, unacknowledged.  When Kafka is slow and the bound is
@@ -522,7 +521,7 @@ class TapRequest:
         if self._seq == 0:
             return  # no event: nothing to end (the worker refuses a lone END)
         self.tap.stats.requests += 1
-        if cancelled and self.source.is_sse:
+        if cancelled:
             self.tap.stats.cancelled += 1
         received = self.tap.clock()
         if self.source.is_sse:
@@ -545,6 +544,7 @@ class TapRequest:
                     tenant=self.tenant,
                     received_at=received,
                     model=self.model,
+                    cancelled=cancelled,
                 )
             )
         self.tap._put(self, self._request_id, self._seq, value)

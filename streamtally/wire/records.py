@@ -184,6 +184,9 @@ class RawEngineOutput:
     payload: dict[str, Any] | None = field(default=None)
     #: The model the engine served (engine outputs do not say; the producer does).
     model: str | None = None
+    #: An END marker of a request cancelled mid-stream (its client went away): the worker
+    #: closes it `cancelled` with the usage seen so far (RawEngineOutput version 3).
+    cancelled: bool = False
 
     def __post_init__(self) -> None:
         _check_common(self.request_id, self.seq, self.received_at)
@@ -193,11 +196,10 @@ class RawEngineOutput:
             raise ValueError("an END marker carries no payload")
         if self.kind is EventKind.EVENT and self.payload is None:
             raise ValueError("an EVENT needs a payload")
-
-    @property
-    def cancelled(self) -> bool:
-        """Always False: an engine END has no field to say so (plain END, closed `error`)."""
-        return False
+        if self.cancelled is not False and (
+            self.cancelled is not True or self.kind is not EventKind.END
+        ):
+            raise ValueError("only an END marker can be cancelled (a bool)")
 
     @property
     def payload_type(self) -> str:
@@ -214,8 +216,9 @@ class RawEngineOutput:
         tenant: str,
         received_at: datetime,
         model: str | None = None,
+        cancelled: bool = False,
     ) -> RawEngineOutput:
-        """The end-of-stream marker of a request."""
+        """The end-of-stream marker of a request; `cancelled`: its client went away."""
         return cls(
             request_id=request_id,
             seq=seq,
@@ -224,6 +227,7 @@ class RawEngineOutput:
             received_at=received_at,
             kind=EventKind.END,
             model=model,
+            cancelled=cancelled,
         )
 
 

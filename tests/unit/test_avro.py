@@ -573,6 +573,34 @@ def test_raw_engine_output_end_marker(source: Source) -> None:
     assert avro.decode("RawEngineOutput", avro.encode_raw_engine_output(end))["payload"] is None
 
 
+def test_a_cancelled_engine_end_round_trips_and_older_versions_read_not_cancelled() -> None:
+    end = RawEngineOutput.end(
+        request_id="req-9", seq=3, source=Source.VLLM, tenant="acme", received_at=T0
+    )
+    cancelled = RawEngineOutput.end(
+        request_id="req-9", seq=3, source=Source.VLLM, tenant="acme", received_at=T0, cancelled=True
+    )
+    assert (end.cancelled, cancelled.cancelled) == (False, True)
+    assert avro.decode_raw_engine_output(avro.encode_raw_engine_output(cancelled)) == cancelled
+    # an END written before the field existed (version 2) is a plain END
+    datum = avro.decode("RawEngineOutput", avro.encode_raw_engine_output(cancelled))
+    del datum["cancelled"]
+    old = avro.encode("RawEngineOutput", datum, version=2)
+    assert old[2:10] == avro.history("RawEngineOutput")[1].fingerprint
+    assert avro.decode_raw_engine_output(old) == end
+    # only an END marker can say it was cancelled
+    with pytest.raises(ValueError, match="only an END marker can be cancelled"):
+        RawEngineOutput(
+            request_id="r",
+            seq=0,
+            source=Source.VLLM,
+            tenant="t",
+            received_at=T0,
+            payload={"request_id": "r", "outputs": []},
+            cancelled=True,
+        )
+
+
 def test_engine_fields_not_in_the_schema_are_dropped_and_absent_ones_default() -> None:
     line = {
         "token_ids": [1],
@@ -624,6 +652,7 @@ def test_generic_engine_codec_picks_the_payload_branch_by_source(
         "kind": "EVENT",
         "payload": line,
         "model": "llama-3.1-70b",
+        "cancelled": False,
     }
     data = avro.encode("RawEngineOutput", record)
     assert avro.decode("RawEngineOutput", data) == record

@@ -9,6 +9,8 @@ the worker closes the request.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import json
 import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -282,3 +284,61 @@ def test_the_fold_of_a_cancelled_request() -> None:
     cancelled = acc.result()
     assert cancelled.finish_reason is FinishReason.CANCELLED
     assert cancelled.error is None
+
+
+async def test_an_engine_request_cancelled_mid_stream_closes_cancelled_with_its_usage() -> None:
+    """An engine stream has a cancel marker too (RawEngineOutput version 3): the worker
+    closes the request `cancelled` with what the engine reported so far, not `error`."""
+    sender = FakeSender()
+    lines = [
+        json.loads(line)
+        for line in (SAMPLES / "vllm" / "delta_stop_cached.jsonl").read_bytes().splitlines()
+        if line.strip()
+    ]
+    assert len(lines) > 2
+    streaming = asyncio.Event()
+
+    async def gateway(tap: Tap) -> None:
+        async with tap.request(Source.VLLM, tenant="acme", request_id="eng-1", model="m") as req:
+            for line in lines[:2]:
+                await req.event(line)
+            streaming.set()
+            await asyncio.sleep(3600)  # the client goes away
+
+    async with Tap(sender=sender) as tap:
+        task = asyncio.create_task(gateway(tap))
+        await streaming.wait()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    records = [avro.decode_raw_engine_output(value) for _, _, value in sender.records]
+    assert [(r.kind, r.cancelled) for r in records] == [
+        (EventKind.EVENT, False),
+        (EventKind.EVENT, False),
+        (EventKind.END, True),
+    ]
+    assert tap.stats.cancelled == 1
+    processor = RequestProcessor(PriceTable.default(), timeout=60.0)
+    out = Outputs()
+    for offset, (_, key, value) in enumerate(sender.records):
+        processor.handle_engine(
+            encode_key(key), value, Position(TOPICS.raw_engine.name, 0, offset, None), out
+        )
+    (done,) = out.completed
+    assert done.tokens.finish_reason is FinishReason.CANCELLED
+    assert done.tokens.error is None
+    # the usage seen so far: what the two outputs the engine sent carry, not zero
+    plain = RequestProcessor(PriceTable.default(), timeout=60.0)
+    ended = Outputs()
+    for offset, (_, key, value) in enumerate(sender.records[:2]):
+        plain.handle_engine(
+            encode_key(key), value, Position(TOPICS.raw_engine.name, 0, offset, None), ended
+        )
+    plain_end = avro.encode_raw_engine_output(dataclasses.replace(records[-1], cancelled=False))
+    plain.handle_engine(
+        encode_key("eng-1"), plain_end, Position(TOPICS.raw_engine.name, 0, 2, None), ended
+    )
+    (uncancelled,) = ended.completed
+    assert done.tokens.usage == uncancelled.tokens.usage
+    assert done.tokens.text == uncancelled.tokens.text
+    assert done.billing.finish_reason is FinishReason.CANCELLED

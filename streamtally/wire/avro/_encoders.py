@@ -210,6 +210,7 @@ def encode_raw_engine_output(output: RawEngineOutput) -> bytes:
             "kind": output.kind.name,
             "payload": payload,
             "model": output.model,
+            "cancelled": output.cancelled,
         },
     )
 
