@@ -117,13 +117,17 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     topics = Topics.in_namespace(settings.namespace)
     inputs = asyncio.run(
         rebuild.read_inputs(
-            servers, tokens_topic=topics.tokens.name, billing_topic=topics.billing.name
+            servers,
+            tokens_topic=topics.tokens.name,
+            billing_topic=topics.billing.name,
+            corrections_topic=topics.corrections,
         )
     )
     plan = rebuild.join(inputs.tokens, inputs.billing)
     _say(
         f"read {len(inputs.tokens)} Tokens records from {topics.tokens.name} and "
-        f"{len(inputs.billing)} billing events from {topics.billing.name}: "
+        f"{len(inputs.billing)} billing events from {topics.billing.name} (as corrected by "
+        f"{inputs.corrections} corrections: {inputs.superseded} superseded): "
         f"{len(plan.requests)} requests to write"
     )
 
@@ -159,6 +163,8 @@ def _summary_json(
     return {
         "tokens_records": len(inputs.tokens),
         "billing_events": len(inputs.billing),
+        "corrections": inputs.corrections,
+        "billing_superseded": inputs.superseded,
         "tokens_superseded": plan.tokens_superseded,
         "billing_replays": plan.billing_replays,
         "applied": result.applied,

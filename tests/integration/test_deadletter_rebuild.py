@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
 import json
 import re
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -45,8 +47,16 @@ from streamtally.store import (
 )
 from streamtally.store.layout import PREFIX, dead_key, guard_key, stats_key
 from streamtally.store.layout_v2 import TOKENS_PREFIX as V1_TOKENS_PREFIX
-from streamtally.wire.avro import decode_dead_letter
+from streamtally.topics import output_key
+from streamtally.wire.avro import (
+    decode_billing_event,
+    decode_dead_letter,
+    encode_billing_correction,
+    encode_billing_event,
+)
+from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.kafka import read_topic
+from streamtally.wire.records import BillingEvent
 from tests.integration.worker import (
     READY_LINE,
     SAMPLES,
@@ -464,3 +474,73 @@ def test_rebuild_progress_is_reported_on_stderr(run: Run) -> None:
     assert progress[-1].startswith(f"streamtally rebuild: {total}/{total} requests (0 applied")
     assert f"0 applied, {total} already present, 0 skipped" in out.decode()
     assert "not restored" in out.decode()
+
+
+async def _billing(servers: str, topic: str) -> list[tuple[int, int, BillingEvent]]:
+    out = []
+    async with contextlib.aclosing(read_topic(servers, topic)) as records:
+        async for record in records:
+            assert record.value is not None
+            out.append((record.partition, record.offset, decode_billing_event(record.value)))
+    return out
+
+
+async def _produce(servers: str, topic: str, key: bytes, value: bytes) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
+    await producer.start()
+    try:
+        await producer.send_and_wait(topic, value, key=key)
+    finally:
+        await producer.stop()
+
+
+def test_rebuild_takes_the_bills_as_corrected(run: Run) -> None:
+    """A request billed twice under two event ids is skipped by a rebuild (which bill is
+    right?); once a correction (``audit --correct``: the second bill is unexpected, withdrawn)
+    supersedes the forged one, the rebuild restores the request, as a billing consumer
+    would apply it."""
+    usage, tokens = _read_state(run)
+    servers = run.env["KAFKA_BOOTSTRAP_SERVERS"]
+    billing = asyncio.run(_billing(servers, run.topic("billing")))
+    true = next(e for _, _, e in billing if RequestRef(e.tenant, e.request_id) == run.refs[0])
+    ref = RequestRef(true.tenant, true.request_id)
+    forged = dataclasses.replace(true, event_id="f" * 32, output_tokens=true.output_tokens + 7)
+    asyncio.run(
+        _produce(servers, run.topic("billing"), output_key(ref), encode_billing_event(forged))
+    )
+    _flush(run.redis_url)
+    conflicted = _rebuild(run, "--yes")
+    assert [(s["tenant"], s["request_id"]) for s in conflicted["skipped"]] == [
+        (ref.tenant, ref.request_id)
+    ]
+    assert conflicted["applied"] == len(run.refs) - 1
+
+    # the billing topic's end offsets now: the correction supersedes below them
+    ends = {p: o + 1 for p, o, _ in asyncio.run(_billing(servers, run.topic("billing")))}
+    correction = BillingCorrection(
+        correction_id="a" * 32,
+        audit_id="b" * 32,
+        reason="unexpected_billing",
+        field="cost",
+        tenant=forged.tenant,
+        request_id=forged.request_id,
+        model=forged.model,
+        superseded_event_id=forged.event_id,
+        billing_before=ends,
+        corrected=None,
+        created_at=datetime.now(UTC),
+    )
+    asyncio.run(
+        _produce(
+            servers,
+            run.topic("billing.corrections"),
+            output_key(ref),
+            encode_billing_correction(correction),
+        )
+    )
+    _flush(run.redis_url)
+    corrected = _rebuild(run, "--yes")
+    assert corrected["skipped"] == []
+    assert corrected["applied"] == len(run.refs)
+    assert (corrected["corrections"], corrected["billing_superseded"]) == (1, 1)
+    assert _read_state(run) == (usage, tokens)

@@ -2,7 +2,10 @@
 
 `read_inputs` returns the `Inputs` that `join` matches: each Tokens record
 with its key as text, each billing event, and the records that did not
-decode.
+decode.  The billing events are the bills as corrected: with the corrections
+topic (``streamtally audit --correct``), read first, a billing event a correction
+supersedes is left out and the bill the correction stands is taken instead
+(`streamtally.wire.corrections.CorrectionLog`, as any billing consumer applies them).
 """
 
 from __future__ import annotations
@@ -13,9 +16,15 @@ from dataclasses import dataclass, field
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
 from streamtally.ops.rebuild._records import Skipped, SkipReason, TokensRecord
-from streamtally.topics import decode_key
-from streamtally.wire.avro import AvroDecodeError, decode_billing_event, decode_tokens
-from streamtally.wire.kafka import read_topic
+from streamtally.topics import Topic, decode_key
+from streamtally.wire.avro import (
+    AvroDecodeError,
+    decode_billing_correction,
+    decode_billing_event,
+    decode_tokens,
+)
+from streamtally.wire.corrections import CorrectionLog
+from streamtally.wire.kafka import ensure_topics, read_topic
 from streamtally.wire.records import BillingEvent
 
 
@@ -27,13 +36,23 @@ class Inputs:
     billing: list[BillingEvent] = field(default_factory=list)
     #: Billing records that did not decode, and Tokens records without a usable key.
     bad: list[Skipped] = field(default_factory=list)
+    #: Billing events left out because a correction supersedes them, and the corrections
+    #: read (those that did not decode are in `bad`).
+    superseded: int = 0
+    corrections: int = 0
 
 
 def _where(topic: str, partition: int, offset: int) -> str:
     return f"{topic}[{partition}]@{offset}"
 
 
-async def read_inputs(servers: str, *, tokens_topic: str, billing_topic: str) -> Inputs:
+async def read_inputs(
+    servers: str,
+    *,
+    tokens_topic: str,
+    billing_topic: str,
+    corrections_topic: Topic | None = None,
+) -> Inputs:
     """Both topics from their beginning to their current end (`streamtally.wire.kafka.read_topic`).
 
     A Tokens record is kept with its key as text (`TokensRecord`; which
@@ -41,6 +60,10 @@ async def read_inputs(servers: str, *, tokens_topic: str, billing_topic: str) ->
     cannot be reached or a topic is missing.
     """
     inputs = Inputs()
+    corrections = CorrectionLog()
+    if corrections_topic is not None:
+        await ensure_topics(servers, (corrections_topic,))  # a deployment of before it has none
+        await _read_corrections(servers, corrections_topic.name, corrections, inputs)
     async with contextlib.aclosing(read_topic(servers, tokens_topic)) as records:
         async for record in records:
             where = _where(record.topic, record.partition, record.offset)
@@ -65,10 +88,29 @@ async def read_inputs(servers: str, *, tokens_topic: str, billing_topic: str) ->
                 inputs.bad.append(_bad_billing(record.key, f"{where}: no value (tombstone)"))
                 continue
             try:
-                inputs.billing.append(decode_billing_event(record.value))
+                event = decode_billing_event(record.value)
             except AvroDecodeError as exc:
                 inputs.bad.append(_bad_billing(record.key, f"{where}: {exc}"))
+                continue
+            if corrections.superseded(event, record.partition, record.offset):
+                inputs.superseded += 1
+            else:
+                inputs.billing.append(event)
+    inputs.billing.extend(corrections.standing())
     return inputs
+
+
+async def _read_corrections(servers: str, topic: str, log: CorrectionLog, inputs: Inputs) -> None:
+    async with contextlib.aclosing(read_topic(servers, topic)) as records:
+        async for record in records:
+            where = _where(record.topic, record.partition, record.offset)
+            try:
+                if record.value is None:
+                    raise AvroDecodeError("no value (tombstone)")
+                log.add(decode_billing_correction(record.value))
+            except AvroDecodeError as exc:
+                inputs.bad.append(Skipped(None, SkipReason.UNDECODABLE, f"{where}: {exc}"))
+    inputs.corrections = log.records
 
 
 def _bad_billing(key: bytes | None, detail: str) -> Skipped:
