@@ -5,17 +5,19 @@ headers but the hop-by-hop ones, body bytes); responses come back unchanged,
 streamed chunk by chunk.  On the way, the response of a known API call is
 teed to the raw topic through a `Tap`: each SSE event as it passes, or the
 JSON body of a non-streaming call once it is complete.  The tenant is the
-value of a request header (`X-Tenant` by default); the request id is the
-provider's, found in the stream.  A client that goes away mid-stream ends
+value of a request header (`X-Tenant` by default), or with ``--api-keys`` the
+tenant the call's API key maps to (a call with another key is refused, never
+forwarded: `streamtally.cli._api_keys`); the request id is the provider's,
+found in the stream.  A client that goes away mid-stream ends
 its request as cancelled; an upstream that breaks off ends it plainly (the
 worker closes it `error`).
 
 Which calls are tapped (by path): `/chat/completions` (openai),
 `/responses` (openai-responses), `/messages` (anthropic),
 `:streamGenerateContent` and `:generateContent` (gemini); 2xx responses only,
-not content-encoded ones other than gzip and deflate.  Non-streaming bodies are
-tapped for openai and gemini (their whole body is one event the fold reads);
-for openai-responses and anthropic they are forwarded only, and logged.
+not content-encoded ones other than gzip and deflate.  A non-streaming body is
+tapped whole, as one event that every source's fold reads (see
+`streamtally.cli._tee`, which decides what is teed).
 """
 
 from __future__ import annotations
@@ -23,10 +25,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import signal
-import zlib
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -34,13 +34,13 @@ from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
 from aiokafka.errors import KafkaError
 from yarl import URL
 
+from streamtally.cli._api_keys import ApiKeyTenants
 from streamtally.cli._args import bootstrap_servers
 from streamtally.cli._output import say
+from streamtally.cli._tee import Tee, plan, source_of
 from streamtally.cli.produce import add_key_file_argument, producer_key
-from streamtally.core.models import Source
-from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError, StackError
-from streamtally.producers import Tap, TapRequest
+from streamtally.producers import Tap
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
@@ -68,23 +68,6 @@ _HOP_BY_HOP: Final = frozenset(
 )
 #: Headers aiohttp's client would add on its own: only those the client sent go upstream.
 _AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
-#: Bytes of a non-streaming body the tap keeps (a raw record's limit).
-MAX_BODY_BYTES: Final = 4 << 20
-#: Sources whose non-streaming JSON body is one event their fold reads whole.
-_WHOLE_BODY: Final = frozenset({Source.OPENAI, Source.GEMINI})
-
-
-def source_of(path: str) -> Source | None:
-    """The wire format of an API call, from its path; None: not tapped."""
-    if path.endswith(":streamGenerateContent") or path.endswith(":generateContent"):
-        return Source.GEMINI
-    if path.endswith("/chat/completions"):
-        return Source.OPENAI
-    if path.endswith("/responses"):
-        return Source.OPENAI_RESPONSES
-    if path.endswith("/messages"):
-        return Source.ANTHROPIC
-    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,15 +93,25 @@ def upstream_url(value: str) -> str:
 class ProxyServer:
     """The proxy: an aiohttp server whose every request goes to `upstream`, tapped."""
 
-    def __init__(self, upstream: str, tap: Tap, *, tenant_header: str = "X-Tenant") -> None:
+    def __init__(
+        self,
+        upstream: str,
+        tap: Tap,
+        *,
+        tenant_header: str = "X-Tenant",
+        api_keys: ApiKeyTenants | None = None,
+    ) -> None:
         self.upstream = upstream.rstrip("/")
         self.tap = tap
         self.tenant_header = tenant_header
+        #: With a map, the tenant is the API key's, and a call with no mapped key is refused.
+        self.api_keys = api_keys
         self._session: ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        #: Requests forwarded, and tapped ones (a `Tap` request each).
+        #: Requests forwarded, tapped ones (a `Tap` request each), refused (no mapped key).
         self.forwarded = 0
         self.tapped = 0
+        self.refused = 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host`:`port` (0: any free port); returns the port."""
@@ -143,8 +136,21 @@ class ProxyServer:
         if self._session is not None:
             await self._session.close()
 
+    def _tenant(self, request: web.Request) -> str | None:
+        if self.api_keys is not None:
+            return self.api_keys.tenant_of(request.headers, request.query)
+        return request.headers.get(self.tenant_header) or "default"
+
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         assert self._session is not None
+        tenant = self._tenant(request)
+        if tenant is None:
+            self.refused += 1
+            return web.Response(
+                status=403,
+                text="streamtally proxy: no API key, or one no tenant is billed for: "
+                "not forwarded\n",
+            )
         self.forwarded += 1
         body = await request.read()
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
@@ -167,7 +173,7 @@ class ProxyServer:
                 if name.lower() not in _HOP_BY_HOP or name.lower() == "content-length":
                     response.headers.add(name, value)
             await response.prepare(request)
-            tee = self._tee(request, upstream.status, upstream.headers)
+            tee = self._tee(request, upstream.status, upstream.headers, tenant)
             if tee is None:
                 async for chunk in upstream.content.iter_any():
                     await response.write(chunk)
@@ -176,25 +182,19 @@ class ProxyServer:
             await response.write_eof()
         return response
 
-    def _tee(self, request: web.Request, status: int, headers: Any) -> _Tee | None:
-        source = source_of(request.path)
-        if source is None or not 200 <= status < 300:
+    def _tee(self, request: web.Request, status: int, headers: Any, tenant: str) -> Tee | None:
+        tee = plan(
+            request.path,
+            status,
+            headers.get("Content-Type", ""),
+            headers.get("Content-Encoding", "identity"),
+        )
+        if tee is None:
             return None
-        encoding = headers.get("Content-Encoding", "identity").lower()
-        if encoding not in ("identity", "gzip", "deflate"):
-            log.warning("%s: a %s body is not tapped", request.path, encoding)
-            return None
-        streaming = headers.get("Content-Type", "").lower().startswith("text/event-stream")
-        if not streaming and source not in _WHOLE_BODY:
-            log.warning(
-                "%s: a non-streaming %s body is forwarded, not tapped", request.path, source.value
-            )
-            return None
-        tenant = request.headers.get(self.tenant_header) or "default"
-        return _Tee(self.tap.request(source, tenant=tenant), streaming, encoding)
+        return Tee(self.tap.request(tee.source, tenant=tenant), tee)
 
     async def _stream_tapped(
-        self, request: web.Request, upstream: Any, response: web.StreamResponse, tee: _Tee
+        self, request: web.Request, upstream: Any, response: web.StreamResponse, tee: Tee
     ) -> None:
         self.tapped += 1
         req = tee.request
@@ -212,48 +212,6 @@ class ProxyServer:
             cancelled = False
         finally:
             req.end(cancelled=cancelled)
-
-
-class _Tee:
-    """What of a response goes to the tap: decoded, then fed as SSE or kept whole."""
-
-    def __init__(self, request: TapRequest, streaming: bool, encoding: str) -> None:
-        self.request = request
-        self.streaming = streaming
-        self._inflate = (
-            zlib.decompressobj(wbits=47 if encoding == "gzip" else zlib.MAX_WBITS)
-            if encoding != "identity"
-            else None
-        )
-        self._body = bytearray()
-        self._too_big = False
-
-    async def feed(self, chunk: bytes) -> None:
-        if self._inflate is not None:
-            chunk = self._inflate.decompress(chunk)
-        if self.streaming:
-            await self.request.feed(chunk)
-        elif not self._too_big:
-            self._body += chunk
-            if len(self._body) > MAX_BODY_BYTES:
-                self._too_big = True
-                self._body = bytearray()
-                log.warning("a body over %d bytes is not tapped", MAX_BODY_BYTES)
-
-    async def close(self) -> None:
-        if self.streaming or self._too_big or not self._body:
-            return
-        text = self._body.decode("utf-8", errors="replace")
-        if self.request.source is Source.GEMINI and text.lstrip().startswith("["):
-            try:  # streamGenerateContent without alt=sse: a JSON array of chunks
-                parts = json.loads(text)
-            except ValueError:
-                parts = None
-            if isinstance(parts, list):
-                for part in parts:
-                    await self.request.event(SseEvent(json.dumps(part, ensure_ascii=False)))
-                return
-        await self.request.event(SseEvent(text))
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -284,6 +242,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="request header naming the tenant (default: X-Tenant; absent: default)",
     )
     parser.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        help="bill each call to the tenant its API key maps to (SHA-256 of each key -> "
+        "tenant, JSON); a call with another key is refused, never forwarded; the tenant "
+        "header is then ignored",
+    )
+    parser.add_argument(
         "--budget-ms",
         type=float,
         default=5.0,
@@ -298,7 +263,11 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 async def _serve(
-    args: argparse.Namespace, servers: str, namespace: str, key: ProducerKey | None
+    args: argparse.Namespace,
+    servers: str,
+    namespace: str,
+    key: ProducerKey | None,
+    api_keys: ApiKeyTenants | None,
 ) -> int:
     await ensure_topics(servers, Topics.in_namespace(namespace).all)
     stop = asyncio.Event()
@@ -306,7 +275,7 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with Tap(servers, namespace=namespace, budget_s=args.budget_ms / 1000, key=key) as tap:
-        proxy = ProxyServer(args.upstream, tap, tenant_header=args.tenant_header)
+        proxy = ProxyServer(args.upstream, tap, tenant_header=args.tenant_header, api_keys=api_keys)
         try:
             port = await proxy.start(args.listen.host, args.listen.port)
         except OSError as exc:
@@ -320,7 +289,8 @@ async def _serve(
             await proxy.stop()
     stats = tap.stats  # once the tap has sent what it had
     say(
-        f"proxy: {proxy.forwarded} requests forwarded, {proxy.tapped} tapped; records "
+        f"proxy: {proxy.forwarded} requests forwarded, {proxy.tapped} tapped, "
+        f"{proxy.refused} refused (no mapped API key); records "
         f"sent {stats.sent}, dropped over budget {stats.dropped_over_budget}, "
         f"failed {stats.failed}"
     )
@@ -331,11 +301,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.budget_ms < 0:
         raise InputError("--budget-ms must be >= 0")
     key = producer_key(args, settings)
+    api_keys = None if args.api_keys is None else ApiKeyTenants.load(args.api_keys)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     servers = args.bootstrap_servers or settings.bootstrap_servers
     with contextlib.suppress(KeyboardInterrupt):
         try:
-            return asyncio.run(_serve(args, servers, settings.namespace, key))
+            return asyncio.run(_serve(args, servers, settings.namespace, key, api_keys))
         except KafkaError as exc:
             raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc
     return 0

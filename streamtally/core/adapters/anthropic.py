@@ -1,13 +1,19 @@
-"""`anthropic`: the Messages API SSE stream.
+"""`anthropic`: the Messages API SSE stream, or the body of a non-streaming call.
 
 Content blocks are keyed by their `index`.  Only client `tool_use` blocks are
 tool calls: `server_tool_use` and the `*_tool_result` blocks run at the
 provider.  Usage fields in `message_delta` override those of `message_start`
 field by field; the normalised input counts cache reads and writes too.
+
+A non-streaming call (`"stream": false`) answers with the whole Message
+(`"type": "message"`), which a tap sends as one event: it folds to one draft
+with everything the stream would have carried (blocks keyed by their position
+in `content`, a tool's `input` object as its JSON arguments).
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -45,6 +51,20 @@ def _usage_fields(usage: Mapping[str, Any]) -> dict[str, object]:
     return fields
 
 
+def _arguments(value: object) -> str:
+    """A `tool_use` block's `input` (an object) as JSON text.
+
+    Written as the Messages API streams it (`{"key": "value"}`: a space after
+    `:` and `,`, non-ASCII kept), so a call usually gets the same arguments
+    text streamed or not; the same object in any case.
+    """
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    return json.dumps(value, ensure_ascii=False)
+
+
 class AnthropicAdapter(Adapter):
     source = Source.ANTHROPIC
 
@@ -75,6 +95,8 @@ class AnthropicAdapter(Adapter):
             return self._message_delta(obj)
         if kind == "error":
             return self._error(obj.get("error"))
+        if kind == "message":
+            return self._whole_message(obj)
         return []  # ping, content_block_stop, message_stop, future event types
 
     def _message_start(self, obj: Mapping[str, Any]) -> list[Draft]:
@@ -103,6 +125,40 @@ class AnthropicAdapter(Adapter):
         if not first or not isinstance(usage, dict):
             return []  # a duplicate message_start of the same message changes nothing
         return [Draft(usage=self._usage.report(_usage_fields(usage)))]
+
+    def _whole_message(self, message: Mapping[str, Any]) -> list[Draft]:
+        """The body of a non-streaming call: the Message, complete, as one draft."""
+        drafts = self._message_start({"message": message})
+        if self._spliced:
+            return drafts
+        draft = drafts[0] if drafts else Draft()
+        content = message.get("content")
+        tools: list[ToolCallDelta] = []
+        for index, block in enumerate(content if isinstance(content, list) else ()):
+            if not isinstance(block, dict):
+                continue
+            kind = block.get("type")
+            if kind == "text":
+                draft.text += as_str(block.get("text"))
+            elif kind == "thinking":
+                draft.reasoning += as_str(block.get("thinking"))
+            elif kind == "tool_use":
+                self._tool_blocks.add(index)
+                tools.append(
+                    ToolCallDelta(
+                        index=index,
+                        id=as_str(block.get("id")) or None,
+                        name=as_str(block.get("name")) or None,
+                        arguments_delta=_arguments(block.get("input")),
+                    )
+                )
+        if tools:
+            draft.tools = tools
+        raw = message.get("stop_reason")
+        if isinstance(raw, str) and raw:
+            draft.finish = map_anthropic(raw)
+            draft.finish_raw = raw
+        return [draft] if draft.carries_anything() else []
 
     def _block_start(self, obj: Mapping[str, Any]) -> list[Draft]:
         block = obj.get("content_block")

@@ -1,14 +1,21 @@
-"""`openai-responses`: the Responses API SSE stream.
+"""`openai-responses`: the Responses API SSE stream, or the body of a non-streaming call.
 
 Items are keyed by `output_index` (proxies rotate item ids).  The finish and
 the usage come from the terminal `response.*` event; an `error` event is
 terminal too.
+
+A non-streaming call answers with the Response object itself (`"object":
+"response"`, no `type`), the object the terminal event of a stream carries; a
+tap sends it as one event.  It folds to one draft: the text and refusals of
+its message items, the summaries and reasoning text of its reasoning items,
+its tool calls keyed by their position in `output`, then the finish and usage
+as the terminal event gives them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from streamtally.core.adapters.base import Adapter, Draft, as_str, event_object
 from streamtally.core.adapters.finish import map_responses
@@ -33,6 +40,11 @@ _ARGUMENT_DONE = frozenset(
 _TERMINAL = frozenset(
     {"response.completed", "response.incomplete", "response.failed", "response.cancelled"}
 )
+
+#: In a whole Response: the parts of an item that carry text, and the field that holds it.
+_MESSAGE_PARTS: Final = {"output_text": "text", "refusal": "refusal"}
+_SUMMARY_PARTS: Final = {"summary_text": "text"}
+_REASONING_PARTS: Final = {"reasoning_text": "text"}
 
 
 def _convert_usage(raw: Mapping[str, int]) -> Usage:
@@ -64,6 +76,17 @@ def _output_index(obj: Mapping[str, Any]) -> int:
     return index
 
 
+def _joined(parts: object, fields: Mapping[str, str]) -> str:
+    """The text of the `parts` whose type `fields` names, each from the field it names."""
+    if not isinstance(parts, list):
+        return ""
+    return "".join(
+        as_str(part.get(fields[part["type"]]))
+        for part in parts
+        if isinstance(part, dict) and part.get("type") in fields
+    )
+
+
 class OpenAIResponsesAdapter(Adapter):
     source = Source.OPENAI_RESPONSES
 
@@ -77,6 +100,8 @@ class OpenAIResponsesAdapter(Adapter):
         if obj is None:
             return []  # a keep-alive
         kind = obj.get("type")
+        if kind is None and obj.get("object") == "response":
+            return self._whole_response(obj)
         if not isinstance(kind, str):
             raise InvalidEvent(
                 f'not a Responses API event (no "type"; keys {", ".join(sorted(obj)[:8])})'
@@ -133,6 +158,37 @@ class OpenAIResponsesAdapter(Adapter):
             arguments_delta=arguments,
         )
         return [Draft(tools=[delta])]
+
+    def _whole_response(self, response: Mapping[str, Any]) -> list[Draft]:
+        """The body of a non-streaming call: the Response, complete, as one draft."""
+        status = as_str(response.get("status"))
+        [draft] = self._terminal({"type": f"response.{status}", "response": response})
+        if f"response.{status}" not in _TERMINAL:  # queued, in progress (background): no finish
+            draft.finish, draft.finish_raw, draft.error = None, None, None
+        output = response.get("output")
+        tools: list[ToolCallDelta] = []
+        for index, item in enumerate(output if isinstance(output, list) else ()):
+            if not isinstance(item, dict):
+                continue
+            kind = item.get("type")
+            if kind == "message":
+                draft.text += _joined(item.get("content"), _MESSAGE_PARTS)
+            elif kind == "reasoning":
+                draft.reasoning += _joined(item.get("summary"), _SUMMARY_PARTS)
+                draft.reasoning += _joined(item.get("content"), _REASONING_PARTS)
+            elif kind in _TOOL_ITEMS:
+                self._with_arguments.add(index)
+                tools.append(
+                    ToolCallDelta(
+                        index=index,
+                        id=as_str(item.get("call_id")) or as_str(item.get("id")) or None,
+                        name=as_str(item.get("name")) or None,
+                        arguments_delta=as_str(item.get("arguments") or item.get("input")),
+                    )
+                )
+        if tools:
+            draft.tools = tools
+        return [draft] if draft.carries_anything() else []
 
     def _terminal(self, obj: Mapping[str, Any]) -> list[Draft]:
         response = obj.get("response")
