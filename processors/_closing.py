@@ -14,7 +14,7 @@ from typing import Any
 
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.identity import RequestRef
-from streamtally.core.models import Tokens
+from streamtally.core.models import Chunk, Tokens
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
 from streamtally.processors._records import _Open, _Raw
@@ -55,7 +55,11 @@ class _Closing(_Refusals):
         )
         try:
             chunks = state.normalizer.feed(event, record.received_at)
-            values = [avro.encode_chunk(chunk) for chunk in chunks]
+            values: list[bytes] | None
+            if self._chunks_as_is:  # full content, chunks topic on: the chunks themselves
+                shown, values = chunks, [avro.encode_chunk(chunk) for chunk in chunks]
+            else:
+                shown, values = self._written(chunks)
         except PERMANENT_ERRORS as exc:
             self._dead(
                 out,
@@ -72,9 +76,21 @@ class _Closing(_Refusals):
         state.applied(raw)
         for chunk in chunks:
             state.fold.add(chunk)
-        out.chunks.extend(chunks)
-        out.chunk_values.extend(values)
-        out.chunk_refs.extend([ref] * len(chunks))
+        if values is not None:
+            out.chunks.extend(shown)
+            out.chunk_values.extend(values)
+            out.chunk_refs.extend([ref] * len(shown))
+
+    def _written(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[bytes] | None]:
+        """The chunks as written (the content policy applied) and their Avro values (None:
+        the chunks topic is off, nothing encoded).  Raises what encoding them can (the
+        record's poison).  Under ``full`` they are the chunks themselves: no copy.
+        """
+        if not self.chunks_topic:
+            return chunks, None
+        policy = self.content
+        shown = chunks if policy.keeps_content else [policy.chunk(c) for c in chunks]
+        return shown, [avro.encode_chunk(chunk) for chunk in shown]
 
     def _finish(self, out: Outputs, ref: RequestRef, state: _Open, reason: CloseReason) -> None:
         """Close a request: at its END, by timeout, or over a gap (see `CloseReason`)."""
@@ -114,20 +130,24 @@ class _Closing(_Refusals):
     ) -> None:
         when = state.last_time
         chunks = state.normalizer.end(when, fallback_request_id=ref.request_id)
-        values = [avro.encode_chunk(chunk) for chunk in chunks]
+        shown, values = self._written(chunks)
         for chunk in chunks:
             state.fold.add(chunk)
         tokens = state.fold.result(ended=True, reason=reason)
-        tokens_value = avro.encode_tokens(tokens)
+        # Stored (Redis, the tokens topic) under the content policy; billed from the fold.
+        policy = self.content
+        stored = tokens if policy.keeps_content else policy.tokens(tokens)
+        tokens_value = avro.encode_tokens(stored)
         billing, billing_value = self._bill(tokens, state.tenant, when, _provenance(state))
         self._remember(ref, Closed(closed.offset, closed.reason, applied=True))
         self.counters.requests_completed += 1
-        out.chunks.extend(chunks)
-        out.chunk_values.extend(values)
-        out.chunk_refs.extend([ref] * len(chunks))
+        if values is not None:
+            out.chunks.extend(shown)
+            out.chunk_values.extend(values)
+            out.chunk_refs.extend([ref] * len(shown))
         out.completed.append(
             Completed(
-                tokens,
+                stored,
                 billing,
                 closed,
                 state.records,

@@ -20,7 +20,7 @@ from streamtally.processors._state import _ProcessorState
 from streamtally.processors.limits import PERMANENT_ERRORS, TOMBSTONE, refused_at_the_edge
 from streamtally.processors.outputs import Outputs, Position
 from streamtally.wire.records import DeadLetter
-from streamtally.wire.tenant_keys import TenantTrust
+from streamtally.wire.tenant_keys import TenantTrust, UntrustedRecord
 
 
 class _Refusals(_ProcessorState):
@@ -136,6 +136,16 @@ class _Refusals(_ProcessorState):
             if position.timestamp is not None
             else datetime(1970, 1, 1, tzinfo=UTC)
         )
+        reason = str(exc)
+        policy = self.content
+        if not policy.keeps_content:
+            # The value is the raw event, prompt or output: its marker only.  A reason that
+            # may quote the event (decoding, validation) has its quoted values replaced too;
+            # the processor's own refusals (exactly InputError) and the trust checks name
+            # requests, tenants and keys only, and stay as they are.
+            value = policy.data(value)
+            if type(exc) is not InputError and not isinstance(exc, UntrustedRecord):
+                reason = policy.reason(reason)
         out.dead_letters.append(
             DeadLetter(
                 topic=position.topic,
@@ -143,7 +153,7 @@ class _Refusals(_ProcessorState):
                 offset=position.offset,
                 key=key,
                 value=value,
-                reason=str(exc),
+                reason=reason,
                 error_type=type(exc).__name__,
                 source=source,
                 request_id=request_id,

@@ -14,6 +14,7 @@ from collections import Counter as CounterOf
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 
+from streamtally.core.content import FULL, ContentPolicy
 from streamtally.core.identity import RequestRef
 from streamtally.core.pricing import PriceTable
 from streamtally.processors._records import _Open
@@ -27,6 +28,34 @@ CLOSED_MEMORY = 200_000
 
 class _ProcessorState:
     """What a `RequestProcessor` holds, and what it remembers of which requests closed."""
+
+    _content: ContentPolicy = FULL
+    _chunks_topic: bool = True
+    #: Full content and the chunks topic on: chunks are written as folded (the hot path).
+    _chunks_as_is: bool = True
+
+    @property
+    def content(self) -> ContentPolicy:
+        """What of a request's text its outputs keep (`streamtally.core.content`): the
+        Tokens record (Redis and the tokens topic), its chunks and its dead letters.
+        Billing is made from the fold itself, the same under every policy."""
+        return self._content
+
+    @content.setter
+    def content(self, policy: ContentPolicy) -> None:
+        self._content = policy
+        self._chunks_as_is = policy.keeps_content and self._chunks_topic
+
+    @property
+    def chunks_topic(self) -> bool:
+        """False: chunks are folded but not written (`STREAMTALLY_CHUNKS=off`): no chunk is
+        encoded, and `Outputs.chunks` stays empty."""
+        return self._chunks_topic
+
+    @chunks_topic.setter
+    def chunks_topic(self, on: bool) -> None:
+        self._chunks_topic = on
+        self._chunks_as_is = self._content.keeps_content and on
 
     def __init__(
         self,

@@ -34,6 +34,7 @@ from faust.app.base import BootStrategy
 from streamtally.core.identity import RequestRef
 from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
+from streamtally.processors.content import content_policy
 from streamtally.processors.metrics import WorkerMetrics, serve
 from streamtally.processors.requests import Limits, Outputs, Position, RequestProcessor
 from streamtally.processors.sinks import Sinks
@@ -132,6 +133,9 @@ def create_app(
     )
     if settings.tenant_keys_path is not None:  # a bad file: InputError, one line, exit 2
         processor.trust = TenantTrust.load(settings.tenant_keys_path)
+    # What of the text the outputs keep; a bad content key: InputError, one line, exit 2.
+    processor.content = content_policy(settings)
+    processor.chunks_topic = settings.chunks_topic
     pipeline = Pipeline(
         app=app,
         processor=processor,

@@ -17,6 +17,9 @@ variable                            meaning                                     
 ``STREAMTALLY_BATCH_SIZE``          raw records per worker batch                    ``2000``
 ``STREAMTALLY_WEB_HOST``            the worker's /metrics, /health, /ready address  ``127.0.0.1``
 ``STREAMTALLY_WEB_PORT``            their port (``0``: no server)                   ``6066``
+``STREAMTALLY_CONTENT``             text kept downstream: full, redacted or none    ``full``
+``STREAMTALLY_CONTENT_KEY``         file holding the HMAC key of ``redacted``       none
+``STREAMTALLY_CHUNKS``              write the chunks topic (``on``/``off``)         ``on``
 ``STREAMTALLY_STATE_DIR``           the local stack's jars, data, logs              see below
 ``STREAMTALLY_KAFKA_PORT``          the local stack's Kafka listener                ``9092``
 ``STREAMTALLY_CONTROLLER_PORT``     the local stack's KRaft controller listener     ``9093``
@@ -139,6 +142,32 @@ class Settings(BaseSettings):
     state_ttl: int = Field(
         DEFAULT_STATE_TTL_S, ge=0, validation_alias=_env("STREAMTALLY_STATE_TTL", "state_ttl")
     )
+    # -- content policy (`streamtally.core.content`; README, "Content policy") ------------------
+    #: What the worker keeps of text, reasoning and tool arguments in Redis and on the
+    #: chunks, Tokens and dead-letter topics: ``full``, ``redacted`` (length and keyed
+    #: hash) or ``none`` (length only).  Billing is the same under every policy.
+    content: str = Field(
+        "full",
+        pattern=r"^(full|redacted|none)$",
+        validation_alias=_env("STREAMTALLY_CONTENT", "content"),
+    )
+    #: The file holding the HMAC key of ``redacted`` (hex or base64, at least 32 bytes;
+    #: read by the worker, never printed).  Required with ``redacted``.
+    content_key_path: Path | None = Field(
+        None, validation_alias=_env("STREAMTALLY_CONTENT_KEY", "content_key_path")
+    )
+    #: Whether the worker writes the chunks topic (``off``: no chunk leaves the worker).
+    chunks_topic: bool = Field(True, validation_alias=_env("STREAMTALLY_CHUNKS", "chunks_topic"))
+
+    @model_validator(mode="after")
+    def _content_key_given(self) -> Settings:
+        if self.content == "redacted" and self.content_key_path is None:
+            raise ValueError(
+                "STREAMTALLY_CONTENT=redacted needs STREAMTALLY_CONTENT_KEY, "
+                "the file holding the key of its HMAC"
+            )
+        return self
+
     #: Seconds to wait for a batch to fill.
     batch_within: float = Field(0.05, gt=0)
     #: Seconds without heartbeats before the group gives a dead worker's partitions away.

@@ -25,6 +25,7 @@ from typing import Any, Final
 
 from streamtally.cli._args import add_kafka_to_read
 from streamtally.cli._output import escape, format_table, json_text, say, write_stdout
+from streamtally.core.content import marked_size
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.avro import decode_dead_letter
@@ -38,6 +39,7 @@ __all__ = [
     "letter_json",
     "read_dead_letters",
     "summary_json",
+    "value_size",
 ]
 
 #: Entries the table shows when --limit is not given (--json: all of them).
@@ -172,7 +174,7 @@ def letter_json(letter: DeadLetter, *, copies: int = 1) -> dict[str, Any]:
         "offset": letter.offset,
         "key": _b64(letter.key),
         "value": _b64(letter.value),
-        "value_size": len(letter.value),
+        "value_size": value_size(letter),
         "reason": letter.reason,
         "error_type": letter.error_type,
         "source": letter.source,
@@ -180,6 +182,13 @@ def letter_json(letter: DeadLetter, *, copies: int = 1) -> dict[str, Any]:
         "dead_lettered_at": letter.dead_lettered_at.isoformat(),
         "copies": copies,
     }
+
+
+def value_size(letter: DeadLetter) -> int:
+    """The size of the record dead-lettered: its value's, or the one its content-policy
+    marker stands for (``STREAMTALLY_CONTENT`` redacted or none: `marked_size`)."""
+    size = marked_size(letter.value)
+    return len(letter.value) if size is None else size
 
 
 def _by_reason(letters: Sequence[DeadLetter]) -> list[tuple[int, str, str]]:
@@ -231,7 +240,7 @@ def format_report(result: Letters, last: int) -> str:
                 letter.source or "-",
                 _cut(letter.reason, 48),
                 letter.dead_lettered_at.isoformat(timespec="seconds"),
-                str(len(letter.value)),
+                str(value_size(letter)),
             )
             for letter in shown
         ]

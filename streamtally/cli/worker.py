@@ -159,6 +159,11 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
             len(trust.keys),
             settings.tenant_keys_path,
         )
+    logging.getLogger(STATUS_LOGGER).info(
+        "content policy: %s (STREAMTALLY_CONTENT), chunks topic %s (STREAMTALLY_CHUNKS)",
+        pipeline.processor.content.content.value,
+        "on" if pipeline.processor.chunks_topic else "off",
+    )
     level = args.loglevel.upper()
     worker = faust.Worker(
         pipeline.app,

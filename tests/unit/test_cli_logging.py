@@ -204,8 +204,13 @@ def test_the_worker_gives_faust_its_log_format(
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
     main(["worker", "--log-format", "json", "--loglevel", "info"])
     err = capsys.readouterr().err
-    # the start line is a record of the chosen format too, as is the trust-everyone warning
-    start, trust = map(json.loads, err.splitlines())
+    # the start line is a record of the chosen format too, as are the trust-everyone warning
+    # and the content policy
+    start, trust, content = map(json.loads, err.splitlines())
+    assert (content["level"], content["logger"]) == ("INFO", "streamtally.cli")
+    assert content["message"] == (
+        "content policy: full (STREAMTALLY_CONTENT), chunks topic on (STREAMTALLY_CHUNKS)"
+    )
     assert (trust["level"], trust["logger"]) == ("WARNING", "streamtally.cli")
     assert "every producer is trusted" in trust["message"]
     assert (start["level"], start["logger"]) == ("INFO", "streamtally.cli")
