@@ -26,6 +26,7 @@ variable                            meaning                                     
 ``STREAMTALLY_REDIS_PORT``          the local stack's Redis                         ``6379``
 ``STREAMTALLY_TENANT_KEYS``         the worker's trust file (signed tenant claims)  none: trust all
 ``STREAMTALLY_PRODUCER_KEY``        the key file ``produce`` signs records with     none: unsigned
+``STREAMTALLY_API_TOKENS``          ``streamtally api``'s tokens file (SHA-256s)    none
 ==================================  ==============================================  =========
 
 The state directory defaults to ``.stack`` in the clone when streamtally runs
@@ -189,6 +190,11 @@ class Settings(BaseSettings):
     #: The key file `streamtally produce` signs its records with (``--key-file`` wins).
     producer_key_path: Path | None = Field(
         None, validation_alias=_env("STREAMTALLY_PRODUCER_KEY", "producer_key_path")
+    )
+    #: The tokens file of `streamtally api` (`streamtally.api.auth`): each bearer token's
+    #: SHA-256 and the tenant it reads, or the operator role (``--tokens`` wins).
+    api_tokens_path: Path | None = Field(
+        None, validation_alias=_env("STREAMTALLY_API_TOKENS", "api_tokens_path")
     )
     state_dir_setting: Path | None = Field(
         None, validation_alias=_env("STREAMTALLY_STATE_DIR", "state_dir_setting")

@@ -36,6 +36,7 @@ COMMANDS = (
     "worker",
     "tokens",
     "usage",
+    "api",
     "billing",
     "audit",
     "deadletter",

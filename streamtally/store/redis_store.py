@@ -381,9 +381,17 @@ class RedisStore:
             return list(await pipe.execute())
 
     async def usage_rows(
-        self, *, tenant: str | None = None, day: str | date | None = None
+        self,
+        *,
+        tenant: str | None = None,
+        day: str | date | None = None,
+        first_day: str | date | None = None,
+        last_day: str | date | None = None,
     ) -> list[dict[str, Any]]:
         """The usage rows, optionally of one tenant and/or UTC day, sorted by (day, tenant, model).
+
+        `first_day` and `last_day` (both included) keep the rows of a range of
+        UTC days; like `day`, they select rows before any is read.
 
         Each row is ``{"tenant", "model", "day", "requests", "unpriced_requests",
         "input_tokens", "output_tokens", "reasoning_tokens", "cached_tokens",
@@ -395,12 +403,17 @@ class RedisStore:
         read as it is when its node answers.
         """
         wanted_day = day_filter(day)
+        # ISO days compare as text in calendar order
+        since, until = day_filter(first_day), day_filter(last_day)
         parts: list[tuple[int, tuple[str, str, str]]] = []
         for shard, members in enumerate(await self._row_members()):
             for member in members:
                 row = parse_row_member(member)
-                if (tenant is None or row[1] == tenant) and (
-                    wanted_day is None or row[0] == wanted_day
+                if (
+                    (tenant is None or row[1] == tenant)
+                    and (wanted_day is None or row[0] == wanted_day)
+                    and (since is None or row[0] >= since)
+                    and (until is None or row[0] <= until)
                 ):
                     parts.append((shard, row))
         if not parts:

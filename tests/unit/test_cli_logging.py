@@ -84,6 +84,7 @@ EVERY_COMMAND = [
     ["worker"],
     ["tokens", "get", "r1"],
     ["usage"],
+    ["api"],
     ["billing", "export"],
     ["audit"],
     ["deadletter"],
