@@ -64,6 +64,9 @@ class Pipeline:
     batch_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     #: Served on /metrics (`processors.metrics`); create_app reads the processor's counters.
     metrics: WorkerMetrics = field(default_factory=WorkerMetrics)
+    #: The error that broke a batch or a close: from then on nothing is committed (see
+    #: `create_app`'s `on_failure`).
+    broken: BaseException | None = None
 
 
 class _Boot(BootStrategy):
@@ -105,12 +108,20 @@ def create_app(
     make_sinks: Callable[[faust.App], Sinks] | None = None,
     *,
     consume: bool = True,
+    on_failure: Callable[[BaseException], None] | None = None,
 ) -> Pipeline:
     """The worker's faust app.
 
     `make_sinks` builds the sinks on first use (in the running loop); `consume`
     starts the raw-topic consumer with the worker (agent tests feed the agent
     themselves).
+
+    A batch (or a timer's close) that raises leaves records consumed but not held by
+    the commit gate: faust would restart the agent on the next batch, and a commit then
+    would pass records never applied (requests never billed).  So the first failure
+    breaks the pipeline for good: nothing is committed any more, also not at a revoke or
+    at the shutdown, and `on_failure` is called (the worker stops itself: the partitions'
+    next owner, or this worker restarted, re-reads them from the committed offset).
     """
     topics = Topics.in_namespace(settings.namespace)
     datadir = settings.state_dir / "faust" / topics.worker_app_id
@@ -164,8 +175,23 @@ def create_app(
         # A request whose close another owner decided first keeps its records held:
         # they are not committed here (that owner, or the next, accounts for them).
         gate.finished(done.ref for done in written.completed)
-        if gate.release() and pipeline.source is not None:
+        if gate.release() and pipeline.source is not None and pipeline.broken is None:
             await pipeline.source.commit(gate.committable())
+
+    def fail(exc: BaseException) -> None:
+        """The first failure of a batch or a close: commit nothing more, and stop."""
+        if pipeline.broken is not None:
+            return
+        pipeline.broken = exc
+        log.critical(
+            "a batch failed; this worker commits nothing more and stops: its partitions' "
+            "records are read again from the committed offset (%s: %s)",
+            type(exc).__name__,
+            exc,
+            exc_info=exc,
+        )
+        if on_failure is not None:
+            on_failure(exc)
 
     async def learn(refs: set[RequestRef]) -> None:
         unknown = sorted(processor.unknown(refs))
@@ -182,7 +208,11 @@ def create_app(
         async for fetched in stream:
             async with pipeline.batch_lock:  # a revoke waits for the batch in flight
                 started = time.perf_counter()
-                await apply(fetched)
+                try:
+                    await apply(fetched)
+                except Exception as exc:
+                    fail(exc)
+                    raise
                 metrics.batch_seconds.observe(time.perf_counter() - started)
 
     async def apply(fetched: FetchedBatch | Sequence[RawMessage]) -> None:
@@ -232,7 +262,11 @@ def create_app(
             await sinks().probe()  # an outage with nothing to write stops the clocks too
         async with pipeline.batch_lock:
             started = time.perf_counter()
-            await finish(processor.expire())
+            try:
+                await finish(processor.expire())
+            except Exception as exc:
+                fail(exc)
+                raise
             metrics.close_seconds.observe(time.perf_counter() - started)
 
     app.timer(interval=1.0)(close_quiet_requests)
@@ -248,7 +282,7 @@ def create_app(
             await _revoke(tps)
 
     async def _revoke(tps: set[TopicPartition]) -> None:
-        if pipeline.source is not None:
+        if pipeline.source is not None and pipeline.broken is None:
             await pipeline.source.commit(
                 {tp: o for tp, o in gate.committable().items() if tp in tps}
             )

@@ -14,6 +14,8 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
+import signal
 from typing import Any, Final, NoReturn
 
 from streamtally.cli._logging import STATUS_LOGGER, dict_config
@@ -110,6 +112,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.set_defaults(func=run)
 
 
+#: The worker's exit status after a batch failed (sysexits' EX_SOFTWARE): a supervisor
+#: that restarts failed services restarts it, and it reads its partitions again.
+EX_SOFTWARE: Final = 70
+
+
+def _stop_this_worker(exc: BaseException) -> None:
+    """A batch failed and nothing is committed any more: stop as on SIGTERM (leave the group
+    at once, so the partitions' next owner reads them again), then exit `EX_SOFTWARE`."""
+    del exc  # logged by the pipeline
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
 def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     import faust
 
@@ -139,7 +153,7 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         kafka = KafkaSink(settings.bootstrap_servers, topics)
         return Sinks(kafka, redis_outputs, lookup=redis_outputs.lookup)
 
-    pipeline = create_app(settings, make_sinks)
+    pipeline = create_app(settings, make_sinks, on_failure=_stop_this_worker)
     logging.getLogger(STATUS_LOGGER).info(
         "streamtally worker: kafka %s, redis %s, prices %s",
         redact_servers(settings.bootstrap_servers),
@@ -175,4 +189,9 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     # aiokafka (one per message sent) would be formatted: a fifth of the worker's CPU.
     worker.spinner = None
     tune_gc()
-    worker.execute_from_commandline()  # runs until SIGTERM/SIGINT, then exits the process
+    try:
+        worker.execute_from_commandline()  # runs until SIGTERM/SIGINT, then exits the process
+    except SystemExit:
+        if pipeline.broken is not None:  # a batch failed (logged): not a clean stop
+            raise SystemExit(EX_SOFTWARE) from None
+        raise

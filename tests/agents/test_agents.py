@@ -248,3 +248,82 @@ async def test_a_batch_fetched_before_its_partition_was_revoked_is_never_applied
     assert pipeline.processor.counters.received == 1  # only the record of partition 1
     assert recording.outputs.chunks == []  # other-1's record has the wrong key: dead letter
     assert len(recording.outputs.dead_letters) == 1
+
+
+class _CommitLog:
+    """Stands in for the raw-topic consumer: keeps what the pipeline commits."""
+
+    def __init__(self) -> None:
+        self.commits: list[dict[Any, int]] = []
+
+    async def commit(self, offsets: dict[Any, int]) -> None:
+        self.commits.append(dict(offsets))
+
+
+async def test_a_failed_batch_stops_every_commit_and_asks_the_worker_to_stop() -> None:
+    """A batch that raises mid-way leaves records consumed but never held by the commit gate;
+    faust would restart the agent, and the next batch's commit would pass them (never billed).
+    The first failure breaks the pipeline: nothing is committed any more, and the worker is
+    told to stop (its partitions are read again from the committed offset)."""
+    sink = RecordingSink()
+    failures: list[BaseException] = []
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1",
+        redis_url_setting="redis://127.0.0.1:1/0",
+        batch_size=1,
+    )
+    pipeline = create_app(
+        settings, lambda app: Sinks(sink), consume=False, on_failure=failures.append
+    )
+    source = _CommitLog()
+    pipeline.source = source  # type: ignore[assignment]
+    topic = TOPICS.raw_sse.name
+    offset = 0
+    arrive = pipeline.processor.arrive
+
+    def arrive_or_break(out: Outputs, raw: Any) -> None:
+        """A bug met at a request's first record, mid-way through the run: that record and
+        the rest of its batch are never held by the gate, nothing of the request is open."""
+        if raw.ref.request_id == "lost-2" and raw.record.seq == 0:
+            raise RuntimeError("an impossible state")
+        arrive(out, raw)
+
+    pipeline.processor.arrive = arrive_or_break  # type: ignore[method-assign]
+
+    def request(request_id: str) -> FetchedBatch:
+        """One whole request (events and END) at the partition's next offsets."""
+        nonlocal offset
+        _, records = raw_records(
+            Source.OPENAI,
+            (SAMPLES / "openai/text_usage.sse").read_bytes(),
+            tenant="acme",
+            request_id=request_id,
+        )
+        first, offset = offset, offset + len(records)
+        return FetchedBatch(
+            pipeline.revocations.generation,
+            tuple(
+                RawMessage(topic, 0, first + i, 1_790_000_000.0, request_id.encode(), value)
+                for i, value in enumerate(records)
+            ),
+        )
+
+    async def feed(fetched: FetchedBatch) -> None:
+        """The agent's own function over one batch (faust would log, and restart it)."""
+
+        async def stream() -> Any:
+            yield fetched
+
+        await pipeline.agents["process-raw"].fun(stream())
+
+    await feed(request("ok-1"))  # closed and flushed: its records committed
+    committed = list(source.commits)
+    assert [list(c.values()) for c in committed] == [[offset]]
+    with pytest.raises(RuntimeError, match="impossible"):
+        await feed(request("lost-2"))  # consumed, never written: must be read again
+    await feed(request("ok-3"))  # what faust's restarted agent would apply next
+    done = {c.tokens.request_id for c in sink.outputs.completed}
+    assert "ok-3" in done  # ok-3 was applied and written ...
+    assert source.commits == committed  # ... but nothing committed past lost-2
+    assert [type(e) for e in failures] == [RuntimeError]  # told once
+    assert isinstance(pipeline.broken, RuntimeError)

@@ -199,7 +199,7 @@ def test_the_worker_gives_faust_its_log_format(
     monkeypatch.setattr(
         streamtally.processors.app,
         "create_app",
-        lambda settings, sinks: real_create_app(settings, sinks, consume=False),
+        lambda settings, sinks, **kwargs: real_create_app(settings, sinks, consume=False, **kwargs),
     )
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
