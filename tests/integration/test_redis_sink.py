@@ -1126,7 +1126,9 @@ async def test_a_row_correction_is_added_once_and_keeps_the_row_writable(
     assert await sink.flush() == [True, True]
     # the second request was billed twice over, say: take one request and its cost out
     fix = {"requests": -1, "input_tokens": -1000, "cached_tokens": -400, "output_tokens": -200}
-    fix["cost_pico"] = -3  # 0.300000000002 - 0.000000000003 = 0.299999999999: a borrow
+    # 0.300000000002 - 0.000000000003 = 0.299999999999: sent as -1 unit + 0.999999999997,
+    # which carries back into the units: the part stays in range
+    fix["cost_pico"] = -3
     marker = correction_key(shard, "c" * 32)
     try:
         assert await store.correct_row((DAY, tenant, MODEL), fix, "c" * 32) is True
@@ -1134,7 +1136,7 @@ async def test_a_row_correction_is_added_once_and_keeps_the_row_writable(
         assert (row["requests"], row["input_tokens"], row["output_tokens"]) == (1, 1000, 200)
         assert row["cost"] == "0.299999999999"
         part = await hash_of(redis_client, usage_key(shard, DAY, tenant, MODEL))
-        assert (part["cost_units"], part["cost_pico"]) == ("-1", "299999999999")
+        assert (part["cost_units"], part["cost_pico"]) == ("0", "299999999999")
         # the same correction again (a rerun after a failure) adds nothing
         assert await store.correct_row((DAY, tenant, MODEL), fix, "c" * 32) is False
         assert await store.usage_rows(tenant=tenant) == [row]
@@ -1150,6 +1152,27 @@ async def test_a_row_correction_is_added_once_and_keeps_the_row_writable(
         assert await store.correct_row((DAY, other, MODEL), added, "d" * 32) is True
         [new] = await store.usage_rows(tenant=other)
         assert (new["requests"], new["input_tokens"], new["cost"]) == (1, 7, "1.000000000005")
+        # a request billed in another shard withdrawn: the correction shard's part goes
+        # below zero, the row (the sum of the parts) is exact
+        third_tenant = scope.tenant("initech")
+        third_shard = shard_of_row(row_member(DAY, third_tenant, MODEL))
+        [elsewhere] = scope.ids_in_shard(third_tenant, (third_shard + 1) % SHARDS, 1)
+        tokens = make_tokens(elsewhere)
+        sink.add(tokens, billed(tokens, third_tenant, "0.250000000000"))
+        assert await sink.flush() == [True]
+        withdraw = {"requests": -1, "input_tokens": -1000, "cached_tokens": -400}
+        withdraw |= {"output_tokens": -200, "cost_pico": -250_000_000_000}
+        assert await store.correct_row((DAY, third_tenant, MODEL), withdraw, "e" * 32) is True
+        [gone] = await store.usage_rows(tenant=third_tenant)
+        assert (gone["requests"], gone["input_tokens"], gone["cost"]) == (0, 0, "0.000000000000")
+        negative = await hash_of(redis_client, usage_key(third_shard, DAY, third_tenant, MODEL))
+        assert negative["requests"] == "-1"
+        assert (negative["cost_units"], negative["cost_pico"]) == ("-1", "750000000000")
     finally:
         other_shard = shard_of_row(row_member(DAY, scope.tenant("globex"), MODEL))
-        await redis_client.delete(marker, correction_key(other_shard, "d" * 32))
+        third_shard = shard_of_row(row_member(DAY, scope.tenant("initech"), MODEL))
+        await redis_client.delete(
+            marker,
+            correction_key(other_shard, "d" * 32),
+            correction_key(third_shard, "e" * 32),
+        )
