@@ -21,7 +21,9 @@ from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from streamtally.connection import KafkaConnection
 from streamtally.topics import DAY_MS, Topic
+from streamtally.wire.connection import client_options
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["PASSTHROUGH_TOPIC", "PassthroughResult", "ensure_passthrough_topic", "run"]
@@ -54,13 +56,13 @@ _SCRATCH: Final = Topic(
 )
 
 
-async def ensure_passthrough_topic(bootstrap_servers: str) -> bool:
+async def ensure_passthrough_topic(bootstrap_servers: KafkaConnection | str) -> bool:
     """Create the scratch topic if it is missing (never deletes anything); True if created."""
     return bool(await ensure_topics(bootstrap_servers, (_SCRATCH,)))
 
 
 async def run(
-    bootstrap_servers: str,
+    bootstrap_servers: KafkaConnection | str,
     start: Mapping[TopicPartition, int],
     end: Mapping[TopicPartition, int],
     *,
@@ -71,14 +73,14 @@ async def run(
     wanted = {tp: end[tp] for tp in end if end[tp] > start.get(tp, 0)}
     total = sum(end[tp] - start.get(tp, 0) for tp in wanted)
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=bootstrap_servers,
+        **client_options(bootstrap_servers),
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
         max_partition_fetch_bytes=1 << 20,
     )
     producer = AIOKafkaProducer(
-        bootstrap_servers=bootstrap_servers,
+        **client_options(bootstrap_servers),
         acks="all",
         linger_ms=5,
         max_batch_size=1 << 20,

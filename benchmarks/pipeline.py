@@ -99,6 +99,7 @@ from benchmarks.pipeline_workload import (
     RequestBuilder,
     bench_names,
 )
+from streamtally.connection import as_connection
 from streamtally.errors import StackError
 from streamtally.ops.stack.config import StackConfig
 from streamtally.settings import Settings, project_root
@@ -224,7 +225,7 @@ def run(
     log = StackConfig.from_settings(app_settings).state_dir / "logs" / "bench-worker.log"
     env = dict(os.environ)
     env.update(
-        KAFKA_BOOTSTRAP_SERVERS=settings.bootstrap_servers,
+        KAFKA_BOOTSTRAP_SERVERS=as_connection(settings.bootstrap_servers).servers,
         REDIS_URL=settings.redis_url,
         STREAMTALLY_REQUEST_TIMEOUT=str(WORKER_REQUEST_TIMEOUT),
         STREAMTALLY_NAMESPACE=names.namespace,

@@ -19,6 +19,8 @@ from aiokafka.errors import KafkaError
 
 from benchmarks.pipeline_worker import BenchWorkers
 from benchmarks.pipeline_workload import Names, Progress
+from streamtally.connection import KafkaConnection
+from streamtally.wire.connection import client_options
 from streamtally.wire.kafka import read_topic
 
 __all__ = ["KafkaProbe"]
@@ -27,11 +29,12 @@ __all__ = ["KafkaProbe"]
 class KafkaProbe:
     """Offsets, lag and the worker group's members, from one admin client and one consumer."""
 
-    def __init__(self, servers: str, names: Names) -> None:
+    def __init__(self, servers: KafkaConnection | str, names: Names) -> None:
         self.servers = servers
         self.names = names
-        self.admin = AIOKafkaAdminClient(bootstrap_servers=servers, request_timeout_ms=15000)
-        self.consumer = AIOKafkaConsumer(bootstrap_servers=servers, enable_auto_commit=False)
+        options = client_options(servers)
+        self.admin = AIOKafkaAdminClient(**options, request_timeout_ms=15000)
+        self.consumer = AIOKafkaConsumer(**options, enable_auto_commit=False)
 
     async def start(self) -> None:
         await self.admin.start()

@@ -24,6 +24,7 @@ from typing import Any, Final
 from aiokafka import TopicPartition
 
 from benchmarks.fold import engine_stream
+from streamtally.connection import KafkaConnection
 from streamtally.core.models import Source
 from streamtally.producers import raw_records
 from streamtally.settings import Settings
@@ -66,7 +67,8 @@ class PipelineSettings:
     poison_every: int = 0
     #: Worker processes in the consumer group (the raw topics have 6 partitions each).
     workers: int = 1
-    bootstrap_servers: str = "127.0.0.1:9092"
+    #: The Kafka (with its security: `Settings.kafka`), or plain servers.
+    bootstrap_servers: KafkaConnection | str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
 
     def __post_init__(self) -> None:

@@ -41,6 +41,7 @@ from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, RawMessage, RawSource, Revocations
 from streamtally.settings import Settings
 from streamtally.topics import Topics
+from streamtally.wire.connection import faust_options
 from streamtally.wire.tenant_keys import TenantTrust
 
 log = logging.getLogger(__name__)
@@ -99,10 +100,6 @@ class _WorkerApp(faust.App):
             await hook()
 
 
-def _broker_url(bootstrap_servers: str) -> str:
-    return ";".join(f"kafka://{server.strip()}" for server in bootstrap_servers.split(","))
-
-
 def create_app(
     settings: Settings,
     make_sinks: Callable[[faust.App], Sinks] | None = None,
@@ -128,7 +125,8 @@ def create_app(
     datadir.parent.mkdir(parents=True, exist_ok=True)
     app = _WorkerApp(
         topics.worker_app_id,
-        broker=_broker_url(settings.bootstrap_servers),
+        # faust's own clients stay off (`_Boot`); its broker settings match ours all the same.
+        **faust_options(settings.kafka),
         store="memory://",
         topic_allow_declare=False,  # topics are declared by streamtally (topics/), not faust
         topic_disable_leader=True,

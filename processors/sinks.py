@@ -29,6 +29,7 @@ from aiokafka.errors import KafkaError, ProducerClosed
 from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
+from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.processors.requests import Closed, Outputs
 from streamtally.store import RedisSink, RedisStore
@@ -61,8 +62,8 @@ class KafkaSink:
     on every topic; the outputs' keys are the request's identity (`output_key`).
     """
 
-    def __init__(self, bootstrap_servers: str, topics: Topics) -> None:
-        self._producer = idempotent_producer(bootstrap_servers, linger_ms=0)
+    def __init__(self, kafka: KafkaConnection | str, topics: Topics) -> None:
+        self._producer = idempotent_producer(kafka, linger_ms=0)
         self._topics = topics
         self._started = False
         self._partitioner = DefaultPartitioner()

@@ -30,6 +30,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 
 from streamtally.settings import Settings
 from streamtally.topics import Topics
+from streamtally.wire.connection import client_options
 
 __all__ = ["FetchedBatch", "RawMessage", "RawSource", "Revocations"]
 
@@ -128,7 +129,7 @@ class RawSource:
         self.settings = settings
         self._topics = topics
         self._consumer = AIOKafkaConsumer(
-            bootstrap_servers=settings.bootstrap_servers,
+            **client_options(settings.kafka),
             group_id=topics.processors_group,
             enable_auto_commit=False,
             auto_offset_reset="earliest",

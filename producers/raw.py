@@ -12,6 +12,7 @@ from typing import Any
 
 from aiokafka.errors import KafkaConnectionError
 
+from streamtally.connection import KafkaConnection, as_connection
 from streamtally.core.adapters.base import AdapterOptions
 from streamtally.core.models import Source, utc_now
 from streamtally.core.normalize import (
@@ -205,24 +206,25 @@ class RawProducer:
 
     def __init__(
         self,
-        bootstrap_servers: str,
+        bootstrap_servers: KafkaConnection | str,
         *,
         namespace: str = DEFAULT_NAMESPACE,
         linger_ms: int = 5,
         key: ProducerKey | None = None,
     ) -> None:
-        self.bootstrap_servers = bootstrap_servers
+        #: The Kafka written to (plain servers: a PLAINTEXT connection); printed as its servers.
+        self.kafka = as_connection(bootstrap_servers)
         #: With a key, every record carries its signed tenant claim (``st-auth`` header).
         self.key = key
         self.topics = Topics.in_namespace(namespace)
-        self._producer = idempotent_producer(bootstrap_servers, linger_ms=linger_ms)
+        self._producer = idempotent_producer(self.kafka, linger_ms=linger_ms)
 
     async def __aenter__(self) -> RawProducer:
         try:
             await self._producer.start()
         except KafkaConnectionError as exc:
             raise StackError(
-                f"cannot reach Kafka at {self.bootstrap_servers}: start it with "
+                f"cannot reach Kafka at {self.kafka.unreachable()}: start it with "
                 "`streamtally stack up` or set KAFKA_BOOTSTRAP_SERVERS"
             ) from exc
         return self

@@ -46,6 +46,7 @@ from datetime import datetime
 from types import TracebackType
 from typing import Any, Protocol
 
+from streamtally.connection import KafkaConnection
 from streamtally.core.adapters.base import Adapter, AdapterOptions
 from streamtally.core.models import Source, utc_now
 from streamtally.core.normalize import ADAPTERS, fallback_request_id, make_adapter
@@ -90,7 +91,11 @@ class _KafkaSender:
     """A `RawProducer` (idempotent, batching) as a `Sender`."""
 
     def __init__(
-        self, bootstrap_servers: str, namespace: str, linger_ms: int, key: ProducerKey | None
+        self,
+        bootstrap_servers: KafkaConnection | str,
+        namespace: str,
+        linger_ms: int,
+        key: ProducerKey | None,
     ) -> None:
         self._producer = RawProducer(
             bootstrap_servers, namespace=namespace, linger_ms=linger_ms, key=key
@@ -128,7 +133,7 @@ class Tap:
 
     def __init__(
         self,
-        bootstrap_servers: str | None = None,
+        bootstrap_servers: KafkaConnection | str | None = None,
         *,
         namespace: str = DEFAULT_NAMESPACE,
         budget_s: float = DEFAULT_BUDGET_S,

@@ -27,6 +27,14 @@ variable                            meaning                                     
 ``STREAMTALLY_TENANT_KEYS``         the worker's trust file (signed tenant claims)  none: trust all
 ``STREAMTALLY_PRODUCER_KEY``        the key file ``produce`` signs records with     none: unsigned
 ``STREAMTALLY_API_TOKENS``          ``streamtally api``'s tokens file (SHA-256s)    none
+``KAFKA_SECURITY_PROTOCOL``         PLAINTEXT, SSL, SASL_PLAINTEXT or SASL_SSL      PLAINTEXT
+``KAFKA_SASL_MECHANISM``            PLAIN, SCRAM-SHA-256 or SCRAM-SHA-512           none
+``KAFKA_SASL_USERNAME``             the SASL user                                   none
+``KAFKA_SASL_PASSWORD``             its password (never printed)                    none
+``KAFKA_SSL_CAFILE``                CA (PEM) of the brokers' certificates           system CAs
+``KAFKA_SSL_CERTFILE``              client certificate (PEM), for mutual TLS        none
+``KAFKA_SSL_KEYFILE``               its private key (PEM)                           none
+``REDIS_SSL_CAFILE``                CA (PEM) of a ``rediss://`` Redis               system CAs
 ==================================  ==============================================  =========
 
 The state directory defaults to ``.stack`` in the clone when streamtally runs
@@ -40,12 +48,21 @@ import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Final
+from urllib.parse import quote
 
-from pydantic import AliasChoices, Field, ValidationError, model_validator
+from pydantic import (
+    AliasChoices,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
+from streamtally.connection import KafkaConnection, SaslMechanism, SecurityProtocol
 from streamtally.errors import InputError
-from streamtally.redact import redact_servers, redact_text, redact_url
+from streamtally.redact import REDACTED, redact_servers, redact_text, redact_url
 
 __all__ = [
     "ENV_BOOTSTRAP_SERVERS",
@@ -191,6 +208,34 @@ class Settings(BaseSettings):
     producer_key_path: Path | None = Field(
         None, validation_alias=_env("STREAMTALLY_PRODUCER_KEY", "producer_key_path")
     )
+    # -- Kafka and Redis security (`streamtally.connection`; README, "Security") -----------
+    kafka_security_protocol: SecurityProtocol = Field(
+        "PLAINTEXT", validation_alias=_env("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol")
+    )
+    kafka_sasl_mechanism: SaslMechanism | None = Field(
+        None, validation_alias=_env("KAFKA_SASL_MECHANISM", "kafka_sasl_mechanism")
+    )
+    kafka_sasl_username: str | None = Field(
+        None, validation_alias=_env("KAFKA_SASL_USERNAME", "kafka_sasl_username")
+    )
+    #: A `SecretStr`: its repr is ``**********``.
+    kafka_sasl_password: SecretStr | None = Field(
+        None, validation_alias=_env("KAFKA_SASL_PASSWORD", "kafka_sasl_password")
+    )
+    kafka_ssl_cafile: Path | None = Field(
+        None, validation_alias=_env("KAFKA_SSL_CAFILE", "kafka_ssl_cafile")
+    )
+    kafka_ssl_certfile: Path | None = Field(
+        None, validation_alias=_env("KAFKA_SSL_CERTFILE", "kafka_ssl_certfile")
+    )
+    kafka_ssl_keyfile: Path | None = Field(
+        None, validation_alias=_env("KAFKA_SSL_KEYFILE", "kafka_ssl_keyfile")
+    )
+    #: The CA (PEM) a ``rediss://`` Redis's certificate must chain to (`redis_url` adds it
+    #: to the URL as ``ssl_ca_certs``); None: the system's CAs.
+    redis_ssl_cafile: Path | None = Field(
+        None, validation_alias=_env("REDIS_SSL_CAFILE", "redis_ssl_cafile")
+    )
     #: The tokens file of `streamtally api` (`streamtally.api.auth`): each bearer token's
     #: SHA-256 and the tenant it reads, or the operator role (``--tokens`` wins).
     api_tokens_path: Path | None = Field(
@@ -245,6 +290,26 @@ class Settings(BaseSettings):
             )
         return self
 
+    @field_validator("kafka_security_protocol", "kafka_sasl_mechanism", mode="before")
+    @classmethod
+    def _upper_case(cls, value: object) -> object:
+        """``sasl_ssl`` and ``scram-sha-512`` are taken as Kafka spells them."""
+        return value.strip().upper() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _security_consistent(self) -> Settings:
+        """The Kafka security settings agree (`KafkaConnection`) and their files exist."""
+        _ = self.kafka  # builds the connection: a ValueError names the variables
+        for name, path in (
+            ("KAFKA_SSL_CAFILE", self.kafka_ssl_cafile),
+            ("KAFKA_SSL_CERTFILE", self.kafka_ssl_certfile),
+            ("KAFKA_SSL_KEYFILE", self.kafka_ssl_keyfile),
+            ("REDIS_SSL_CAFILE", self.redis_ssl_cafile),
+        ):
+            if path is not None and not path.expanduser().is_file():
+                raise ValueError(f"{name}={path}: no such file")
+        return self
+
     @classmethod
     def load(cls, environ: Mapping[str, str] | None = None) -> Settings:
         """The settings from `environ` (default: the process environment).
@@ -275,9 +340,36 @@ class Settings(BaseSettings):
         return (self.kafka_bootstrap_servers or "").strip() or self.local_bootstrap_servers
 
     @property
+    def kafka(self) -> KafkaConnection:
+        """The Kafka every client connects to: `bootstrap_servers` with the security settings."""
+        password = self.kafka_sasl_password
+        return KafkaConnection(
+            servers=self.bootstrap_servers,
+            security_protocol=self.kafka_security_protocol,
+            sasl_mechanism=self.kafka_sasl_mechanism,
+            sasl_username=self.kafka_sasl_username,
+            sasl_password=None if password is None else password.get_secret_value(),
+            ssl_cafile=_expanded(self.kafka_ssl_cafile),
+            ssl_certfile=_expanded(self.kafka_ssl_certfile),
+            ssl_keyfile=_expanded(self.kafka_ssl_keyfile),
+        )
+
+    @property
     def redis_url(self) -> str:
-        """``REDIS_URL`` if set, else the local stack's Redis."""
-        return (self.redis_url_setting or "").strip() or self.local_redis_url
+        """``REDIS_URL`` if set, else the local stack's Redis.
+
+        With ``REDIS_SSL_CAFILE``, a ``rediss://`` URL that names no CA of its own gets
+        it as ``ssl_ca_certs`` (redis-py's URL parameter), so every client, one Redis
+        or a Redis Cluster, verifies the server against it.
+        """
+        url = (self.redis_url_setting or "").strip() or self.local_redis_url
+        cafile = _expanded(self.redis_ssl_cafile)
+        if cafile is None or not url.lower().startswith("rediss://") or "ssl_ca_certs=" in url:
+            return url
+        base, _, fragment = url.partition("#")
+        joiner = "&" if "?" in base else "?"
+        tail = f"#{fragment}" if fragment else ""
+        return f"{base}{joiner}ssl_ca_certs={quote(str(cafile), safe='/')}{tail}"
 
     @property
     def uses_external_stack(self) -> bool:
@@ -314,12 +406,18 @@ _FIELDS: Final = {field: name for name, field in _VARIABLES.items()}
 VARIABLES: Final = tuple(_VARIABLES)
 
 
+def _expanded(path: Path | None) -> Path | None:
+    return None if path is None else path.expanduser()
+
+
 def _from_environment(env: Mapping[str, str]) -> dict[str, str]:
     return {field: env[name].strip() for name, field in _VARIABLES.items() if name in env}
 
 
 def _shown(field: str, value: str) -> str:
     """A field's value as printed: the endpoints' credentials hidden (`streamtally.redact`)."""
+    if field == "kafka_sasl_password":
+        return REDACTED
     if field == "redis_url_setting":
         return redact_url(value)
     if field == "kafka_bootstrap_servers":

@@ -69,8 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    # The password of --redis-url, then that of REDIS_URL once the settings are read, are
-    # hidden from every message and log record (the settings' own errors redact it).
+    # The password of --redis-url, then those of REDIS_URL and KAFKA_SASL_PASSWORD once the
+    # settings are read, are hidden from every message and log record (the settings' own
+    # errors redact them).
     given_url: str = getattr(args, "redis_url", None) or ""
     with install(args.log_format), hiding(url_secrets(given_url)):
         try:
@@ -80,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _failed(args.command, exc)
         except KeyboardInterrupt:
             return 130
-        with hiding(url_secrets(settings.redis_url)):
+        with hiding(url_secrets(settings.redis_url) | settings.kafka.secrets):
             try:
                 check_settings(settings)
                 code: int = args.func(args, settings)

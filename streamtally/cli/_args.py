@@ -11,11 +11,13 @@ refused when it is parsed, with one line naming it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import ipaddress
 from collections.abc import Iterator
 from typing import NoReturn
 
 from streamtally.cli._output import escape, has_surrogates
+from streamtally.connection import KafkaConnection
 from streamtally.errors import InputError
 from streamtally.redact import redact_servers, redact_url
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
@@ -26,6 +28,7 @@ __all__ = [
     "check_settings",
     "check_text_arguments",
     "file_or_stdin",
+    "kafka_of",
     "leaf_parsers",
     "positive",
     "servers_problem",
@@ -143,6 +146,15 @@ def add_kafka_to_read(parser: argparse.ArgumentParser) -> None:
         metavar="HOST:PORT[,...]",
         help="Kafka to read (default: $KAFKA_BOOTSTRAP_SERVERS, else the local stack's)",
     )
+
+
+def kafka_of(args: argparse.Namespace, settings: Settings) -> KafkaConnection:
+    """The Kafka a command uses: ``--bootstrap-servers`` if given, with the security of the
+    settings (``KAFKA_SECURITY_PROTOCOL``, SASL, TLS) either way."""
+    given: str | None = getattr(args, "bootstrap_servers", None)
+    if given and given.strip():
+        return dataclasses.replace(settings.kafka, servers=given.strip())
+    return settings.kafka
 
 
 def check_settings(settings: Settings) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from streamtally.cli import _output
-from streamtally.cli._args import add_kafka_to_read, file_or_stdin
+from streamtally.cli._args import add_kafka_to_read, file_or_stdin, kafka_of
 from streamtally.cli._output import escape, json_text, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.core.pricing import PriceTable, PriceTableError
@@ -189,7 +189,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         correct=args.correct,
     )
     out = _out_path(args.out)
-    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    servers = kafka_of(args, settings)
     progress = None if args.json or not sys.stderr.isatty() else _ProgressLine()
     try:
         report = run_redis(

@@ -127,7 +127,7 @@ def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
             seconds=args.seconds,
             poison_every=args.poison_every,
             workers=args.workers,
-            bootstrap_servers=settings.bootstrap_servers,
+            bootstrap_servers=settings.kafka,
             redis_url=settings.redis_url,
         )
     except ValueError as exc:

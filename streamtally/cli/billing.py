@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from streamtally.cli import _output
-from streamtally.cli._args import add_kafka_to_read
+from streamtally.cli._args import add_kafka_to_read, kafka_of
 from streamtally.cli._output import json_text, say, write_stdout
+from streamtally.connection import KafkaConnection
 from streamtally.core.money import scaled_cost
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -90,7 +91,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 def run_export(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    servers = kafka_of(args, settings)
     topic = Topics.in_namespace(settings.namespace).billing.name
     result = asyncio.run(read_billing_events(servers, topic, keep_replays=args.keep_replays))
     events = sorted(result.events, key=lambda e: (e.event_time, e.event_id))
@@ -181,7 +182,9 @@ def collect(events: Iterable[BillingEvent], export: Export, *, keep_replays: boo
         export.events.append(event)
 
 
-async def read_billing_events(servers: str, topic: str, *, keep_replays: bool = False) -> Export:
+async def read_billing_events(
+    servers: KafkaConnection | str, topic: str, *, keep_replays: bool = False
+) -> Export:
     """Every billing event of `topic` up to its end offsets at the time of the call."""
     export = Export()
     reading = read_decoded(

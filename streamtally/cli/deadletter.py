@@ -23,8 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from streamtally.cli._args import add_kafka_to_read
+from streamtally.cli._args import add_kafka_to_read, kafka_of
 from streamtally.cli._output import escape, format_table, json_text, say, write_stdout
+from streamtally.connection import KafkaConnection
 from streamtally.core.content import marked_size
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -82,7 +83,7 @@ def _position(letter: DeadLetter) -> tuple[str, int, int]:
     return (letter.topic, letter.partition, letter.offset)
 
 
-async def read_dead_letters(servers: str, topic: str) -> Letters:
+async def read_dead_letters(servers: KafkaConnection | str, topic: str) -> Letters:
     """Every dead letter of `topic` up to its current end, one per source position."""
     out = Letters(topic)
     async with contextlib.aclosing(
@@ -137,7 +138,7 @@ def _non_negative(text: str) -> int:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    servers = kafka_of(args, settings)
     topic = Topics.in_namespace(settings.namespace).deadletter.name
     result = asyncio.run(read_dead_letters(servers, topic))
     limit: int | None = args.limit

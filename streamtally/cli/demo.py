@@ -19,12 +19,13 @@ from redis.exceptions import RedisError
 from streamtally.cli._output import say
 from streamtally.cli.produce import ManifestEntry, check_entries, prepare, read_manifest
 from streamtally.cli.tokens import redacted_error
+from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError, StackError
 from streamtally.ops.stack.config import StackConfig
 from streamtally.ops.worker_process import WorkerProcess, worker_command
 from streamtally.producers import RawProducer
-from streamtally.redact import redact_servers, redact_url
+from streamtally.redact import redact_url
 from streamtally.settings import Settings, project_root
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         _step("starting the local stack (Kafka + Redis)")
         if _streamtally("stack", "up") != 0:
             raise StackError("the local stack did not start: see `streamtally stack status`")
-    servers, url = settings.bootstrap_servers, settings.redis_url
+    servers, url = settings.kafka, settings.redis_url
     asyncio.run(ensure_topics(servers, Topics.in_namespace(settings.namespace).all))
     log = StackConfig.from_settings(settings).state_dir / "logs" / "demo-worker.log"
     _step(f"starting a worker (log: {log})")
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             )
         )
     except KafkaError as exc:
-        raise StackError(f"Kafka at {redact_servers(servers)} failed: {exc!r}") from exc
+        raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc
     except (RedisError, OSError) as exc:
         raise StackError(f"Redis at {redact_url(url)} failed: {redacted_error(exc, url)}") from exc
     finally:
@@ -124,7 +125,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
 
 
 async def _produce_and_wait(
-    servers: str,
+    servers: KafkaConnection,
     url: str,
     namespace: str,
     entries: list[ManifestEntry],

@@ -18,7 +18,7 @@ from typing import Any, Final, TypeVar
 
 import redis.asyncio as aioredis
 
-from streamtally.cli._args import add_kafka_to_read, positive
+from streamtally.cli._args import add_kafka_to_read, kafka_of, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import migrate, migrate_shards
@@ -123,7 +123,7 @@ def _with_client(url: str, work: Callable[[aioredis.Redis], Awaitable[T]]) -> T:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    servers = kafka_of(args, settings)
     url: str = args.redis_url or settings.redis_url
     topic = Topics.in_namespace(settings.namespace).billing.name
     dry_run: bool = args.dry_run

@@ -20,8 +20,9 @@ from typing import Any
 
 from aiokafka.errors import KafkaError
 
-from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._args import bootstrap_servers, kafka_of
 from streamtally.cli._output import has_surrogates, say
+from streamtally.connection import KafkaConnection
 from streamtally.core.adapters.base import AdapterOptions
 from streamtally.core.models import Source
 from streamtally.errors import InputError, StackError
@@ -220,7 +221,7 @@ def check_entries(entries: list[ManifestEntry], *, allow_invalid: bool = False) 
 
 
 async def _produce(
-    servers: str,
+    servers: KafkaConnection,
     namespace: str,
     entries: list[ManifestEntry],
     *,
@@ -262,7 +263,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt and retried send (a new topic's first
     # leader election); retries are automatic and failures raise, with one line each.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers = args.bootstrap_servers or settings.bootstrap_servers
+    servers = kafka_of(args, settings)
     try:
         return asyncio.run(
             _produce(

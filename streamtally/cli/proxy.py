@@ -35,10 +35,11 @@ from aiokafka.errors import KafkaError
 from yarl import URL
 
 from streamtally.cli._api_keys import ApiKeyTenants
-from streamtally.cli._args import bootstrap_servers
+from streamtally.cli._args import bootstrap_servers, kafka_of
 from streamtally.cli._output import say
 from streamtally.cli._tee import Tee, plan, source_of
 from streamtally.cli.produce import add_key_file_argument, producer_key
+from streamtally.connection import KafkaConnection
 from streamtally.errors import InputError, StackError
 from streamtally.producers import Tap
 from streamtally.settings import Settings
@@ -264,7 +265,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 async def _serve(
     args: argparse.Namespace,
-    servers: str,
+    servers: KafkaConnection,
     namespace: str,
     key: ProducerKey | None,
     api_keys: ApiKeyTenants | None,
@@ -303,7 +304,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     key = producer_key(args, settings)
     api_keys = None if args.api_keys is None else ApiKeyTenants.load(args.api_keys)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers = args.bootstrap_servers or settings.bootstrap_servers
+    servers = kafka_of(args, settings)
     with contextlib.suppress(KeyboardInterrupt):
         try:
             return asyncio.run(_serve(args, servers, settings.namespace, key, api_keys))

@@ -19,7 +19,7 @@ import logging
 from collections import Counter
 from typing import Any, Final
 
-from streamtally.cli._args import add_kafka_to_read, positive
+from streamtally.cli._args import add_kafka_to_read, kafka_of, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.ops import rebuild
@@ -104,7 +104,7 @@ async def _check_redis(store: RedisStore) -> int:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
-    servers: str = args.bootstrap_servers or settings.bootstrap_servers
+    servers = kafka_of(args, settings)
     url: str = args.redis_url or settings.redis_url
     present = run_redis(url, _check_redis, cluster=settings.redis_cluster)
     if present and not args.yes:

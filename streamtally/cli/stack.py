@@ -9,6 +9,7 @@ Also runnable on its own: ``python -m streamtally.cli.stack up``.
 from __future__ import annotations
 
 import argparse
+import shlex
 import subprocess
 import sys
 import time
@@ -16,7 +17,8 @@ from collections.abc import Callable, Sequence
 
 from streamtally.cli._args import Parser
 from streamtally.cli._output import say
-from streamtally.ops.stack import StackConfig, StackError, kafka, redis
+from streamtally.ops.stack import StackConfig, StackError, kafka, redis, secure
+from streamtally.ops.stack.client_env import SECURITY_VARIABLES, client_environment
 from streamtally.ops.stack.config import (
     BROKER_COUNTS,
     KAFKA_PORT_STEP,
@@ -61,7 +63,17 @@ def _guarded(command: str, handler: Handler) -> Handler:
 
 
 def _env_line(cfg: StackConfig) -> str:
-    """The variables that point a client at this stack (the defaults need none of them)."""
+    """The variables that point a client at this stack (the defaults need none of them);
+    the secured stack's without its passwords: `stack env` prints those."""
+    if cfg.secure:
+        credentials = secure.load_credentials(cfg)
+        kafka = secure.client_connection(cfg, credentials).describe()
+        url = redact_url(secure.redis_client_url(cfg, credentials))
+        return (
+            f"KAFKA_BOOTSTRAP_SERVERS={kafka} REDIS_URL={url} (TLS, CA "
+            f"{secure.files(cfg).ca_cert}); the credentials: "
+            '`eval "$(streamtally stack env)"`'
+        )
     line = (
         f"KAFKA_BOOTSTRAP_SERVERS={cfg.all_bootstrap_servers()} REDIS_URL={cfg.local_redis_url()}"
     )
@@ -87,8 +99,8 @@ def _note_overrides(settings: Settings, cfg: StackConfig) -> None:
 
 def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
     cfg = StackConfig.from_settings(
-        settings, brokers=args.brokers, redis_cluster=args.redis_cluster
-    )
+        settings, brokers=args.brokers, redis_cluster=args.redis_cluster, secure=args.secure
+    )  # not sticky: a plain `up` is the plaintext stack that every default points at
     start = time.monotonic()
     _say(f"stack: state dir {cfg.state_dir}")
     if cfg.shape != StackShape():
@@ -107,6 +119,7 @@ def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
     if args.wipe:
         kafka.wipe(cfg, _say)
         redis.wipe(cfg, _say)
+        secure.wipe(cfg, _say)
     return EXIT_OK
 
 
@@ -121,6 +134,23 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     if running:
         _say(_env_line(cfg))
     return EXIT_OK if running else EXIT_NOT_RUNNING
+
+
+def cmd_env(args: argparse.Namespace, settings: Settings) -> int:
+    """The ``export`` lines a client needs for the running stack, secrets included."""
+    del args
+    cfg = StackConfig.from_settings(settings)
+    statuses = [*kafka.statuses(cfg), *redis.statuses(cfg)]
+    if not all(st.running for st in statuses):
+        say("stack env: the stack is not running: `streamtally stack up` starts it")
+        return EXIT_NOT_RUNNING
+    lines = [f"export {name}={shlex.quote(value)}" for name, value in client_environment(cfg)]
+    if not cfg.secure:  # what a secured stack's `eval` left behind would still apply
+        lines.append(f"unset {' '.join(SECURITY_VARIABLES)}")
+    # Printed as they are, not through `say`: this is the one place meant to show them.
+    sys.stdout.write("".join(line + "\n" for line in lines))
+    sys.stdout.flush()
+    return EXIT_OK
 
 
 _DESCRIPTION = (
@@ -142,7 +172,7 @@ _UP_EPILOG = (
 
 
 def _add_commands(stack: argparse.ArgumentParser) -> None:
-    commands = stack.add_subparsers(dest="stack_command", metavar="{up,down,status}")
+    commands = stack.add_subparsers(dest="stack_command", metavar="{up,down,status,env}")
     commands.required = True
 
     up = commands.add_parser(
@@ -161,6 +191,12 @@ def _add_commands(stack: argparse.ArgumentParser) -> None:
         "--redis-cluster", action=argparse.BooleanOptionalAction, default=None,
         help=f"a Redis Cluster of {REDIS_CLUSTER_MASTERS} masters instead of one Redis "
         "(default: as last started, else one Redis)",
+    )  # fmt: skip
+    up.add_argument(
+        "--secure", action="store_true",
+        help="Kafka on SASL_SSL with SCRAM-SHA-512 users and Redis on TLS with an ACL user "
+        "(one broker, one Redis); a local CA, certificates and passwords are made under "
+        "<state>/secure; `streamtally stack env` prints what clients need (default: plaintext)",
     )  # fmt: skip
     up.add_argument(
         "--timeout", type=float, default=kafka.READY_TIMEOUT_S, metavar="SECONDS",
@@ -182,9 +218,20 @@ def _add_commands(stack: argparse.ArgumentParser) -> None:
     status = commands.add_parser("status", help="show each node; exit 3 unless all run")
     status.set_defaults(func=_guarded("status", cmd_status))
 
+    env = commands.add_parser(
+        "env",
+        help="print the export lines a client needs for the running stack",
+        description="Print `export NAME=value` lines that point a client (the worker, every "
+        "command, your own code) at the running stack: its Kafka and Redis, and on the secured "
+        "stack the SASL user and password, the TLS CA and the Redis user: "
+        '`eval "$(streamtally stack env)"`. The passwords are printed here and nowhere else. '
+        "Exit 3 when the stack is not running.",
+    )
+    env.set_defaults(func=_guarded("env", cmd_env))
+
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Register ``stack`` with its ``up``, ``down`` and ``status`` subcommands."""
+    """Register ``stack`` with its ``up``, ``down``, ``status`` and ``env`` subcommands."""
     stack = subparsers.add_parser(
         "stack", help="run the local Kafka (KRaft) + Redis stack", description=_DESCRIPTION
     )

@@ -20,7 +20,7 @@ from typing import Any, Final, NoReturn
 
 from streamtally.cli._logging import STATUS_LOGGER, dict_config
 from streamtally.errors import InputError, StackError
-from streamtally.redact import redact_servers, redact_text, redact_url, scrub, url_secrets
+from streamtally.redact import redact_text, redact_url, scrub, url_secrets
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
@@ -138,7 +138,7 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     aiokafka_level = aiokafka.level
     aiokafka.setLevel(logging.CRITICAL)
     try:
-        asyncio.run(ensure_topics(settings.bootstrap_servers, topics.all))
+        asyncio.run(ensure_topics(settings.kafka, topics.all))
     finally:
         aiokafka.setLevel(aiokafka_level)
     asyncio.run(_check_layout(settings.redis_url, cluster=settings.redis_cluster))
@@ -150,13 +150,13 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
             )
         )
         del app  # the sinks have their own batching producer
-        kafka = KafkaSink(settings.bootstrap_servers, topics)
+        kafka = KafkaSink(settings.kafka, topics)
         return Sinks(kafka, redis_outputs, lookup=redis_outputs.lookup)
 
     pipeline = create_app(settings, make_sinks, on_failure=_stop_this_worker)
     logging.getLogger(STATUS_LOGGER).info(
         "streamtally worker: kafka %s, redis %s, prices %s",
-        redact_servers(settings.bootstrap_servers),
+        settings.kafka.describe(),
         redact_url(settings.redis_url),
         settings.prices_path or "(packaged)",
     )

@@ -6,7 +6,8 @@
 - `streamtally.store.rows`: usage rows decoded as the read commands print them;
 - `streamtally.store.redis_store`: `RedisStore`, every write and read as a typed method;
 - `streamtally.store.sink`: `RedisSink`, the batching, atomic, idempotent write of
-  finished requests.
+  finished requests;
+- `streamtally.store.acl`: the Redis ACL rule of the worker's user (its keys and commands).
 
 Nothing outside this package spells a Redis key.
 """

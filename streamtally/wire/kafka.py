@@ -27,9 +27,11 @@ from aiokafka.errors import (
     for_code,
 )
 
+from streamtally.connection import KafkaConnection, as_connection
 from streamtally.errors import StackError
 from streamtally.topics import Topic, kafka_config
 from streamtally.wire.avro import AvroDecodeError
+from streamtally.wire.connection import client_options
 
 __all__ = [
     "MAX_REQUEST_BYTES",
@@ -60,14 +62,15 @@ BROKER_DOWN_WAIT_S: Final = 30.0
 _NODE_DOWN: Final = (NodeNotReadyError, NotControllerError, RequestTimedOutError)
 
 
-def idempotent_producer(bootstrap_servers: str, *, linger_ms: int = 5) -> AIOKafkaProducer:
+def idempotent_producer(kafka: KafkaConnection | str, *, linger_ms: int = 5) -> AIOKafkaProducer:
     """The producer every streamtally writer uses: idempotent, acks from all in-sync replicas.
 
     Its own retries never duplicate or reorder a record (``enable_idempotence``);
     a send completes only once every in-sync replica has the record (``acks=all``).
+    `kafka` is the connection (servers and security; plain servers: PLAINTEXT).
     """
     return AIOKafkaProducer(
-        bootstrap_servers=bootstrap_servers,
+        **client_options(kafka),
         acks="all",
         enable_idempotence=True,
         linger_ms=linger_ms,
@@ -77,7 +80,7 @@ def idempotent_producer(bootstrap_servers: str, *, linger_ms: int = 5) -> AIOKaf
 
 
 async def ensure_topics(
-    bootstrap_servers: str, wanted: tuple[Topic, ...], *, brokers: int | None = None
+    kafka: KafkaConnection | str, wanted: tuple[Topic, ...], *, brokers: int | None = None
 ) -> list[str]:
     """Create the declared topics that do not exist yet; return the names created.
 
@@ -86,31 +89,32 @@ async def ensure_topics(
     worker writes ``min.insync.replicas`` 2 once there are three.  Topics that
     exist already are left as they are.
     """
+    conn = as_connection(kafka)
     deadline = time.monotonic() + BROKER_DOWN_WAIT_S
     while True:
         try:
-            return await _ensure_once(bootstrap_servers, wanted, brokers)
+            return await _ensure_once(conn, wanted, brokers)
         except _NODE_DOWN as exc:
             # A broker of several just died: the metadata still names it until the
             # controller fences it (KRaft's broker session timeout, 9 s by default).
             if time.monotonic() > deadline:
                 raise StackError(
-                    f"Kafka at {bootstrap_servers} failed: {exc!r} for "
+                    f"Kafka at {conn} failed: {exc!r} for "
                     f"{BROKER_DOWN_WAIT_S:g} s: is a broker down?"
                 ) from exc
             await asyncio.sleep(0.5)
 
 
 async def _ensure_once(
-    bootstrap_servers: str, wanted: tuple[Topic, ...], brokers: int | None
+    conn: KafkaConnection, wanted: tuple[Topic, ...], brokers: int | None
 ) -> list[str]:
     """`ensure_topics`, one attempt with a fresh admin client (fresh metadata)."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap_servers, request_timeout_ms=15000)
+    admin = AIOKafkaAdminClient(**client_options(conn), request_timeout_ms=15000)
     try:
         await admin.start()
     except KafkaConnectionError as exc:
         raise StackError(
-            f"cannot reach Kafka at {bootstrap_servers}: start it with `streamtally stack up` "
+            f"cannot reach Kafka at {conn.unreachable()}: start it with `streamtally stack up` "
             "or set KAFKA_BOOTSTRAP_SERVERS"
         ) from exc
     try:
@@ -133,7 +137,7 @@ async def _ensure_once(
                         for t in created
                     ]
                 )
-                _raise_creation_errors(bootstrap_servers, brokers, response)
+                _raise_creation_errors(str(conn), brokers, response)
         return [t.name for t in missing]
     finally:
         await admin.close()
@@ -195,7 +199,7 @@ def read_ranges(
 
 
 async def read_topic(
-    servers: str,
+    kafka: KafkaConnection | str,
     topic: str,
     *,
     start: Mapping[int, int] | None = None,
@@ -227,8 +231,9 @@ async def read_topic(
     from aiokafka import AIOKafkaConsumer, TopicPartition
     from aiokafka.errors import KafkaError
 
+    servers = as_connection(kafka)  # printed as its servers, credentials hidden
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=servers,
+        **client_options(servers),
         group_id=None,
         enable_auto_commit=False,
         auto_offset_reset="earliest",
@@ -240,7 +245,8 @@ async def read_topic(
     except KafkaConnectionError as exc:
         await consumer.stop()
         raise StackError(
-            f"cannot reach Kafka at {servers}: start the local stack with `streamtally stack up`, "
+            f"cannot reach Kafka at {servers.unreachable()}: start the local stack with "
+            "`streamtally stack up`, "
             "or pass --bootstrap-servers / set KAFKA_BOOTSTRAP_SERVERS"
         ) from exc
     except KafkaError as exc:
@@ -309,7 +315,7 @@ _T = TypeVar("_T")
 
 
 async def read_decoded(
-    servers: str,
+    kafka: KafkaConnection | str,
     topic: str,
     decode: Callable[[bytes], _T],
     bad: list[tuple[int, int, str]],
@@ -322,7 +328,7 @@ async def read_decoded(
     is appended to `bad` as `(partition, offset, reason)` and skipped.  Close
     it when stopping early, as `read_topic`.
     """
-    reading = read_topic(servers, topic, missing_hint=missing_hint)
+    reading = read_topic(kafka, topic, missing_hint=missing_hint)
     async with contextlib.aclosing(reading) as records:
         async for record in records:
             if record.value is None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from streamtally.connection import KafkaConnection
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.models import FinishReason, Source, Tokens
 from streamtally.core.normalize import fallback_request_id, fold_stream, read_events
@@ -25,6 +26,7 @@ from streamtally.core.pricing import PriceTable
 from streamtally.core.sse import SseEvent
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
 from streamtally.producers import Tap
+from streamtally.producers.tap import _KafkaSender
 from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
 from streamtally.wire.records import EventKind, RawSseEvent
@@ -342,3 +344,20 @@ async def test_an_engine_request_cancelled_mid_stream_closes_cancelled_with_its_
     assert done.tokens.usage == uncancelled.tokens.usage
     assert done.tokens.text == uncancelled.tokens.text
     assert done.billing.finish_reason is FinishReason.CANCELLED
+
+
+async def test_a_tap_connects_with_the_secured_kafka_settings() -> None:
+    """The tap (and so `streamtally proxy`) takes the settings' `KafkaConnection`: a secured
+    Kafka's SASL and TLS reach its producer, the password never its repr."""
+    secured = KafkaConnection(
+        servers="kafka.example:9093",
+        security_protocol="SASL_SSL",
+        sasl_mechanism="SCRAM-SHA-512",
+        sasl_username="streamtally-producer",
+        sasl_password="not-in-any-repr",
+    )
+    tap = Tap(secured)
+    sender = tap._sender
+    assert isinstance(sender, _KafkaSender)
+    assert sender._producer.kafka == secured
+    assert "not-in-any-repr" not in repr(sender._producer.kafka)

@@ -17,6 +17,7 @@ import contextlib
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
+from streamtally.connection import KafkaConnection
 from streamtally.ops.audit._compare import event_digest, event_key, legacy_digest
 from streamtally.wire.avro import (
     AvroDecodeError,
@@ -97,7 +98,7 @@ def _decoded(value: bytes | None) -> BillingEvent | str:
 
 
 async def read_corrections(
-    servers: str, topic: str, ranges: Mapping[int, tuple[int, int]]
+    servers: KafkaConnection | str, topic: str, ranges: Mapping[int, tuple[int, int]]
 ) -> tuple[CorrectionLog, list[tuple[int, int, str]]]:
     """The corrections of `ranges`, in topic order; and (partition, offset, reason) of those
     that did not decode."""
@@ -120,7 +121,7 @@ async def read_corrections(
 
 
 async def index_billing(
-    servers: str,
+    servers: KafkaConnection | str,
     topic: str,
     ranges: Mapping[int, tuple[int, int]],
     accept: Callable[[BillingEvent], bool],
@@ -156,7 +157,7 @@ async def index_billing(
 
 
 async def find_events(
-    servers: str,
+    servers: KafkaConnection | str,
     topic: str,
     ranges: Mapping[int, tuple[int, int]],
     keys: Collection[int],

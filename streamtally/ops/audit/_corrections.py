@@ -26,6 +26,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.core.money import PICO, cost_parts
 from streamtally.ops.audit._compare import Discrepancy, Kind
@@ -226,7 +227,12 @@ def _key(correction: BillingCorrection) -> bytes:
 
 
 async def apply_plan(
-    plan: CorrectionPlan, *, servers: str, topic: Topic, store: RedisStore, done: Corrected
+    plan: CorrectionPlan,
+    *,
+    servers: KafkaConnection | str,
+    topic: Topic,
+    store: RedisStore,
+    done: Corrected,
 ) -> None:
     """Write the corrections (all acknowledged), then add the row differences (each once).
 

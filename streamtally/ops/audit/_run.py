@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import utc_now
 from streamtally.core.pricing import PriceTable
@@ -93,11 +94,11 @@ async def run_audit(
     store: RedisStore,
     options: AuditOptions,
     *,
-    servers: str | None = None,
+    servers: KafkaConnection | str | None = None,
     progress: Progress | None = None,
 ) -> Report:
     """Audit the namespace of `settings` (see `streamtally.ops.audit`)."""
-    servers = servers or settings.bootstrap_servers
+    servers = servers or settings.kafka
     topics = Topics.in_namespace(settings.namespace)
     prices = PriceTable.load_or_default(settings.prices_path)
     stored_rows: list[dict[str, object]] = []

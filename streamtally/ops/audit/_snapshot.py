@@ -31,10 +31,12 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError, KafkaError
 
+from streamtally.connection import KafkaConnection, as_connection
 from streamtally.errors import InputError, StackError
 from streamtally.ops.audit._range import TimeRange
 from streamtally.processors.clock import SKEW_S
 from streamtally.topics import Topics
+from streamtally.wire.connection import client_options
 
 __all__ = ["BILLING_SLACK_S", "LATE_APPEND_S", "Snapshot", "take_snapshot"]
 
@@ -94,8 +96,8 @@ def _ms(moment: datetime, shift_s: float) -> int:
     return int((moment.timestamp() + shift_s) * 1000)
 
 
-async def _committed(servers: str, group: str) -> dict[tuple[str, int], int]:
-    admin = AIOKafkaAdminClient(bootstrap_servers=servers, request_timeout_ms=15000)
+async def _committed(servers: KafkaConnection, group: str) -> dict[tuple[str, int], int]:
+    admin = AIOKafkaAdminClient(**client_options(servers), request_timeout_ms=15000)
     try:
         await admin.start()
         offsets = await admin.list_consumer_group_offsets(group)
@@ -107,7 +109,7 @@ async def _committed(servers: str, group: str) -> dict[tuple[str, int], int]:
 class _Offsets:
     """Offset look-ups of one consumer without a group (assigned, never subscribed)."""
 
-    def __init__(self, consumer: AIOKafkaConsumer, servers: str, cluster: Any) -> None:
+    def __init__(self, consumer: AIOKafkaConsumer, servers: KafkaConnection, cluster: Any) -> None:
         self._consumer = consumer
         self._servers = servers
         self._cluster = cluster
@@ -147,7 +149,7 @@ class _Offsets:
 
 
 async def take_snapshot(
-    servers: str,
+    kafka: KafkaConnection | str,
     topics: Topics,
     wanted: TimeRange,
     *,
@@ -160,8 +162,9 @@ async def take_snapshot(
     raw topics' are: where the usage rows must be read.
     """
     group = topics.processors_group
+    servers = as_connection(kafka)  # printed as its servers, credentials hidden
     consumer = AIOKafkaConsumer(
-        bootstrap_servers=servers,
+        **client_options(servers),
         group_id=None,
         enable_auto_commit=False,
         isolation_level="read_committed",
@@ -216,8 +219,8 @@ async def take_snapshot(
         }
     except KafkaConnectionError as exc:
         raise StackError(
-            f"cannot reach Kafka at {servers}: start the local stack with `streamtally stack up`, "
-            "or pass --bootstrap-servers / set KAFKA_BOOTSTRAP_SERVERS"
+            f"cannot reach Kafka at {servers.unreachable()}: start the local stack with "
+            "`streamtally stack up`, or pass --bootstrap-servers / set KAFKA_BOOTSTRAP_SERVERS"
         ) from exc
     except KafkaError as exc:
         raise StackError(

@@ -11,6 +11,7 @@ import contextlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from streamtally.connection import KafkaConnection
 from streamtally.wire.avro import decode_billing_event
 from streamtally.wire.kafka import read_decoded
 
@@ -54,7 +55,7 @@ class Billing(Mapping[str, tuple[str, ...]]):
         return len(self._one) + len(self._several)
 
 
-async def read_billing(servers: str, topic: str) -> Billing:
+async def read_billing(servers: KafkaConnection | str, topic: str) -> Billing:
     """The tenants of every request id on the billing `topic`, from its beginning to its end.
 
     Raises `StackError` when Kafka cannot be reached or the topic is missing.

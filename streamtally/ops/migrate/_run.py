@@ -13,6 +13,7 @@ from enum import StrEnum
 
 import redis.asyncio as aioredis
 
+from streamtally.connection import KafkaConnection
 from streamtally.errors import StackError
 from streamtally.ops.migrate._billing import Billing, read_billing
 from streamtally.ops.migrate._plan import Counts, Plan, plan
@@ -60,7 +61,7 @@ class Report:
 
 async def migrate(
     client: aioredis.Redis,
-    servers: str,
+    servers: KafkaConnection | str,
     billing_topic: str,
     *,
     dry_run: bool = False,

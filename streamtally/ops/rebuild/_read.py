@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
 from streamtally.ops.rebuild._records import Skipped, SkipReason, TokensRecord
@@ -47,7 +48,7 @@ def _where(topic: str, partition: int, offset: int) -> str:
 
 
 async def read_inputs(
-    servers: str,
+    servers: KafkaConnection | str,
     *,
     tokens_topic: str,
     billing_topic: str,
@@ -100,7 +101,9 @@ async def read_inputs(
     return inputs
 
 
-async def _read_corrections(servers: str, topic: str, log: CorrectionLog, inputs: Inputs) -> None:
+async def _read_corrections(
+    servers: KafkaConnection | str, topic: str, log: CorrectionLog, inputs: Inputs
+) -> None:
     async with contextlib.aclosing(read_topic(servers, topic)) as records:
         async for record in records:
             where = _where(record.topic, record.partition, record.offset)

@@ -72,11 +72,14 @@ class StackShape:
 
     brokers: int = 1
     redis_cluster: bool = False
+    #: Kafka on SASL_SSL (SCRAM) and Redis on TLS with an ACL user (`stack up --secure`).
+    secure: bool = False
 
     def describe(self) -> str:
         kafka = "1 Kafka broker" if self.brokers == 1 else f"{self.brokers} Kafka brokers"
         redis = f"a Redis Cluster of {REDIS_CLUSTER_MASTERS} masters" if self.redis_cluster else ""
-        return f"{kafka} and {redis or 'one Redis'}"
+        tail = ", secured (Kafka SASL_SSL with SCRAM, Redis TLS with an ACL user)"
+        return f"{kafka} and {redis or 'one Redis'}{tail if self.secure else ''}"
 
 
 def _shape_file(state_dir: Path) -> Path:
@@ -95,21 +98,28 @@ def read_shape(state_dir: Path) -> StackShape:
         return StackShape()
     brokers = data.get("brokers", 1)
     cluster = data.get("redis_cluster", False)
+    secure = data.get("secure", False)
     return StackShape(
         brokers=brokers if brokers in BROKER_COUNTS else 1,
         redis_cluster=cluster if isinstance(cluster, bool) else False,
+        secure=secure if isinstance(secure, bool) else False,
     )
 
 
 def record_shape(
-    state_dir: Path, *, brokers: int | None = None, redis_cluster: bool | None = None
+    state_dir: Path,
+    *,
+    brokers: int | None = None,
+    redis_cluster: bool | None = None,
+    secure: bool | None = None,
 ) -> None:
-    """Remember the broker count and/or Redis mode the stack is being started with."""
+    """Remember the broker count, Redis mode and/or security the stack is started with."""
     current = read_shape(state_dir)
     shape = dataclasses.replace(
         current,
         brokers=current.brokers if brokers is None else brokers,
         redis_cluster=current.redis_cluster if redis_cluster is None else redis_cluster,
+        secure=current.secure if secure is None else secure,
     )
     if shape == current and _shape_file(state_dir).exists():
         return
@@ -117,6 +127,8 @@ def record_shape(
     target = _shape_file(state_dir)
     tmp = target.with_name(target.name + ".tmp")
     body = {"brokers": shape.brokers, "redis_cluster": shape.redis_cluster}
+    if shape.secure:  # absent: plaintext, as every stack.json written before it says
+        body["secure"] = True
     tmp.write_text(json.dumps(body) + "\n", encoding="utf-8")
     tmp.replace(target)
 
@@ -143,11 +155,19 @@ class StackConfig:
     brokers: int = 1
     #: Redis as a Redis Cluster of REDIS_CLUSTER_MASTERS masters instead of one server.
     redis_cluster: bool = False
+    #: Kafka on SASL_SSL with SCRAM users, Redis on TLS with an ACL user
+    #: (`streamtally.ops.stack.secure`); one broker and one Redis only.
+    secure: bool = False
 
     def __post_init__(self) -> None:
         if self.brokers not in BROKER_COUNTS:
             allowed = ", ".join(map(str, BROKER_COUNTS))
             raise StackError(f"--brokers must be one of {allowed}, not {self.brokers}")
+        if self.secure and (self.brokers != 1 or self.redis_cluster):
+            raise StackError(
+                "--secure runs one Kafka broker and one Redis: `streamtally stack down`, then "
+                "`streamtally stack up --secure --brokers 1 --no-redis-cluster`"
+            )
         ports = self.named_ports()
         single = self.brokers == 1 and not self.redis_cluster
         if single and len({port for _, port in ports}) != len(ports):  # the message it always had
@@ -170,7 +190,12 @@ class StackConfig:
 
     @classmethod
     def from_settings(
-        cls, settings: Settings, *, brokers: int | None = None, redis_cluster: bool | None = None
+        cls,
+        settings: Settings,
+        *,
+        brokers: int | None = None,
+        redis_cluster: bool | None = None,
+        secure: bool | None = None,
     ) -> StackConfig:
         """The stack of `settings`; a shape not given is the one it was last started with."""
         state_dir = settings.state_dir.resolve()
@@ -182,14 +207,22 @@ class StackConfig:
             redis_port=settings.redis_port,
             brokers=shape.brokers if brokers is None else brokers,
             redis_cluster=shape.redis_cluster if redis_cluster is None else redis_cluster,
+            secure=shape.secure if secure is None else secure,
         )
 
     @property
     def shape(self) -> StackShape:
-        return StackShape(self.brokers, self.redis_cluster)
+        return StackShape(self.brokers, self.redis_cluster, self.secure)
 
     def with_shape(self, shape: StackShape) -> StackConfig:
-        return dataclasses.replace(self, brokers=shape.brokers, redis_cluster=shape.redis_cluster)
+        return dataclasses.replace(
+            self, brokers=shape.brokers, redis_cluster=shape.redis_cluster, secure=shape.secure
+        )
+
+    @property
+    def secure_dir(self) -> Path:
+        """The secured stack's CA, certificates and generated passwords (mode 0700)."""
+        return self.state_dir / "secure"
 
     # -- Kafka -----------------------------------------------------------------------
 
@@ -211,14 +244,17 @@ class StackConfig:
 
     @property
     def kafka_cluster_dir(self) -> Path:
-        """Where this broker count keeps its cluster id and nodes (each count its own)."""
+        """Where this broker count keeps its cluster id and nodes (each count its own; the
+        secured broker its own too: its storage holds the SCRAM users)."""
+        if self.secure:
+            return self.kafka_dir / "secure"
         if self.brokers == 1:
             return self.kafka_dir
         return self.kafka_dir / f"brokers-{self.brokers}"
 
     def kafka_node_dir(self, node: KafkaNode) -> Path:
         if self.brokers == 1:
-            return self.kafka_dir
+            return self.kafka_cluster_dir
         return self.kafka_cluster_dir / f"node-{node.node_id}"
 
     def controller_quorum_voters(self) -> str:
@@ -236,7 +272,7 @@ class StackConfig:
 
     @property
     def redis_dir(self) -> Path:
-        return self.state_dir / "redis"
+        return self.state_dir / ("redis-secure" if self.secure else "redis")
 
     @property
     def redis_cluster_dir(self) -> Path:
@@ -248,7 +284,8 @@ class StackConfig:
 
     def local_redis_url(self) -> str:
         """The (first) Redis: in cluster mode a client finds the other masters from it."""
-        return f"redis://{self.host}:{self.redis_port}/0"
+        scheme = "rediss" if self.secure else "redis"  # TLS; the user and password: `stack env`
+        return f"{scheme}://{self.host}:{self.redis_port}/0"
 
     # -- every port ------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ import uuid
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
+from streamtally.connection import KafkaConnection
 from streamtally.errors import StackError
 from streamtally.ops.stack import (
     Say,
@@ -33,6 +34,7 @@ from streamtally.ops.stack import (
     port_open,
     process_status,
     remove_pid_file,
+    secure,
     spawn_detached,
     stop_services,
     tail,
@@ -136,25 +138,44 @@ def _java_argv(java: str, kh: KafkaHome, np: NodePaths, main: str, *args: str) -
     ]  # fmt: skip
 
 
-def _format_one(java: str, kh: KafkaHome, np: NodePaths, cid: str) -> None:
+def _scram_users(cfg: StackConfig) -> list[str]:
+    """``--add-scram`` arguments creating the secured broker's SCRAM users (none otherwise)."""
+    if not cfg.secure:
+        return []
+    credentials = secure.load_credentials(cfg)
+    users = (
+        (secure.KAFKA_ADMIN_USER, credentials.kafka_admin),
+        (secure.KAFKA_CLIENT_USER, credentials.kafka_client),
+    )
+    arguments = []
+    for name, password in users:
+        arguments += ["--add-scram", f"{secure.SCRAM_MECHANISM}=[name={name},password={password}]"]
+    return arguments
+
+
+def _format_one(cfg: StackConfig, java: str, kh: KafkaHome, np: NodePaths, cid: str) -> None:
     np.data_dir.mkdir(parents=True, exist_ok=True)
     argv = _java_argv(
         java, kh, np, STORAGE_TOOL,
         "format", "--cluster-id", cid, "--config", str(np.server_properties),
-        "--ignore-formatted",
+        "--ignore-formatted", *_scram_users(cfg),
     )  # fmt: skip
     result = subprocess.run(
         argv, capture_output=True, text=True, check=False, timeout=_FORMAT_TIMEOUT_S
     )
     if result.returncode != 0:
         output = (result.stdout + result.stderr).strip()
+        if cfg.secure:  # the tool may quote its arguments
+            output = secure.scrubbed(output, secure.load_credentials(cfg))
         raise StackError(
             f"formatting {np.name} storage failed (exit {result.returncode}):\n{indent(output)}\n"
             f"If {np.data_dir} is from another cluster, `streamtally stack down --wipe` resets it."
         )
 
 
-def format_storage(java: str, kh: KafkaHome, nodes: Sequence[NodePaths], say: Say) -> None:
+def format_storage(
+    cfg: StackConfig, java: str, kh: KafkaHome, nodes: Sequence[NodePaths], say: Say
+) -> None:
     """``StorageTool format`` of the nodes not formatted yet (at once); others are left alone."""
     cid = cluster_id(nodes)
     todo = [np for np in nodes if _formatted_cluster_id(np) is None]
@@ -162,10 +183,11 @@ def format_storage(java: str, kh: KafkaHome, nodes: Sequence[NodePaths], say: Sa
         say(f"kafka: storage already formatted (cluster id {cid})")
         return
     where = ", ".join(str(np.data_dir) for np in todo)
-    say(f"kafka: formatting storage in {where} (cluster id {cid}) ...")
+    users = " with its SCRAM users" if cfg.secure else ""
+    say(f"kafka: formatting storage in {where} (cluster id {cid}){users} ...")
     start = time.monotonic()
     with ThreadPoolExecutor(max_workers=len(todo)) as pool:
-        for future in [pool.submit(_format_one, java, kh, np, cid) for np in todo]:
+        for future in [pool.submit(_format_one, cfg, java, kh, np, cid) for np in todo]:
             future.result()
     say(f"kafka: formatted in {time.monotonic() - start:.1f} s")
 
@@ -173,10 +195,12 @@ def format_storage(java: str, kh: KafkaHome, nodes: Sequence[NodePaths], say: Sa
 # --------------------------------------------------------------------------- readiness
 
 
-async def _probe_async(bootstrap: str, timeout: float) -> int:
+async def _probe_async(bootstrap: KafkaConnection | str, timeout: float) -> int:
     from aiokafka import AIOKafkaClient  # heavy import, only needed here
 
-    client = AIOKafkaClient(bootstrap_servers=bootstrap, request_timeout_ms=int(timeout * 1000))
+    from streamtally.wire.connection import client_options
+
+    client = AIOKafkaClient(**client_options(bootstrap), request_timeout_ms=int(timeout * 1000))
     try:
         await asyncio.wait_for(client.bootstrap(), timeout)
         return len(client.cluster.brokers())
@@ -184,7 +208,7 @@ async def _probe_async(bootstrap: str, timeout: float) -> int:
         await client.close()
 
 
-def broker_count(bootstrap: str, timeout: float = PROBE_TIMEOUT_S) -> int:
+def broker_count(bootstrap: KafkaConnection | str, timeout: float = PROBE_TIMEOUT_S) -> int:
     """The brokers a metadata request to ``bootstrap`` lists (0: no answer)."""
     from aiokafka.errors import KafkaError
 
@@ -199,7 +223,7 @@ def broker_count(bootstrap: str, timeout: float = PROBE_TIMEOUT_S) -> int:
         aiokafka_log.setLevel(previous)
 
 
-def broker_answers(bootstrap: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
+def broker_answers(bootstrap: KafkaConnection | str, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """True if a metadata request to ``bootstrap`` lists at least one broker."""
     return broker_count(bootstrap, timeout) > 0
 
@@ -229,6 +253,14 @@ def wait_ready(
     """
     pending = list(nodes)
 
+    def probe(np: NodePaths) -> KafkaConnection:
+        """How the stack itself asks node `np` (the client user on the secured broker)."""
+        address = f"{cfg.host}:{np.node.port}"
+        if not cfg.secure:
+            return KafkaConnection(address)
+        conn = secure.client_connection(cfg, secure.load_credentials(cfg))
+        return dataclasses.replace(conn, servers=address)
+
     def answers() -> bool:
         for np, proc in started:
             if proc.poll() is not None:
@@ -241,10 +273,7 @@ def wait_ready(
         pending[:] = [
             np
             for np in pending
-            if not (
-                port_open(cfg.host, np.node.port)
-                and broker_count(f"{cfg.host}:{np.node.port}") >= cfg.brokers
-            )
+            if not (port_open(cfg.host, np.node.port) and broker_count(probe(np)) >= cfg.brokers)
         ]
         return not pending
 
@@ -289,7 +318,7 @@ def _refuse_other_counts(cfg: StackConfig) -> None:
         if count == cfg.brokers:
             continue
         try:
-            other = dataclasses.replace(cfg, brokers=count)
+            other = dataclasses.replace(cfg, brokers=count, secure=False)
         except StackError:  # ports this count cannot have: it cannot run with them
             continue
         running = [st for st in statuses(other) if st.running]
@@ -301,6 +330,23 @@ def _refuse_other_counts(cfg: StackConfig) -> None:
                 f"keeps its own topics, under {other.kafka_cluster_dir} and "
                 f"{cfg.kafka_cluster_dir})"
             )
+    _refuse_other_security(cfg)
+
+
+def _refuse_other_security(cfg: StackConfig) -> None:
+    """A `StackError` if the single broker runs secured while a plaintext one is wanted, or
+    the other way round (each keeps its own storage: the secured one holds SCRAM users)."""
+    try:
+        other = dataclasses.replace(cfg, brokers=1, redis_cluster=False, secure=not cfg.secure)
+    except StackError:
+        return
+    running = [st for st in statuses(other) if st.running]
+    if running:
+        now, wanted = ("secured", "") if other.secure else ("plaintext", " --secure")
+        raise StackError(
+            f"kafka runs {now} (pid {running[0].pid}): stop it with `streamtally stack down`, "
+            f"then `streamtally stack up{wanted}`"
+        )
 
 
 def _check_ports_free(cfg: StackConfig, nodes: Sequence[NodePaths]) -> None:
@@ -324,7 +370,7 @@ def _address(cfg: StackConfig, np: NodePaths) -> str:
 def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
     """Start the nodes that do not run; return once every node answers metadata requests."""
     _refuse_other_counts(cfg)
-    record_shape(cfg.state_dir, brokers=cfg.brokers)
+    record_shape(cfg.state_dir, brokers=cfg.brokers, secure=cfg.secure)
     nodes = paths(cfg)
     missing = [
         np for np in nodes if not already_running(np.name, _status(np), _address(cfg, np), say)
@@ -336,9 +382,11 @@ def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
     kh = home(cfg)
     resolve_jars(kh, say)
     _check_ports_free(cfg, missing)
+    if cfg.secure:
+        secure.ensure_material(cfg, say)
     for np in nodes:
         write_configs(cfg, np)
-    format_storage(java, kh, nodes, say)
+    format_storage(cfg, java, kh, nodes, say)
     started = []
     for np in missing:
         controller = "" if cfg.brokers == 1 else f" (controller {np.node.controller_port})"
@@ -369,8 +417,15 @@ def down(cfg: StackConfig, say: Say, timeout: float = STOP_TIMEOUT_S) -> None:
 
 def wipe(cfg: StackConfig, say: Say) -> None:
     """Remove the topics, metadata, cluster ids and logs of every broker count; keep the jars."""
-    np = paths(dataclasses.replace(cfg, brokers=1))[0]
-    for target in (np.data_dir, np.logs_dir, np.config_dir, *cfg.kafka_dir.glob("brokers-*")):
+    np = paths(dataclasses.replace(cfg, brokers=1, secure=False))[0]
+    secured = cfg.kafka_dir / "secure"
+    for target in (
+        np.data_dir,
+        np.logs_dir,
+        np.config_dir,
+        secured,
+        *cfg.kafka_dir.glob("brokers-*"),
+    ):
         if target.exists():
             shutil.rmtree(target)
     np.cluster_id_file.unlink(missing_ok=True)

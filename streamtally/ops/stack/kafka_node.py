@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Final
 from xml.sax.saxutils import escape
 
+from streamtally.ops.stack import secure
 from streamtally.ops.stack.config import KafkaNode, StackConfig
 from streamtally.topics import min_insync_for, replication_factor_for
 
@@ -136,11 +137,43 @@ def server_properties(cfg: StackConfig, np: NodePaths) -> str:
     }
     if replication > 1:  # topics created without a replication factor (other tools)
         settings["default.replication.factor"] = str(replication)
+    if cfg.secure:
+        settings.update(_secure_listener(cfg, np))
     body = "\n".join(f"{key}={value}" for key, value in settings.items())
     return (
         "# Written by `streamtally stack up` on every start; edit "
         f"streamtally/ops/stack/kafka_node.py.\n{body}\n"
     )
+
+
+def _secure_listener(cfg: StackConfig, np: NodePaths) -> dict[str, str]:
+    """The broker's listener as SASL_SSL with SCRAM-SHA-512 (the controller's stays
+    plaintext on the loopback address): TLS from the local CA's certificate, and the
+    broker's own SCRAM user for its connections to itself."""
+    sf = secure.files(cfg)
+    credentials = secure.load_credentials(cfg)
+    host, node = cfg.host, np.node
+    mechanism = secure.SCRAM_MECHANISM
+    jaas = (
+        "org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f'username="{secure.KAFKA_ADMIN_USER}" password="{credentials.kafka_admin}";'
+    )
+    return {
+        "listeners": f"SASL_SSL://{host}:{node.port},CONTROLLER://{host}:{node.controller_port}",
+        "advertised.listeners": f"SASL_SSL://{host}:{node.port}",
+        "inter.broker.listener.name": "SASL_SSL",
+        "listener.security.protocol.map": "CONTROLLER:PLAINTEXT,SASL_SSL:SASL_SSL",
+        "sasl.enabled.mechanisms": mechanism,
+        "sasl.mechanism.inter.broker.protocol": mechanism,
+        f"listener.name.sasl_ssl.{mechanism.lower()}.sasl.jaas.config": jaas,
+        "ssl.keystore.type": "PKCS12",
+        "ssl.keystore.location": str(sf.keystore),
+        "ssl.keystore.password": credentials.keystore,
+        "ssl.key.password": credentials.keystore,
+        "ssl.truststore.type": "PEM",
+        "ssl.truststore.location": str(sf.ca_cert),
+        "ssl.client.auth": "none",
+    }
 
 
 _LOG4J2_XML = """\
@@ -198,5 +231,8 @@ def log4j2_xml(np: NodePaths) -> str:
 def write_configs(cfg: StackConfig, np: NodePaths) -> None:
     np.config_dir.mkdir(parents=True, exist_ok=True)
     np.logs_dir.mkdir(parents=True, exist_ok=True)
+    # Mode 0600: the secured broker's holds its keystore's and its SCRAM user's passwords.
+    np.server_properties.touch(mode=0o600)
+    np.server_properties.chmod(0o600)
     np.server_properties.write_text(server_properties(cfg, np), encoding="utf-8")
     np.log4j_config.write_text(log4j2_xml(np), encoding="utf-8")

@@ -14,6 +14,7 @@ Layout under ``<state>/redis``::
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import signal
@@ -21,6 +22,7 @@ import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from streamtally.errors import StackError
 from streamtally.ops.stack import (
@@ -32,12 +34,14 @@ from streamtally.ops.stack import (
     port_in_use_error,
     process_status,
     read_pid,
+    secure,
     spawn_detached,
     stop_services,
     tail,
     wait_answering,
 )
 from streamtally.ops.stack.config import StackConfig, record_shape
+from streamtally.store.acl import worker_acl_rule
 
 REDIS_SERVER = "redis-server"
 DEBIAN_PACKAGE = "redis-server"
@@ -175,18 +179,42 @@ def server_conf(host: str, port: int, rp: RedisPaths, *extra: str) -> str:
 
 
 def redis_conf(cfg: StackConfig, rp: RedisPaths) -> str:
-    return server_conf(cfg.host, cfg.redis_port, rp)
+    if not cfg.secure:
+        return server_conf(cfg.host, cfg.redis_port, rp)
+    return server_conf(cfg.host, 0, rp, *_secure_lines(cfg))
+
+
+def _secure_lines(cfg: StackConfig) -> list[str]:
+    """TLS only, on the stack's Redis port (``port 0``: no plaintext port); the default user
+    off; the worker's ACL user (`streamtally.store.acl`) and an administrator."""
+    sf = secure.files(cfg)
+    credentials = secure.load_credentials(cfg)
+    return [
+        f"tls-port {cfg.redis_port}",
+        f"tls-cert-file {_quote(sf.server_cert)}",
+        f"tls-key-file {_quote(sf.server_key)}",
+        f"tls-ca-cert-file {_quote(sf.ca_cert)}",
+        "tls-auth-clients no",
+        "user default off",
+        f"user {secure.REDIS_CLIENT_USER} on >{credentials.redis_client} {worker_acl_rule()}",
+        f"user {secure.REDIS_ADMIN_USER} on >{credentials.redis_admin} ~* &* +@all",
+    ]
 
 
 # --------------------------------------------------------------------------- readiness
 
 
-def answers(host: str, port: int) -> bool:
-    """True if a redis-server on ``host:port`` answers PING (not while it loads its data)."""
+def answers(host: str, port: int, **tls_and_user: Any) -> bool:
+    """True if a redis-server on ``host:port`` answers PING (not while it loads its data).
+
+    `tls_and_user`: more arguments of ``redis.Redis`` (TLS, user and password).
+    """
     import redis
     import redis.exceptions
 
-    client = redis.Redis(host=host, port=port, socket_timeout=1.0, socket_connect_timeout=1.0)
+    client = redis.Redis(
+        host=host, port=port, socket_timeout=1.0, socket_connect_timeout=1.0, **tls_and_user
+    )
     try:
         return bool(client.ping())
     except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
@@ -196,7 +224,16 @@ def answers(host: str, port: int) -> bool:
 
 
 def redis_answers(cfg: StackConfig) -> bool:
-    return answers(cfg.host, cfg.redis_port)
+    if not cfg.secure:
+        return answers(cfg.host, cfg.redis_port)
+    return answers(
+        cfg.host,
+        cfg.redis_port,
+        ssl=True,
+        ssl_ca_certs=str(secure.files(cfg).ca_cert),
+        username=secure.REDIS_CLIENT_USER,
+        password=secure.load_credentials(cfg).redis_client,
+    )
 
 
 def _startup_failure(rp: RedisPaths, what: str) -> StackError:
@@ -272,6 +309,20 @@ def _refuse_cluster(cfg: StackConfig) -> None:
         )
 
 
+def _refuse_other_security(cfg: StackConfig) -> None:
+    try:
+        other = dataclasses.replace(cfg, brokers=1, secure=not cfg.secure)
+    except StackError:
+        return
+    current = _single_status(other)
+    if current.running:
+        now, wanted = ("secured", "") if other.secure else ("plaintext", " --secure")
+        raise StackError(
+            f"redis runs {now} (pid {current.pid}): stop it with `streamtally stack down`, "
+            f"then `streamtally stack up{wanted}`"
+        )
+
+
 def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
     """Start redis-server (or the cluster) unless it runs already; return once it answers."""
     if cfg.redis_cluster:
@@ -280,6 +331,7 @@ def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
         redis_cluster.up(cfg, say, timeout)
         return
     _refuse_cluster(cfg)
+    _refuse_other_security(cfg)
     record_shape(cfg.state_dir, redis_cluster=False)
     rp = paths(cfg)
     if already_running("redis", _single_status(cfg), cfg.local_redis_url(), say):
@@ -288,6 +340,11 @@ def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
     server = find_redis_server(say)
     free_port(cfg.host, cfg.redis_port, say)
     rp.data_dir.mkdir(parents=True, exist_ok=True)
+    if cfg.secure:
+        secure.ensure_material(cfg, say)
+    # Mode 0600: the secured Redis's holds its users' passwords.
+    rp.conf.touch(mode=0o600)
+    rp.conf.chmod(0o600)
     rp.conf.write_text(redis_conf(cfg, rp), encoding="utf-8")
     say(f"redis: starting {server} on {cfg.host}:{cfg.redis_port} ...")
     proc = spawn_detached(
@@ -302,8 +359,13 @@ def down(cfg: StackConfig, say: Say, timeout: float = STOP_TIMEOUT_S) -> None:
 
 
 def wipe(cfg: StackConfig, say: Say) -> None:
-    """Remove the data and logs of the one server and of the Redis Cluster."""
-    rp = paths(cfg)
+    """Remove the data and logs of the one server (plaintext and secured) and of the Redis
+    Cluster."""
+    secured = dataclasses.replace(cfg, brokers=1, redis_cluster=False, secure=True).redis_dir
+    if secured.exists():
+        shutil.rmtree(secured)
+        say(f"redis: wiped the secured Redis under {secured}")
+    rp = paths(dataclasses.replace(cfg, secure=False))
     if rp.data_dir.exists():
         shutil.rmtree(rp.data_dir)
     for leftover in (rp.log_file, rp.out_log, rp.conf):
