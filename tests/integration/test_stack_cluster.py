@@ -168,7 +168,15 @@ async def test_the_project_topics_get_three_copies(cluster: StackConfig) -> None
     await admin.start()
     try:
         assert len((await admin.describe_cluster())["brokers"]) == 3
-        described = await admin.describe_topics([t.name for t in topics.all])
+        # A created topic reaches every broker's metadata a moment later (until then the
+        # broker asked answers UNKNOWN_TOPIC_OR_PARTITION, error code 3).
+        deadline = time.monotonic() + 30
+        while True:
+            described = await admin.describe_topics([t.name for t in topics.all])
+            if all(t["error_code"] == 0 and t["partitions"] for t in described):
+                break
+            assert time.monotonic() < deadline, described
+            await asyncio.sleep(0.2)
     finally:
         await admin.close()
     for topic in described:
