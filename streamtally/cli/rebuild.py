@@ -120,7 +120,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             servers,
             tokens_topic=topics.tokens.name,
             billing_topic=topics.billing.name,
-            corrections_topic=topics.corrections,
+            corrections_topic=topics.corrections.name,
         )
     )
     plan = rebuild.join(inputs.tokens, inputs.billing)

@@ -205,6 +205,7 @@ async def read_topic(
     start: Mapping[int, int] | None = None,
     end: Mapping[int, int] | None = None,
     missing_hint: str = _MISSING_HINT,
+    missing_ok: bool = False,
     stall_timeout: float = STALL_TIMEOUT_S,
 ) -> AsyncGenerator[TopicRecord, None]:
     """Every record of `topic`, from its beginning to its end offsets at the time of the call.
@@ -225,7 +226,8 @@ async def read_topic(
 
     Raises `StackError` when Kafka cannot be reached (with the
     `streamtally stack up` hint), the topic does not exist (with
-    `missing_hint`), a read fails, or no partition moves for
+    `missing_hint`; with `missing_ok` a missing topic is read as empty: one of before
+    it was declared), a read fails, or no partition moves for
     `stall_timeout` seconds before its end.
     """
     from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -257,6 +259,8 @@ async def read_topic(
         cluster = await consumer._client.fetch_all_metadata()
         partitions = cluster.partitions_for_topic(topic)
         if not partitions:
+            if missing_ok:
+                return
             raise StackError(f"topic {topic} does not exist on {servers}: {missing_hint}")
         tps = [TopicPartition(topic, p) for p in sorted(partitions)]
         consumer.assign(tps)
@@ -320,15 +324,21 @@ async def read_decoded(
     decode: Callable[[bytes], _T],
     bad: list[tuple[int, int, str]],
     *,
+    start: Mapping[int, int] | None = None,
+    end: Mapping[int, int] | None = None,
     missing_hint: str = _MISSING_HINT,
+    missing_ok: bool = False,
 ) -> AsyncGenerator[_T, None]:
-    """`read_topic`, each value decoded with `decode`; what does not decode goes to `bad`.
+    """`read_topic` (the same `start`, `end`, `missing_hint`, `missing_ok`), each value
+    decoded with `decode`; what does not decode goes to `bad`.
 
     A tombstone (no value) or a value `decode` refuses with `AvroDecodeError`
     is appended to `bad` as `(partition, offset, reason)` and skipped.  Close
     it when stopping early, as `read_topic`.
     """
-    reading = read_topic(kafka, topic, missing_hint=missing_hint)
+    reading = read_topic(
+        kafka, topic, start=start, end=end, missing_hint=missing_hint, missing_ok=missing_ok
+    )
     async with contextlib.aclosing(reading) as records:
         async for record in records:
             if record.value is None:

@@ -225,3 +225,27 @@ async def test_read_decoded_passes_the_missing_hint(consumer: type[FakeConsumer]
     reading = read_decoded("fake:9092", "other", _decode, [], missing_hint="billed nothing")
     with pytest.raises(StackError, match="does not exist on fake:9092: billed nothing"):
         await _drain(reading)
+
+
+async def _collect(reading: AsyncGenerator[Any, None]) -> list[Any]:
+    async with contextlib.aclosing(reading) as items:
+        return [item async for item in items]
+
+
+async def test_a_missing_topic_read_with_missing_ok_is_empty(
+    consumer: type[FakeConsumer],
+) -> None:
+    """What the rebuild reads the corrections topic with: a deployment of before it has none."""
+    del consumer
+    assert await _collect(read_topic("fake:9092", "other", missing_ok=True)) == []
+    bad: list[tuple[int, int, str]] = []
+    reading = read_decoded("fake:9092", "other", _decode, bad, missing_ok=True)
+    assert await _collect(reading) == []
+    assert bad == []
+
+
+async def test_read_decoded_reads_the_given_range(consumer: type[FakeConsumer]) -> None:
+    consumer.logs = {0: [b"a0", b"a1", b"a2", b"a3"]}
+    bad: list[tuple[int, int, str]] = []
+    reading = read_decoded("fake:9092", TOPIC, _decode, bad, start={0: 1}, end={0: 3})
+    assert await _collect(reading) == ["A1", "A2"]

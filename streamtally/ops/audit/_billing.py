@@ -21,14 +21,13 @@ from streamtally.connection import KafkaConnection
 from streamtally.ops.audit._compare import event_digest, event_key, legacy_digest
 from streamtally.wire.avro import (
     AvroDecodeError,
-    decode_billing_correction,
     decode_billing_event,
 )
 from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import BillingEvent
 
-__all__ = ["BillingIndex", "Entry", "find_events", "index_billing", "read_corrections"]
+__all__ = ["BillingIndex", "Entry", "find_events", "index_billing"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,29 +94,6 @@ def _decoded(value: bytes | None) -> BillingEvent | str:
         return decode_billing_event(value)
     except AvroDecodeError as exc:
         return str(exc)
-
-
-async def read_corrections(
-    servers: KafkaConnection | str, topic: str, ranges: Mapping[int, tuple[int, int]]
-) -> tuple[CorrectionLog, list[tuple[int, int, str]]]:
-    """The corrections of `ranges`, in topic order; and (partition, offset, reason) of those
-    that did not decode."""
-    log = CorrectionLog()
-    bad: list[tuple[int, int, str]] = []
-    if not any(end > start for start, end in ranges.values()):
-        return log, bad
-    start = {p: r[0] for p, r in ranges.items()}
-    end = {p: r[1] for p, r in ranges.items()}
-    async with contextlib.aclosing(read_topic(servers, topic, start=start, end=end)) as records:
-        async for record in records:
-            if record.value is None:
-                bad.append((record.partition, record.offset, "no value (tombstone)"))
-                continue
-            try:
-                log.add(decode_billing_correction(record.value))
-            except AvroDecodeError as exc:
-                bad.append((record.partition, record.offset, str(exc)))
-    return log, bad
 
 
 async def index_billing(

@@ -18,12 +18,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import utc_now
 from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
-from streamtally.ops.audit._billing import (
-    BillingIndex,
-    find_events,
-    index_billing,
-    read_corrections,
-)
+from streamtally.ops.audit._billing import BillingIndex, find_events, index_billing
 from streamtally.ops.audit._corrections import Corrected, apply_plan, audit_id, plan_corrections
 from streamtally.ops.audit._ledger import Ledger, Scope
 from streamtally.ops.audit._range import TimeRange
@@ -31,10 +26,12 @@ from streamtally.ops.audit._replay import Replay
 from streamtally.ops.audit._report import Report
 from streamtally.ops.audit._rerate import Rerating
 from streamtally.ops.audit._snapshot import Snapshot, take_snapshot
+from streamtally.ops.corrections import read_corrections
 from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
+from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import TopicRecord, read_topic
 from streamtally.wire.tenant_keys import TenantTrust
 
@@ -113,9 +110,16 @@ async def run_audit(
         request_timeout=settings.request_timeout,
         between=read_rows,
     )
-    corrections, bad_corrections = await read_corrections(
-        servers, snapshot.corrections_topic, snapshot.corrections
-    )
+    bad_corrections: list[tuple[int, int, str]] = []
+    corrections = CorrectionLog()
+    if any(end > start for start, end in snapshot.corrections.values()):
+        corrections = await read_corrections(
+            servers,
+            snapshot.corrections_topic,
+            bad_corrections,
+            start={p: r[0] for p, r in snapshot.corrections.items()},
+            end={p: r[1] for p, r in snapshot.corrections.items()},
+        )
     scope = Scope(snapshot.window, options.tenants)
     meter = _Meter(snapshot.raw_records() + snapshot.billing_records(), progress)
     index = BillingIndex()

@@ -16,16 +16,12 @@ from dataclasses import dataclass, field
 from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
+from streamtally.ops.corrections import read_corrections
 from streamtally.ops.rebuild._records import Skipped, SkipReason, TokensRecord
-from streamtally.topics import Topic, decode_key
-from streamtally.wire.avro import (
-    AvroDecodeError,
-    decode_billing_correction,
-    decode_billing_event,
-    decode_tokens,
-)
+from streamtally.topics import decode_key
+from streamtally.wire.avro import AvroDecodeError, decode_billing_event, decode_tokens
 from streamtally.wire.corrections import CorrectionLog
-from streamtally.wire.kafka import ensure_topics, read_topic
+from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import BillingEvent
 
 
@@ -52,7 +48,7 @@ async def read_inputs(
     *,
     tokens_topic: str,
     billing_topic: str,
-    corrections_topic: Topic | None = None,
+    corrections_topic: str | None = None,
 ) -> Inputs:
     """Both topics from their beginning to their current end (`streamtally.wire.kafka.read_topic`).
 
@@ -62,9 +58,14 @@ async def read_inputs(
     """
     inputs = Inputs()
     corrections = CorrectionLog()
-    if corrections_topic is not None:
-        await ensure_topics(servers, (corrections_topic,))  # a deployment of before it has none
-        await _read_corrections(servers, corrections_topic.name, corrections, inputs)
+    if corrections_topic is not None:  # a deployment of before it has none: no correction
+        bad: list[tuple[int, int, str]] = []
+        corrections = await read_corrections(servers, corrections_topic, bad, missing_ok=True)
+        inputs.corrections = corrections.records
+        inputs.bad.extend(
+            Skipped(None, SkipReason.UNDECODABLE, f"{_where(corrections_topic, p, o)}: {why}")
+            for p, o, why in bad
+        )
     async with contextlib.aclosing(read_topic(servers, tokens_topic)) as records:
         async for record in records:
             where = _where(record.topic, record.partition, record.offset)
@@ -99,21 +100,6 @@ async def read_inputs(
                 inputs.billing.append(event)
     inputs.billing.extend(corrections.standing())
     return inputs
-
-
-async def _read_corrections(
-    servers: KafkaConnection | str, topic: str, log: CorrectionLog, inputs: Inputs
-) -> None:
-    async with contextlib.aclosing(read_topic(servers, topic)) as records:
-        async for record in records:
-            where = _where(record.topic, record.partition, record.offset)
-            try:
-                if record.value is None:
-                    raise AvroDecodeError("no value (tombstone)")
-                log.add(decode_billing_correction(record.value))
-            except AvroDecodeError as exc:
-                inputs.bad.append(Skipped(None, SkipReason.UNDECODABLE, f"{where}: {exc}"))
-    inputs.corrections = log.records
 
 
 def _bad_billing(key: bytes | None, detail: str) -> Skipped:
