@@ -196,8 +196,8 @@ class RawEngineOutput:
             raise ValueError("an END marker carries no payload")
         if self.kind is EventKind.EVENT and self.payload is None:
             raise ValueError("an EVENT needs a payload")
-        if self.cancelled is not False and (
-            self.cancelled is not True or self.kind is not EventKind.END
+        if not isinstance(self.cancelled, bool) or (
+            self.cancelled and self.kind is not EventKind.END
         ):
             raise ValueError("only an END marker can be cancelled (a bool)")
 

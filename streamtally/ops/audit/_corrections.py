@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
@@ -89,7 +89,6 @@ class Corrected:
     #: Row differences found applied already (a run over the same snapshot, again).
     rows_applied_before: int = 0
     audit_id: str = ""
-    ids: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -253,7 +252,6 @@ async def apply_plan(
         finally:
             await producer.stop()
         done.written = len(plan.corrections)
-        done.ids = [c.correction_id for c in plan.corrections]
     for fix in plan.row_fixes:
         if await store.correct_row(fix.day_tenant_model, fix.differences, fix.fix_id):
             done.rows_fixed += 1
