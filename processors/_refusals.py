@@ -2,7 +2,7 @@
 
 A message is refused before it reaches a request when it does not decode,
 its key is not its request id, or (with a trust file) its signed tenant claim
-does not hold (`_read`), or when it would open a request
+does not hold (`_examine`, then `take`), or when it would open a request
 beyond the limits (`_refused_by_limits`); whatever is refused, here or later,
 is dead-lettered with its reason by `_dead`.  What the edge refuses and the
 limits themselves are in `processors.limits`.
@@ -11,7 +11,9 @@ limits themselves are in `processors.limits`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import cast
 
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
@@ -21,6 +23,16 @@ from streamtally.processors.limits import PERMANENT_ERRORS, TOMBSTONE, refused_a
 from streamtally.processors.outputs import Outputs, Position
 from streamtally.wire.records import DeadLetter
 from streamtally.wire.tenant_keys import TenantTrust, UntrustedRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why a message is refused before it reaches a request (it is dead-lettered)."""
+
+    reason: Exception
+    #: The record's source and request id, when it decoded.
+    source: str | None = None
+    request_id: str | None = None
 
 
 class _Refusals(_ProcessorState):
@@ -45,40 +57,30 @@ class _Refusals(_ProcessorState):
             )
         return None
 
-    def _read(
+    def _examine(
         self,
         decode: Callable[[bytes], RawRecord],
         key: bytes | None,
         value: bytes | None,
-        position: Position,
-        out: Outputs,
-        *,
-        headers: Sequence[tuple[str, bytes]] = (),
-    ) -> _Raw | None:
-        self.counters.received += 1
+        headers: Sequence[tuple[str, bytes]],
+    ) -> RawRecord | Refused:
+        """The record a message holds, or why it is refused: decoded and checked at the edge.
+
+        Pure (it reads only the trust file): the worker examines a batch ahead of applying
+        it, while the batch before is being written.
+        """
         refused = refused_at_the_edge(key, value)
         if refused is not None or value is None:  # dead-lettered, so the counts reconcile
-            self._refuse(out, refused or TOMBSTONE, key, value or b"", position)
-            return None
+            return Refused(refused or TOMBSTONE)
         try:
             record = decode(value)
         except PERMANENT_ERRORS as exc:
-            self._refuse(out, exc, key, value, position)
-            return None
+            return Refused(exc)
         if key != record.request_id.encode():
             reason = InputError(
                 f"message key {key!r} is not the record's request id {record.request_id!r}"
             )
-            self._refuse(
-                out,
-                reason,
-                key,
-                value,
-                position,
-                source=record.source.value,
-                request_id=record.request_id,
-            )
-            return None
+            return Refused(reason, record.source.value, record.request_id)
         trust = self.trust
         if trust is not None:
             untrusted = trust.refusal(
@@ -89,17 +91,35 @@ class _Refusals(_ProcessorState):
                 value=value,
             )
             if untrusted is not None:
-                self._refuse(
-                    out,
-                    untrusted,
-                    key,
-                    value,
-                    position,
-                    source=record.source.value,
-                    request_id=record.request_id,
-                )
-                return None
-        return _Raw(record, position, key, value, RequestRef(record.tenant, record.request_id))
+                return Refused(untrusted, record.source.value, record.request_id)
+        return record
+
+    def take(
+        self,
+        examined: RawRecord | Refused,
+        key: bytes | None,
+        value: bytes | None,
+        position: Position,
+        out: Outputs,
+    ) -> _Raw | None:
+        """Count a message in: its record, or None when it was refused (dead-lettered into
+        `out`).  `examined` is what `examine_sse` or `examine_engine` made of it."""
+        self.counters.received += 1
+        if type(examined) is Refused:
+            self._refuse(
+                out,
+                examined.reason,
+                key,
+                value or b"",
+                position,
+                source=examined.source,
+                request_id=examined.request_id,
+            )
+            return None
+        record = cast(RawRecord, examined)
+        return _Raw(
+            record, position, key, value or b"", RequestRef(record.tenant, record.request_id)
+        )
 
     def _refuse(
         self,

@@ -36,7 +36,14 @@ from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.content import content_policy
 from streamtally.processors.metrics import WorkerMetrics, serve
-from streamtally.processors.requests import Limits, Outputs, Position, RequestProcessor
+from streamtally.processors.requests import (
+    Limits,
+    Outputs,
+    Position,
+    RawRecord,
+    Refused,
+    RequestProcessor,
+)
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, RawMessage, RawSource, Revocations
 from streamtally.settings import Settings
@@ -46,7 +53,21 @@ from streamtally.wire.tenant_keys import TenantTrust
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Pipeline", "create_app"]
+__all__ = ["ExaminedBatch", "Pipeline", "create_app"]
+
+
+@dataclass(frozen=True, slots=True)
+class ExaminedBatch:
+    """A fetched batch with each message decoded and checked at the edge (`examined[i]` is
+    what `RequestProcessor.examine_sse` or `examine_engine` made of `messages[i]`).
+
+    Examining changes no state, so the raw-topic task does it for the next batch while
+    the agent waits for the writes of the one before; the agent then only takes the
+    records in, in order, and applies them.
+    """
+
+    fetched: FetchedBatch
+    examined: list[RawRecord | Refused]
 
 
 @dataclass(slots=True)
@@ -200,7 +221,21 @@ def create_app(
 
     tps: dict[tuple[str, int], TopicPartition] = {}
     sse_topic = topics.raw_sse.name
-    read_sse, read_engine = processor.read_sse, processor.read_engine
+    examine_sse, examine_engine, take = (
+        processor.examine_sse,
+        processor.examine_engine,
+        processor.take,
+    )
+
+    def examine_all(messages: Sequence[RawMessage]) -> list[RawRecord | Refused]:
+        return [
+            (examine_sse if m.topic == sse_topic else examine_engine)(m.key, m.value, m.headers)
+            for m in messages
+        ]
+
+    def examine(fetched: FetchedBatch) -> ExaminedBatch:
+        """Decode and check a batch's messages: pure, so done ahead (see `ExaminedBatch`)."""
+        return ExaminedBatch(fetched, examine_all(fetched.messages))
 
     async def process(stream: Any) -> None:
         async for fetched in stream:
@@ -213,36 +248,41 @@ def create_app(
                     raise
                 metrics.batch_seconds.observe(time.perf_counter() - started)
 
-    async def apply(fetched: FetchedBatch | Sequence[RawMessage]) -> None:
-        batch: Sequence[RawMessage]
-        if isinstance(fetched, FetchedBatch):
-            fence, generation = pipeline.revocations, fetched.generation
+    async def apply(fetched: ExaminedBatch | FetchedBatch | Sequence[RawMessage]) -> None:
+        if isinstance(fetched, FetchedBatch):  # agent tests hand fetched batches over
+            fetched = examine(fetched)
+        pairs: Sequence[tuple[RawMessage, RawRecord | Refused]]
+        if isinstance(fetched, ExaminedBatch):
+            fence, generation = pipeline.revocations, fetched.fetched.generation
+            messages = fetched.fetched.messages
             # Records of a partition revoked since the fetch are another worker's now.
-            batch = [
-                m for m in fetched.messages if not fence.stale((m.topic, m.partition), generation)
+            pairs = [
+                (m, examined)
+                for m, examined in zip(messages, fetched.examined, strict=True)
+                if not fence.stale((m.topic, m.partition), generation)
             ]
-            if len(batch) < len(fetched.messages):
+            if len(pairs) < len(messages):
                 log.info(
                     "fenced %d records of partitions revoked since their fetch "
                     "(their next owner reads them from the committed offset)",
-                    len(fetched.messages) - len(batch),
+                    len(messages) - len(pairs),
                 )
         else:  # handed over directly (agent tests): nothing to fence
-            batch = fetched
+            pairs = list(zip(fetched, examine_all(fetched), strict=True))
         outputs = Outputs()
-        # Decoded first: a record's request is (tenant, request id), known only from its body.
+        # A record's request is (tenant, request id), known only from its body.
         raws = [
-            (read_sse if m.topic == sse_topic else read_engine)(
+            take(
+                examined,
                 m.key,
                 m.value,
                 Position(m.topic, m.partition, m.offset, m.timestamp),
                 outputs,
-                m.headers,
             )
-            for m in batch
+            for m, examined in pairs
         ]
         await learn({raw.ref for raw in raws if raw is not None})
-        for m, raw in zip(batch, raws, strict=True):
+        for (m, _), raw in zip(pairs, raws, strict=True):
             ref = None
             if raw is not None:
                 processor.arrive(outputs, raw)
@@ -298,7 +338,9 @@ def create_app(
             # faust holds stream queues until its own consumer gets partitions; it has none.
             app.flow_control.resume()
             async for batch in source.batches():
-                await batches.send(value=batch)
+                # Decoded here, not in the agent: this task runs while the agent waits
+                # for the previous batch's writes, so decoding fills that wait.
+                await batches.send(value=examine(batch))
         finally:
             processor.live = None
             pipeline.source = None

@@ -48,7 +48,8 @@ from streamtally.core.fold import Fold
 from streamtally.core.normalize import Normalizer
 from streamtally.errors import InputError
 from streamtally.processors._closing import _Closing
-from streamtally.processors._records import _Open, _Raw
+from streamtally.processors._records import RawRecord, _Open, _Raw
+from streamtally.processors._refusals import Refused
 from streamtally.processors.clock import input_time
 from streamtally.processors.limits import Limits
 from streamtally.processors.outputs import (
@@ -70,6 +71,8 @@ __all__ = [
     "Limits",
     "Outputs",
     "Position",
+    "RawRecord",
+    "Refused",
     "RequestProcessor",
 ]
 
@@ -82,6 +85,24 @@ class RequestProcessor(_Closing):
     # A message is first `read` (refused at the edge, or decoded: a `_Raw` whose `ref`
     # says which request it belongs to), then, once the agent has asked Redis about
     # the batch's unknown requests, `arrive`d.  `handle_sse` and `handle_engine` do both.
+    # `read` is `examine` (decoding and the edge's checks: pure, so the worker does it
+    # for the next batch while one is being written) and `take` (counting it in).
+
+    def examine_sse(
+        self, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> RawRecord | Refused:
+        """What a message of the raw SSE topic holds, or why it is refused; changes nothing.
+
+        `headers` are the record's Kafka headers (its ``st-auth`` claim, checked when the
+        processor has a `trust` file).
+        """
+        return self._examine(avro.decode_raw_sse_event, key, value, headers)
+
+    def examine_engine(
+        self, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> RawRecord | Refused:
+        """What a message of the raw engine topic holds, or why it is refused."""
+        return self._examine(avro.decode_raw_engine_output, key, value, headers)
 
     def read_sse(
         self,
@@ -91,12 +112,8 @@ class RequestProcessor(_Closing):
         out: Outputs,
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> _Raw | None:
-        """Decode one message of the raw SSE topic; None when it was dead-lettered into `out`.
-
-        `headers` are the record's Kafka headers (its ``st-auth`` claim, checked when the
-        processor has a `trust` file).
-        """
-        return self._read(avro.decode_raw_sse_event, key, value, position, out, headers=headers)
+        """Decode one message of the raw SSE topic; None when it was dead-lettered into `out`."""
+        return self.take(self.examine_sse(key, value, headers), key, value, position, out)
 
     def read_engine(
         self,
@@ -107,7 +124,7 @@ class RequestProcessor(_Closing):
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> _Raw | None:
         """Decode one message of the raw engine topic; None when it was dead-lettered."""
-        return self._read(avro.decode_raw_engine_output, key, value, position, out, headers=headers)
+        return self.take(self.examine_engine(key, value, headers), key, value, position, out)
 
     def handle_sse(
         self,

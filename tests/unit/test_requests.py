@@ -1194,3 +1194,40 @@ def test_dynamo_usage_counted_until_the_engine_reports_it() -> None:
     before.send(s, len(s.records) - 1, len(s.records) - 2)  # END without the report: a gap
     before.expire()
     assert before.only(s.request_id).billing.usage_source is UsageSource.ENGINE_COUNTED
+
+
+# --------------------------------------------------------------------------- examine, then take
+
+
+def test_examining_a_message_changes_nothing_taking_it_counts_it_in() -> None:
+    """The worker examines (decodes, checks) the next batch while one is written: examining
+    must leave the processor as it was; only `take` counts a message and dead-letters it."""
+    processor = RequestProcessor(PRICES, timeout=TIMEOUT)
+    _, records = raw_records(
+        Source.OPENAI,
+        (SAMPLES / "openai/text_usage.sse").read_bytes(),
+        tenant="acme",
+        request_id="ex-1",
+    )
+    messages = [
+        (b"ex-1", records[0]),  # a good record
+        (b"other", records[1]),  # its key is not its request id
+        (b"ex-2", b"\x00not avro"),  # does not decode
+        (b"ex-3", None),  # a tombstone
+    ]
+    examined = [processor.examine_sse(key, value) for key, value in messages]
+    assert processor.counters == RequestProcessor(PRICES, timeout=TIMEOUT).counters
+    assert isinstance(examined[0], RawSseEvent)
+    assert [type(e).__name__ for e in examined[1:]] == ["Refused"] * 3
+    out = Outputs()
+    taken = [
+        processor.take(e, key, value, Position(TOPICS.raw_sse.name, 0, offset), out)
+        for offset, (e, (key, value)) in enumerate(zip(examined, messages, strict=True))
+    ]
+    assert taken[0] is not None
+    assert taken[0].ref == RequestRef("acme", "ex-1")
+    assert taken[1:] == [None, None, None]
+    assert processor.counters.received == 4
+    assert processor.counters.dead_lettered == 3
+    assert [d.offset for d in out.dead_letters] == [1, 2, 3]
+    assert out.dead_letters[0].request_id == "ex-1"  # decoded: named in its dead letter
