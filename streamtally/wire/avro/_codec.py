@@ -6,6 +6,7 @@ typed encoders and decoders are built on them.
 
 from __future__ import annotations
 
+import functools
 import io
 from collections.abc import Callable, Mapping
 from typing import Any, Final
@@ -14,6 +15,7 @@ import fastavro
 from fastavro.read import SchemaResolutionError
 
 from streamtally.core.models import Source
+from streamtally.wire.avro._compiled import Reader, Unsupported, compile_reader
 from streamtally.wire.avro._errors import AvroDecodeError, AvroEncodeError
 from streamtally.wire.avro._framing import HEADER_SIZE
 from streamtally.wire.avro._schemas import NAMESPACE, SchemaVersion, current, history, writer_of
@@ -46,6 +48,19 @@ def write(version: SchemaVersion, record: Mapping[str, Any]) -> bytes:
     return out.getvalue()
 
 
+#: The records read once per raw event: read by a reader compiled from the schema
+#: (`_compiled`) when written with the current one.
+COMPILED: Final = frozenset({"RawSseEvent", "RawEngineOutput"})
+
+
+@functools.cache
+def _compiled(version: SchemaVersion, record_names: bool) -> Reader | None:
+    try:
+        return compile_reader(version.parsed, record_names=record_names)
+    except Unsupported:  # a schema feature it does not read: fastavro reads it
+        return None
+
+
 def read(name: str, data: bytes, *, record_names: bool = False) -> dict[str, Any]:
     """The datum of a message of record `name`, resolved from its writer schema to the current."""
     reader = current(name)
@@ -55,22 +70,27 @@ def read(name: str, data: bytes, *, record_names: bool = False) -> dict[str, Any
         raise AvroDecodeError(f"{name}: {exc}") from None
     if writer.name != name:
         raise AvroDecodeError(f"expected a {name} message, got a {writer.label} one")
-    body = io.BytesIO(data)
-    body.seek(HEADER_SIZE)
+    fast = _compiled(writer, record_names) if writer is reader and name in COMPILED else None
     try:
-        record = fastavro.schemaless_reader(
-            body,
-            writer.parsed,
-            None if writer is reader else reader.parsed,
-            return_record_name=record_names,
-            return_record_name_override=record_names,
-        )
+        if fast is not None:
+            record, end = fast(data, HEADER_SIZE)
+        else:
+            body = io.BytesIO(data)
+            body.seek(HEADER_SIZE)
+            record = fastavro.schemaless_reader(
+                body,
+                writer.parsed,
+                None if writer is reader else reader.parsed,
+                return_record_name=record_names,
+                return_record_name_override=record_names,
+            )
+            end = body.tell()
     except DECODE_ERRORS as exc:
         raise AvroDecodeError(
             f"{name}: cannot decode the body written with {writer.label} "
             f"({type(exc).__name__}: {exc or 'truncated'})"
         ) from exc
-    rest = len(data) - body.tell()
+    rest = len(data) - end
     if rest:
         raise AvroDecodeError(f"{name}: {rest} trailing bytes after the record")
     if not isinstance(record, dict):
