@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
+from typing import NamedTuple
 
 from streamtally.core.fold import Fold
 from streamtally.core.identity import RequestRef
@@ -18,9 +19,9 @@ from streamtally.wire.records import RawEngineOutput, RawSseEvent
 RawRecord = RawSseEvent | RawEngineOutput
 
 
-@dataclass(frozen=True, slots=True)
-class _Raw:
-    """A decoded raw record with where it came from and its original bytes."""
+class _Raw(NamedTuple):
+    """A decoded raw record with where it came from and its original bytes (a named tuple:
+    one per raw record)."""
 
     record: RawRecord
     position: Position

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import NamedTuple
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, Tokens
@@ -25,9 +26,12 @@ class CloseReason(StrEnum):
     LIMIT = "limit"  #: passed its record limit (`Limits.records_per_request`)
 
 
-@dataclass(frozen=True, slots=True)
-class Position:
-    """Where a raw record came from; `timestamp` is the Kafka record time (seconds)."""
+class Position(NamedTuple):
+    """Where a raw record came from; `timestamp` is the Kafka record time (seconds).
+
+    A named tuple, not a frozen dataclass: one is made per raw record, and a tuple is
+    made in a third of the time.
+    """
 
     topic: str
     partition: int

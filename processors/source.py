@@ -23,7 +23,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
@@ -40,9 +40,8 @@ log = logging.getLogger(__name__)
 LIVE_WINDOW_S = 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class RawMessage:
-    """One record of a raw topic, as Kafka gave it."""
+class RawMessage(NamedTuple):
+    """One record of a raw topic, as Kafka gave it (a named tuple: one per raw record)."""
 
     topic: str
     partition: int

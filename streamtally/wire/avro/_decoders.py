@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
@@ -54,6 +54,8 @@ __all__ = [
 
 M = TypeVar("M", bound="Model")
 _ModelT = TypeVar("_ModelT", bound=BaseModel)
+_E = TypeVar("_E")
+_R = TypeVar("_R")
 
 # --------------------------------------------------------------------------- enums
 
@@ -62,7 +64,7 @@ _FINISH_REASONS: Final = {f.name: f for f in FinishReason}
 _KINDS: Final = {k.name: k for k in EventKind}
 
 
-def _symbol(table: Mapping[str, Any], symbol: str, what: str) -> Any:
+def _symbol(table: Mapping[str, _E], symbol: str, what: str) -> _E:
     try:
         return table[symbol]
     except KeyError:
@@ -70,19 +72,15 @@ def _symbol(table: Mapping[str, Any], symbol: str, what: str) -> Any:
 
 
 def _source(symbol: str) -> Source:
-    return cast(Source, _symbol(_SOURCES, symbol, "source"))
+    return _symbol(_SOURCES, symbol, "source")
 
 
 def _finish(symbol: str | None) -> FinishReason | None:
-    return (
-        None
-        if symbol is None
-        else cast(FinishReason, _symbol(_FINISH_REASONS, symbol, "finish reason"))
-    )
+    return None if symbol is None else _symbol(_FINISH_REASONS, symbol, "finish reason")
 
 
 def _kind(symbol: str) -> EventKind:
-    return cast(EventKind, _symbol(_KINDS, symbol, "event kind"))
+    return _symbol(_KINDS, symbol, "event kind")
 
 
 # --------------------------------------------------------------------------- models
@@ -151,7 +149,7 @@ def _require(ok: bool, message: str) -> None:
         raise AvroDecodeError(message)
 
 
-def _record(cls: Callable[..., Any], fields: dict[str, Any]) -> Any:
+def _record(cls: Callable[..., _R], fields: dict[str, Any]) -> _R:
     try:
         return cls(**fields)
     except (ValueError, TypeError) as exc:
@@ -162,10 +160,10 @@ def _record(cls: Callable[..., Any], fields: dict[str, Any]) -> Any:
 
 def decode_raw_sse_event(data: bytes) -> RawSseEvent:
     r = read("RawSseEvent", data)
-    return cast(
-        RawSseEvent,
-        _record(RawSseEvent, {**r, "source": _source(r["source"]), "kind": _kind(r["kind"])}),
-    )
+    # The enums in place, in the datum itself: it is ours (one raw event, the hot path).
+    r["source"] = _source(r["source"])
+    r["kind"] = _kind(r["kind"])
+    return _record(RawSseEvent, r)
 
 
 def _payload_in(source: Source, payload: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +176,10 @@ def _payload_in(source: Source, payload: dict[str, Any]) -> dict[str, Any]:
         raise AvroDecodeError(f"TokenChunk.tool_call_delta is not JSON text: {exc}") from exc
 
 
+#: The union branch of `RawEngineOutput.payload` each engine source writes, by full name.
+_PAYLOAD_BRANCHES: Final = {s: f"{NAMESPACE}.{t}" for s, t in ENGINE_PAYLOAD_TYPES.items()}
+
+
 def decode_raw_engine_output(data: bytes) -> RawEngineOutput:
     """Decode a raw engine output; its payload is the dict the engine's JSON line parses to."""
     r = read("RawEngineOutput", data, record_names=True)
@@ -187,14 +189,13 @@ def decode_raw_engine_output(data: bytes) -> RawEngineOutput:
     if raw is not None:
         _require(isinstance(raw, tuple) and len(raw) == 2, "RawEngineOutput: unnamed payload")
         branch, body = raw
-        expected = ENGINE_PAYLOAD_TYPES.get(source)
-        _require(
-            branch == f"{NAMESPACE}.{expected}",
-            f"RawEngineOutput: a {source.value} output carries a {branch.rpartition('.')[2]}",
-        )
+        if branch != _PAYLOAD_BRANCHES.get(source):
+            raise AvroDecodeError(
+                f"RawEngineOutput: a {source.value} output carries a {branch.rpartition('.')[2]}"
+            )
         payload = _payload_in(source, body)
-    fields = {**r, "source": source, "kind": _kind(r["kind"]), "payload": payload}
-    return cast(RawEngineOutput, _record(RawEngineOutput, fields))
+    r["source"], r["kind"], r["payload"] = source, _kind(r["kind"]), payload
+    return _record(RawEngineOutput, r)
 
 
 def _billing_event(r: dict[str, Any]) -> BillingEvent:
@@ -206,7 +207,7 @@ def _billing_event(r: dict[str, Any]) -> BillingEvent:
         "finish_reason": finish,
         "usage_source": UsageSource[r["usage_source"]],
     }
-    return cast(BillingEvent, _record(BillingEvent, fields))
+    return _record(BillingEvent, fields)
 
 
 def decode_billing_event(data: bytes) -> BillingEvent:
@@ -229,8 +230,8 @@ def decode_billing_correction(data: bytes) -> BillingCorrection:
         before[int(partition)] = offset
     corrected = None if r["corrected"] is None else _billing_event(r["corrected"])
     fields = {**r, "billing_before": before, "corrected": corrected}
-    return cast(BillingCorrection, _record(BillingCorrection, fields))
+    return _record(BillingCorrection, fields)
 
 
 def decode_dead_letter(data: bytes) -> DeadLetter:
-    return cast(DeadLetter, _record(DeadLetter, read("DeadLetter", data)))
+    return _record(DeadLetter, read("DeadLetter", data))
