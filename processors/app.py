@@ -46,6 +46,7 @@ from streamtally.processors.requests import (
 )
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, RawMessage, RawSource, Revocations
+from streamtally.processors.writes import Holds, WriteBehind
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.connection import faust_options
@@ -89,6 +90,8 @@ class Pipeline:
     #: The error that broke a batch or a close: from then on nothing is committed (see
     #: `create_app`'s `on_failure`).
     broken: BaseException | None = None
+    #: The batch written while the next is applied (`processors.writes`); set by create_app.
+    writes: WriteBehind | None = None
 
 
 class _Boot(BootStrategy):
@@ -119,6 +122,12 @@ class _WorkerApp(faust.App):
         await super().on_shutdown()
         for hook in self.after_stop:
             await hook()
+
+
+def _batch_waiting(stream: Any) -> bool:
+    """Whether another batch already waits in the agent's channel (faust's stream)."""
+    channel = getattr(stream, "channel", None)
+    return channel is not None and not channel.empty()
 
 
 def create_app(
@@ -187,10 +196,13 @@ def create_app(
             pipeline.sinks.on_error = metrics.sink_error
         return pipeline.sinks
 
-    async def finish(outputs: Outputs) -> None:
-        """Write the outputs, then commit the records that are now done."""
+    async def finish(outputs: Outputs, holds: Holds) -> None:
+        """Write the outputs, then hold the batch's records and commit those now done."""
         written = await sinks().write(outputs)
         metrics.written(written)
+        # Only now, with the batch's outputs durable, may its records be released.
+        for tp, offset, ref in holds:
+            gate.hold(tp, offset, ref)
         # A request whose close another owner decided first keeps its records held:
         # they are not committed here (that owner, or the next, accounts for them).
         gate.finished(done.ref for done in written.completed)
@@ -211,6 +223,8 @@ def create_app(
         )
         if on_failure is not None:
             on_failure(exc)
+
+    writes = pipeline.writes = WriteBehind(finish, fail)
 
     async def learn(refs: set[RequestRef]) -> None:
         unknown = sorted(processor.unknown(refs))
@@ -243,6 +257,10 @@ def create_app(
                 started = time.perf_counter()
                 try:
                     await apply(fetched)
+                    if not _batch_waiting(stream):
+                        # No batch waiting to overlap the write with: finish it now (an idle
+                        # worker commits as soon as it can, and a test sees its outputs).
+                        await writes.drain()
                 except Exception as exc:
                     fail(exc)
                     raise
@@ -282,6 +300,7 @@ def create_app(
             for m, examined in pairs
         ]
         await learn({raw.ref for raw in raws if raw is not None})
+        holds = []
         for (m, _), raw in zip(pairs, raws, strict=True):
             ref = None
             if raw is not None:
@@ -290,8 +309,11 @@ def create_app(
             tp = tps.get((m.topic, m.partition))
             if tp is None:
                 tp = tps[(m.topic, m.partition)] = TopicPartition(m.topic, m.partition)
-            gate.hold(tp, m.offset, ref if ref is not None and processor.is_open(ref) else None)
-        await finish(outputs)
+            holds.append(
+                (tp, m.offset, ref if ref is not None and processor.is_open(ref) else None)
+            )
+        # Written while the next batch is applied; its records are held once it is durable.
+        await writes.submit(outputs, holds)
 
     pipeline.agents["process-raw"] = app.agent(batches, name="process-raw")(process)
 
@@ -301,7 +323,8 @@ def create_app(
         async with pipeline.batch_lock:
             started = time.perf_counter()
             try:
-                await finish(processor.expire())
+                await writes.submit(processor.expire(), ())
+                await writes.drain()
             except Exception as exc:
                 fail(exc)
                 raise
@@ -320,6 +343,9 @@ def create_app(
             await _revoke(tps)
 
     async def _revoke(tps: set[TopicPartition]) -> None:
+        # The batch written behind: its records held, what is done committed (a write that
+        # failed broke the pipeline: nothing is committed below).
+        await writes.settle()
         if pipeline.source is not None and pipeline.broken is None:
             await pipeline.source.commit(
                 {tp: o for tp, o in gate.committable().items() if tp in tps}
@@ -347,6 +373,9 @@ def create_app(
             await source.stop()
 
     async def close_sinks() -> None:
+        # A write still in flight is stopped (as faust stops the agent's batch): nothing of
+        # it is committed.
+        await writes.cancel()
         if pipeline.sinks is not None:
             await pipeline.sinks.close()
 

@@ -7,6 +7,7 @@ bytes produced by `producers.raw_records` from our own sample transcripts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 from importlib import resources
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import Any
 
 import faust
 import pytest
+from aiokafka import TopicPartition
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
@@ -327,3 +329,76 @@ async def test_a_failed_batch_stops_every_commit_and_asks_the_worker_to_stop() -
     assert source.commits == committed  # ... but nothing committed past lost-2
     assert [type(e) for e in failures] == [RuntimeError]  # told once
     assert isinstance(pipeline.broken, RuntimeError)
+
+
+class _HeldSink(RecordingSink):
+    """A store that takes its time: each flush waits until the test lets it through."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.through = asyncio.Semaphore(0)
+
+    async def flush(self) -> None:
+        await self.through.acquire()
+        await super().flush()
+
+
+class _Backlog:
+    """The agent's stream with another batch always waiting in its channel (a backlog):
+    the agent writes each batch behind, while it applies the next."""
+
+    def __init__(self, batches: list[FetchedBatch]) -> None:
+        self.batches = batches
+        self.channel = self
+
+    def empty(self) -> bool:
+        return False
+
+    async def __aiter__(self) -> Any:
+        for batch in self.batches:
+            yield batch
+
+
+async def test_a_batch_written_behind_commits_nothing_before_its_outputs_are_durable() -> None:
+    """The agent applies the next batch while one is written; the written batch's records
+    reach the commit gate only once its outputs are durable, so a crash meanwhile commits
+    nothing of it (its requests' closes would be lost otherwise)."""
+    sink = _HeldSink()
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1", redis_url_setting="redis://127.0.0.1:1/0"
+    )
+    pipeline = create_app(settings, lambda app: Sinks(sink), consume=False)
+    source = _CommitLog()
+    pipeline.source = source  # type: ignore[assignment]
+    topic = TOPICS.raw_sse.name
+    batches, offset = [], 0
+    for request_id in ("wb-1", "wb-2"):
+        _, records = raw_records(
+            Source.OPENAI,
+            (SAMPLES / "openai/text_usage.sse").read_bytes(),
+            tenant="acme",
+            request_id=request_id,
+        )
+        messages = tuple(
+            RawMessage(topic, 0, offset + i, 1_790_000_000.0, request_id.encode(), v)
+            for i, v in enumerate(records)
+        )
+        offset += len(records)
+        batches.append(FetchedBatch(pipeline.revocations.generation, messages))
+    first_end = len(batches[0].messages)
+    run = asyncio.ensure_future(pipeline.agents["process-raw"].fun(_Backlog(batches)))
+    while pipeline.processor.counters.received < offset:  # both batches applied ...
+        await asyncio.sleep(0.001)
+    assert pipeline.processor.counters.requests_completed == 2
+    assert len(pipeline.gate) == 0  # ... but nothing of the first is held: not yet durable
+    assert source.commits == []
+    sink.through.release()  # the first batch's outputs are durable
+    while not source.commits:
+        await asyncio.sleep(0.001)
+    assert source.commits == [{TopicPartition(topic, 0): first_end}]
+    sink.through.release()
+    await asyncio.wait_for(run, 5)
+    assert pipeline.writes is not None
+    await pipeline.writes.drain()
+    assert source.commits[-1] == {TopicPartition(topic, 0): offset}
+    assert {c.tokens.request_id for c in sink.outputs.completed} == {"wb-1", "wb-2"}
