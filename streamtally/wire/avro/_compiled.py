@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any, Final
 
-__all__ = ["Reader", "compile_reader"]
+__all__ = ["Reader", "Unsupported", "compile_reader"]
 
 #: Reads one body: (the bytes, where the body starts) -> (the datum, where it ended).
 Reader = Callable[[bytes, int], tuple[Any, int]]
