@@ -241,15 +241,15 @@ def create_app(
         processor.take,
     )
 
-    def examine_all(messages: Sequence[RawMessage]) -> list[RawRecord | Refused]:
-        return [
-            (examine_sse if m.topic == sse_topic else examine_engine)(m.key, m.value, m.headers)
-            for m in messages
-        ]
-
     def examine(fetched: FetchedBatch) -> ExaminedBatch:
         """Decode and check a batch's messages: pure, so done ahead (see `ExaminedBatch`)."""
-        return ExaminedBatch(fetched, examine_all(fetched.messages))
+        return ExaminedBatch(
+            fetched,
+            [
+                (examine_sse if m.topic == sse_topic else examine_engine)(m.key, m.value, m.headers)
+                for m in fetched.messages
+            ],
+        )
 
     async def process(stream: Any) -> None:
         async for fetched in stream:
@@ -267,26 +267,25 @@ def create_app(
                 metrics.batch_seconds.observe(time.perf_counter() - started)
 
     async def apply(fetched: ExaminedBatch | FetchedBatch | Sequence[RawMessage]) -> None:
+        fence = pipeline.revocations
+        if not isinstance(fetched, ExaminedBatch | FetchedBatch):
+            # Handed over directly (agent tests): fetched now, so nothing is fenced.
+            fetched = FetchedBatch(fence.generation, tuple(fetched))
         if isinstance(fetched, FetchedBatch):  # agent tests hand fetched batches over
             fetched = examine(fetched)
-        pairs: Sequence[tuple[RawMessage, RawRecord | Refused]]
-        if isinstance(fetched, ExaminedBatch):
-            fence, generation = pipeline.revocations, fetched.fetched.generation
-            messages = fetched.fetched.messages
-            # Records of a partition revoked since the fetch are another worker's now.
-            pairs = [
-                (m, examined)
-                for m, examined in zip(messages, fetched.examined, strict=True)
-                if not fence.stale((m.topic, m.partition), generation)
-            ]
-            if len(pairs) < len(messages):
-                log.info(
-                    "fenced %d records of partitions revoked since their fetch "
-                    "(their next owner reads them from the committed offset)",
-                    len(messages) - len(pairs),
-                )
-        else:  # handed over directly (agent tests): nothing to fence
-            pairs = list(zip(fetched, examine_all(fetched), strict=True))
+        generation, messages = fetched.fetched.generation, fetched.fetched.messages
+        # Records of a partition revoked since the fetch are another worker's now.
+        pairs = [
+            (m, examined)
+            for m, examined in zip(messages, fetched.examined, strict=True)
+            if not fence.stale((m.topic, m.partition), generation)
+        ]
+        if len(pairs) < len(messages):
+            log.info(
+                "fenced %d records of partitions revoked since their fetch "
+                "(their next owner reads them from the committed offset)",
+                len(messages) - len(pairs),
+            )
         outputs = Outputs()
         # A record's request is (tenant, request id), known only from its body.
         raws = [
