@@ -36,7 +36,16 @@ from streamtally.wire.avro._encoders import _CHUNK, _chunk_out
 from streamtally.wire.avro._errors import AvroEncodeError
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
-LONG_EDGES = (0, 1, 63, 64, 127, 128, 1023, 1024, 8191, 8192, 2**31, 2**53 + 1, 2**63 - 1)
+LONG_EDGES = (
+    *(0, 1, 63, 64, 127, 128, 1023, 1024, 8191, 8192, 8193, 2**31),
+    *(2**48 - 1, 2**48, 2**53 + 1, 2**55 - 1, 2**55, 2**63 - 1),  # the eight-byte varints
+)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+#: Times whose micros are the edges of the eight-byte varints, on both sides of 1970.
+EIGHT_BYTE_MICROS = (
+    *(2**48 - 1, 2**48, 2**55 - 1, 2**55),
+    *(-(2**48) + 1, -(2**48), -(2**55), -(2**55) - 1),
+)
 TEXTS = ("", "a", "Grüße, 世界", "😀" * 3, "x" * 200, "\u0000nul", "line\nbreak", "é" * 64)
 
 
@@ -79,6 +88,7 @@ def edge_chunks() -> list[Chunk]:
         datetime(1, 1, 1, tzinfo=UTC),
         datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC),
         datetime(2026, 11, 24, 9, 0, 0, 1, tzinfo=timezone(timedelta(hours=-7, minutes=-30))),
+        *(EPOCH + timedelta(microseconds=us) for us in EIGHT_BYTE_MICROS),
     ):
         out.append(chunk(event_time=moment))
     return out
@@ -88,7 +98,10 @@ def random_chunks(count: int, seed: int) -> list[Chunk]:
     rng = random.Random(seed)
 
     def number() -> int:
-        return rng.choice((rng.randrange(0, 200), rng.randrange(0, 2**20), rng.randrange(0, 2**63)))
+        return rng.choice(
+            (rng.randrange(0, 200), rng.randrange(0, 2**20), rng.randrange(0, 2**63),
+             rng.randrange(2**47, 2**57))
+        )  # fmt: skip
 
     def text() -> str:
         alphabet = 'ab \n"\\é世😀\u200b\u0001'

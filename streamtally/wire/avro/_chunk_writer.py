@@ -63,11 +63,15 @@ _LONG_MIN: Final = -(1 << 63)
 _LONG_MAX: Final = (1 << 63) - 1
 _EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
 _NAIVE_EPOCH: Final = datetime(1970, 1, 1)  # noqa: DTZ001 - fastavro's reading of a naive time
-#: Encodings of the longs 0..1023, the counts and indexes most fields hold.
+#: Encodings of the longs 0..8191 (one or two bytes), the counts and indexes most fields hold.
+_SMALL_LIMIT: Final = 8192
 _SMALL: Final = tuple(
     bytes((n << 1,)) if n < 64 else bytes((((n << 1) & 0x7F) | 0x80, (n << 1) >> 7))
-    for n in range(1024)
+    for n in range(_SMALL_LIMIT)
 )
+#: The zig-zag values written in exactly eight bytes (seven bits each).
+_EIGHT_BYTES: Final = 1 << 49
+_NINE_BYTES: Final = 1 << 56
 _NULL: Final = b"\x00"
 _SOME: Final = b"\x02"  # union branch 1 (the non-null one)
 _EMPTY_STRING: Final = b"\x00"
@@ -83,14 +87,32 @@ _SOURCE: Final = _symbols(
 _FINISH: Final = _symbols(
     ["UNKNOWN", "STOP", "LENGTH", "TOOL_CALLS", "CONTENT_FILTER", "ERROR", "CANCELLED"]
 )
+#: The same, keyed by the members themselves (an enum's `.name` is a slow property).
+_SOURCE_OF: Final = {member: _SOURCE[member.name] for member in Source}
+_FINISH_OF: Final = {None: _NULL} | {
+    member: _SOME + _FINISH[member.name] for member in FinishReason
+}
 
 
 def _long(n: int) -> bytes:
-    if 0 <= n < 1024:
+    if 0 <= n < _SMALL_LIMIT:
         return _SMALL[n]
     if not _LONG_MIN <= n <= _LONG_MAX:
         raise AvroEncodeError(f"Chunk: {n} does not fit an Avro long")
     z = (n << 1) ^ (n >> 63)
+    if _EIGHT_BYTES <= z < _NINE_BYTES:  # a time in micros, Dec. 1978 to 3111
+        return bytes(
+            (
+                (z & 0x7F) | 0x80,
+                (z >> 7 & 0x7F) | 0x80,
+                (z >> 14 & 0x7F) | 0x80,
+                (z >> 21 & 0x7F) | 0x80,
+                (z >> 28 & 0x7F) | 0x80,
+                (z >> 35 & 0x7F) | 0x80,
+                (z >> 42 & 0x7F) | 0x80,
+                z >> 49,
+            )
+        )
     out = bytearray()
     while z > 0x7F:
         out.append((z & 0x7F) | 0x80)
@@ -133,31 +155,42 @@ def _tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> bytes:
     return b"".join(parts)
 
 
-def _usage(usage: Usage | None) -> bytes:
-    if usage is None:
-        return _NULL
-    return _SOME + b"".join(_long(n) for n in usage.counts())
+def _usage(usage: Usage) -> bytes:
+    return _SOME + b"".join(
+        [_SMALL[n] if 0 <= n < _SMALL_LIMIT else _long(n) for n in usage.counts()]
+    )
 
 
 def chunk_body(chunk: Chunk) -> bytes:
-    """The Avro binary body of `chunk` under the current Chunk schema (no header)."""
+    """The Avro binary body of `chunk` under the current Chunk schema (no header).
+
+    The helpers' common cases are spelled out inline (a call costs more than
+    the work): a long below `_SMALL_LIMIT`, an empty string, a null.
+    """
     fields = chunk.__dict__  # a model's fields, read without its attribute hook
-    finish: FinishReason | None = fields["finish_reason"]
-    source: Source = fields["source"]
+    seq: int = fields["seq"]
+    model: str | None = fields["model"]
+    choice: int = fields["choice"]
+    text: str = fields["text_delta"]
+    reasoning: str = fields["reasoning_delta"]
+    deltas: Sequence[ToolCallDelta] = fields["tool_call_deltas"]
+    usage: Usage | None = fields["usage"]
+    raw_finish: str | None = fields["finish_reason_raw"]
+    error: str | None = fields["error"]
     return b"".join(
         (
             _string(fields["request_id"]),
-            _long(fields["seq"]),
-            _SOURCE[source.name],
-            _optional_string(fields["model"]),
-            _long(fields["choice"]),
-            _string(fields["text_delta"]),
-            _string(fields["reasoning_delta"]),
-            _tool_call_deltas(fields["tool_call_deltas"]),
-            _usage(fields["usage"]),
-            _NULL if finish is None else _SOME + _FINISH[finish.name],
-            _optional_string(fields["finish_reason_raw"]),
-            _optional_string(fields["error"]),
+            _SMALL[seq] if 0 <= seq < _SMALL_LIMIT else _long(seq),
+            _SOURCE_OF[fields["source"]],
+            _NULL if model is None else _SOME + _string(model),
+            _SMALL[choice] if 0 <= choice < _SMALL_LIMIT else _long(choice),
+            _string(text) if text else _EMPTY_STRING,
+            _string(reasoning) if reasoning else _EMPTY_STRING,
+            _tool_call_deltas(deltas) if deltas else _NULL,
+            _NULL if usage is None else _usage(usage),
+            _FINISH_OF[fields["finish_reason"]],
+            _NULL if raw_finish is None else _SOME + _string(raw_finish),
+            _NULL if error is None else _SOME + _string(error),
             _long(_micros(fields["event_time"])),
         )
     )

@@ -181,12 +181,17 @@ class _Writer:
             raise Unsupported(f"type {kind!r}")
 
     def long(self, target: str, lines: list[str], indent: str) -> None:
-        """A zig-zag varint: one byte inline (most values), the rest in `_long_tail`."""
+        """A zig-zag varint: one or two bytes inline (most values: counts, lengths, token
+        ids below 8192), longer ones in `_long_tail`."""
         lines += [
             f"{indent}b = buf[pos]",
             f"{indent}if b < 0x80:",
             f"{indent}    {target} = (b >> 1) ^ -(b & 1)",
             f"{indent}    pos += 1",
+            f"{indent}elif (c := buf[pos + 1]) < 0x80:",  # IndexError past the end
+            f"{indent}    z = (b & 0x7F) | (c << 7)",
+            f"{indent}    {target} = (z >> 1) ^ -(z & 1)",
+            f"{indent}    pos += 2",
             f"{indent}else:",
             f"{indent}    {target}, pos = _long_tail(buf, pos + 1, b)",
         ]
