@@ -22,7 +22,10 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
+# The compiled hot path (streamtally/_native.py): built when missing or stale, skipped with a
+# note where there is no C compiler (streamtally then runs as plain Python).
 setup: $(VENV)/.installed
+	@$(ST) native build --optional
 
 demo: setup
 	$(ST) demo

@@ -15,6 +15,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any, Final
 
+from streamtally import _native
 from streamtally.errors import StackError
 
 __all__ = [
@@ -53,6 +54,8 @@ class Machine:
     redis: str | None
     aiokafka: str | None
     faust: str | None
+    #: Whether the worker ran the compiled hot path (`streamtally._native`), and if not why.
+    hot_path: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,6 +234,7 @@ def describe_machine(load_before: float, redis_version: str | None) -> Machine:
         redis=redis_version,
         aiokafka=_version("aiokafka"),
         faust=_version("faust-streaming"),
+        hot_path=_native.status().describe(),
     )
 
 
@@ -272,6 +276,7 @@ def format_report(report: PipelineReport) -> str:
         f"load average {m.load_before:.2f} before, {m.load_after:.2f} after",
         f"         {m.python}, Kafka {m.kafka or '?'}, Redis {m.redis or '?'}, "
         f"aiokafka {m.aiokafka or '?'}, faust-streaming {m.faust or '?'}",
+        f"         hot path: {m.hot_path}",
         f"requests: {mix} (tenant {report.workload.tenant!r}, "
         f"{report.workload.concurrency} interleaved)"
         + (

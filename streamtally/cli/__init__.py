@@ -45,6 +45,7 @@ COMMANDS = (
     "demo",
     "bench",
     "stack",
+    "native",
 )
 
 

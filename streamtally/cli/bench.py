@@ -6,6 +6,7 @@ import argparse
 import json
 import platform
 
+from streamtally import _native
 from streamtally.cli._output import say
 from streamtally.errors import InputError
 from streamtally.settings import Settings
@@ -95,13 +96,15 @@ def run_fold(args: argparse.Namespace, settings: Settings) -> int:
                 "mib_per_second": round(r.mib_per_second, 2),
                 "chunks_per_stream": r.chunks_per_stream,
                 "streams_folded": r.repeats,
+                "hot_path": _native.status().describe(),
             }
             for r in results
         ]
         print(json.dumps(rows, indent=2))
         return 0
     print(
-        f"fold throughput, one thread, Python {platform.python_version()} on {platform.machine()}"
+        f"fold throughput, one thread, Python {platform.python_version()} on {platform.machine()}, "
+        f"hot path {_native.status().describe()}"
     )
     print(f"{'source':<18}{'chunks/s':>12}{'MiB/s':>9}{'chunks/stream':>15}{'streams':>9}")
     for r in results:

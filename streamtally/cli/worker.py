@@ -18,6 +18,7 @@ import os
 import signal
 from typing import Any, Final, NoReturn
 
+from streamtally import _native
 from streamtally.cli._logging import STATUS_LOGGER, dict_config
 from streamtally.errors import InputError, StackError
 from streamtally.redact import redact_text, redact_url, scrub, url_secrets
@@ -155,10 +156,11 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
 
     pipeline = create_app(settings, make_sinks, on_failure=_stop_this_worker)
     logging.getLogger(STATUS_LOGGER).info(
-        "streamtally worker: kafka %s, redis %s, prices %s",
+        "streamtally worker: kafka %s, redis %s, prices %s, hot path %s",
         settings.kafka.describe(),
         redact_url(settings.redis_url),
         settings.prices_path or "(packaged)",
+        _native.status().describe(),
     )
     trust = pipeline.processor.trust
     if trust is None:

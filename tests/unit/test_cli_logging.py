@@ -96,6 +96,8 @@ EVERY_COMMAND = [
     ["stack", "up"],
     ["stack", "down"],
     ["stack", "status"],
+    ["native", "build"],
+    ["native", "status"],
 ]
 
 
