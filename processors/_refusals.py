@@ -11,7 +11,6 @@ limits themselves are in `processors.limits`.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import cast
 
@@ -20,19 +19,9 @@ from streamtally.errors import InputError
 from streamtally.processors._records import RawRecord, _Raw
 from streamtally.processors._state import _ProcessorState
 from streamtally.processors.limits import PERMANENT_ERRORS, TOMBSTONE, refused_at_the_edge
-from streamtally.processors.outputs import Outputs, Position
+from streamtally.processors.outputs import Outputs, Position, Refused
 from streamtally.wire.records import DeadLetter
 from streamtally.wire.tenant_keys import TenantTrust, UntrustedRecord
-
-
-@dataclass(frozen=True, slots=True)
-class Refused:
-    """Why a message is refused before it reaches a request (it is dead-lettered)."""
-
-    reason: Exception
-    #: The record's source and request id, when it decoded.
-    source: str | None = None
-    request_id: str | None = None
 
 
 class _Refusals(_ProcessorState):

@@ -16,7 +16,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, Tokens
 from streamtally.wire.records import BillingEvent, DeadLetter
 
-__all__ = ["CloseReason", "Closed", "Completed", "Counters", "Outputs", "Position"]
+__all__ = ["CloseReason", "Closed", "Completed", "Counters", "Outputs", "Position", "Refused"]
 
 
 class CloseReason(StrEnum):
@@ -127,3 +127,17 @@ class Counters:
     requests_timed_out: int = 0
     #: Requests billed at 0 because no price applied (or the cost overflowed the record).
     unpriced: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """Why a message is refused before it reaches a request (it is dead-lettered).
+
+    (Here rather than beside `_examine`, which makes it: a compiled module cannot
+    define a dataclass with a field typed as a built-in exception.)
+    """
+
+    reason: Exception
+    #: The record's source and request id, when it decoded.
+    source: str | None = None
+    request_id: str | None = None

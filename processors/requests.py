@@ -49,7 +49,6 @@ from streamtally.core.normalize import Normalizer
 from streamtally.errors import InputError
 from streamtally.processors._closing import _Closing
 from streamtally.processors._records import RawRecord, _Open, _Raw
-from streamtally.processors._refusals import Refused
 from streamtally.processors.clock import input_time
 from streamtally.processors.limits import Limits
 from streamtally.processors.outputs import (
@@ -59,6 +58,7 @@ from streamtally.processors.outputs import (
     Counters,
     Outputs,
     Position,
+    Refused,
 )
 from streamtally.wire import avro
 from streamtally.wire.records import EventKind, RawEngineOutput

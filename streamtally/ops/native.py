@@ -112,9 +112,12 @@ def build(
             check=False,
         )
     if child.returncode != 0:
-        tail = log.read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        errors = [line for line in lines if ": error:" in line] or lines[-1:]
         raise NativeBuildError(
-            f"the mypyc build failed (exit {child.returncode}; log {log}):\n" + "\n".join(tail)
+            f"the mypyc build failed (exit {child.returncode}): "
+            + " | ".join(errors[:3])
+            + f"; the whole log: {log}"
         )
     if source_digest(package_dir) != digest:
         raise NativeBuildError("the sources changed during the build: run it again")
