@@ -68,6 +68,7 @@ MODULES: Final = (
     "streamtally.wire.avro._chunk_writer",
     "streamtally.wire.avro._codec",
     "streamtally.wire.avro._decoders",
+    "streamtally.wire.avro._raw_readers",
     "streamtally.wire.provenance",
 )
 #: ``off`` (or ``0``, ``no``, ``false``): run the sources even when a fresh build exists.

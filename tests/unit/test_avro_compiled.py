@@ -25,8 +25,15 @@ import pytest
 from streamtally.core.models import Source
 from streamtally.producers import raw_records
 from streamtally.wire import avro
+from streamtally.wire.avro import _raw_readers
 from streamtally.wire.avro._codec import COMPILED, DECODE_ERRORS, _compiled
-from streamtally.wire.avro._compiled import Unsupported, compile_reader
+from streamtally.wire.avro._compiled import (
+    GENERATED,
+    GENERATED_FILE,
+    Unsupported,
+    compile_reader,
+    generated_source,
+)
 from streamtally.wire.avro._framing import HEADER_SIZE
 from streamtally.wire.avro._schemas import current, parse
 
@@ -136,6 +143,14 @@ def test_the_worker_reads_its_raw_records_with_compiled_readers() -> None:
     assert {name for name, _ in RAW} == COMPILED
     for name, record_names in RAW:
         reader_of(name, record_names)
+
+
+def test_the_generated_readers_are_those_of_the_current_schemas_and_in_use() -> None:
+    # A schema change without `python -m streamtally.wire.avro._compiled` fails here.
+    assert GENERATED_FILE.read_text(encoding="utf-8") == generated_source()
+    assert {(name, names) for name, names, _ in GENERATED} == set(RAW)
+    for name, record_names, function in GENERATED:
+        assert reader_of(name, record_names) is getattr(_raw_readers, function)
 
 
 @pytest.mark.parametrize(("name", "record_names"), RAW)

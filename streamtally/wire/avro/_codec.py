@@ -15,6 +15,7 @@ import fastavro
 from fastavro.read import SchemaResolutionError
 
 from streamtally.core.models import Source
+from streamtally.wire.avro import _raw_readers
 from streamtally.wire.avro._compiled import Reader, Unsupported, compile_reader
 from streamtally.wire.avro._errors import AvroDecodeError, AvroEncodeError
 from streamtally.wire.avro._framing import HEADER_SIZE
@@ -51,10 +52,19 @@ def write(version: SchemaVersion, record: Mapping[str, Any]) -> bytes:
 #: The records read once per raw event: read by a reader compiled from the schema
 #: (`_compiled`) when written with the current one.
 COMPILED: Final = frozenset({"RawSseEvent", "RawEngineOutput"})
+#: Their readers as the worker reads them, generated into `_raw_readers` (compiled by
+#: mypyc with the hot path): by (name, record names).
+_GENERATED: Final[Mapping[tuple[str, bool], Reader]] = {
+    ("RawSseEvent", False): _raw_readers.read_raw_sse_event,
+    ("RawEngineOutput", True): _raw_readers.read_raw_engine_output,
+}
 
 
 @functools.cache
 def _compiled(version: SchemaVersion, record_names: bool) -> Reader | None:
+    generated = _GENERATED.get((version.name, record_names))
+    if generated is not None and version is current(version.name):
+        return generated
     try:
         return compile_reader(version.parsed, record_names=record_names)
     except Unsupported:  # a schema feature it does not read: fastavro reads it
