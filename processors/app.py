@@ -39,7 +39,6 @@ from streamtally.processors.metrics import WorkerMetrics, serve
 from streamtally.processors.requests import (
     Limits,
     Outputs,
-    Position,
     RawRecord,
     Refused,
     RequestProcessor,
@@ -235,21 +234,10 @@ def create_app(
 
     tps: dict[tuple[str, int], TopicPartition] = {}
     sse_topic = topics.raw_sse.name
-    examine_sse, examine_engine, take = (
-        processor.examine_sse,
-        processor.examine_engine,
-        processor.take,
-    )
 
     def examine(fetched: FetchedBatch) -> ExaminedBatch:
         """Decode and check a batch's messages: pure, so done ahead (see `ExaminedBatch`)."""
-        return ExaminedBatch(
-            fetched,
-            [
-                (examine_sse if m.topic == sse_topic else examine_engine)(m.key, m.value, m.headers)
-                for m in fetched.messages
-            ],
-        )
+        return ExaminedBatch(fetched, processor.examine_batch(fetched.messages, sse_topic))
 
     async def process(stream: Any) -> None:
         async for fetched in stream:
@@ -274,43 +262,27 @@ def create_app(
         if isinstance(fetched, FetchedBatch):  # agent tests hand fetched batches over
             fetched = examine(fetched)
         generation, messages = fetched.fetched.generation, fetched.fetched.messages
-        # Records of a partition revoked since the fetch are another worker's now.
-        pairs = [
-            (m, examined)
-            for m, examined in zip(messages, fetched.examined, strict=True)
-            if not fence.stale((m.topic, m.partition), generation)
-        ]
-        if len(pairs) < len(messages):
-            log.info(
-                "fenced %d records of partitions revoked since their fetch "
-                "(their next owner reads them from the committed offset)",
-                len(messages) - len(pairs),
-            )
+        examined = fetched.examined
+        if fence.generation != generation:
+            # Records of a partition revoked since the fetch are another worker's now.
+            pairs = [
+                (m, seen)
+                for m, seen in zip(messages, examined, strict=True)
+                if not fence.stale((m.topic, m.partition), generation)
+            ]
+            if len(pairs) < len(messages):
+                log.info(
+                    "fenced %d records of partitions revoked since their fetch "
+                    "(their next owner reads them from the committed offset)",
+                    len(messages) - len(pairs),
+                )
+                messages = tuple(m for m, _ in pairs)
+                examined = [seen for _, seen in pairs]
         outputs = Outputs()
         # A record's request is (tenant, request id), known only from its body.
-        raws = [
-            take(
-                examined,
-                m.key,
-                m.value,
-                Position(m.topic, m.partition, m.offset, m.timestamp),
-                outputs,
-            )
-            for m, examined in pairs
-        ]
+        raws = processor.take_batch(messages, examined, outputs)
         await learn({raw.ref for raw in raws if raw is not None})
-        holds = []
-        for (m, _), raw in zip(pairs, raws, strict=True):
-            ref = None
-            if raw is not None:
-                processor.arrive(outputs, raw)
-                ref = raw.ref
-            tp = tps.get((m.topic, m.partition))
-            if tp is None:
-                tp = tps[(m.topic, m.partition)] = TopicPartition(m.topic, m.partition)
-            holds.append(
-                (tp, m.offset, ref if ref is not None and processor.is_open(ref) else None)
-            )
+        holds = processor.arrive_batch(outputs, messages, raws, tps, TopicPartition)
         # Written while the next batch is applied; its records are held once it is durable.
         await writes.submit(outputs, holds)
 

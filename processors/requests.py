@@ -42,9 +42,11 @@ the results are in `processors.outputs`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
+from typing import Protocol
 
 from streamtally.core.fold import Fold
+from streamtally.core.identity import RequestRef
 from streamtally.core.normalize import Normalizer
 from streamtally.errors import InputError
 from streamtally.processors._closing import _Closing
@@ -75,6 +77,25 @@ __all__ = [
     "Refused",
     "RequestProcessor",
 ]
+
+
+class Message(Protocol):
+    """A raw record as the agent hands it over (`processors.source.RawMessage`)."""
+
+    @property
+    def topic(self) -> str: ...
+    @property
+    def partition(self) -> int: ...
+    @property
+    def offset(self) -> int: ...
+    @property
+    def timestamp(self) -> float | None: ...
+    @property
+    def key(self) -> bytes | None: ...
+    @property
+    def value(self) -> bytes | None: ...
+    @property
+    def headers(self) -> Sequence[tuple[str, bytes]]: ...
 
 
 class RequestProcessor(_Closing):
@@ -125,6 +146,54 @@ class RequestProcessor(_Closing):
     ) -> _Raw | None:
         """Decode one message of the raw engine topic; None when it was dead-lettered."""
         return self.take(self.examine_engine(key, value, headers), key, value, position, out)
+
+    # -- a batch at a time: the agent's loops, here so that they run compiled too -------
+
+    def examine_batch(
+        self, messages: Sequence[Message], sse_topic: str
+    ) -> list[RawRecord | Refused]:
+        """`examine_sse` (a message of `sse_topic`) or `examine_engine` every message."""
+        return [
+            (self.examine_sse if m.topic == sse_topic else self.examine_engine)(
+                m.key, m.value, m.headers
+            )
+            for m in messages
+        ]
+
+    def take_batch(
+        self, messages: Sequence[Message], examined: Sequence[RawRecord | Refused], out: Outputs
+    ) -> list[_Raw | None]:
+        """`take` every message of a batch (in order) with what `examine_*` made of it."""
+        return [
+            self.take(
+                seen, m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), out
+            )
+            for m, seen in zip(messages, examined, strict=True)
+        ]
+
+    def arrive_batch(
+        self,
+        out: Outputs,
+        messages: Sequence[Message],
+        raws: Sequence[_Raw | None],
+        partitions: dict[tuple[str, int], Hashable],
+        partition: Callable[[str, int], Hashable],
+    ) -> list[tuple[Hashable, int, RequestRef | None]]:
+        """`arrive` every record `take_batch` returned; per message, what the commit gate
+        holds: (its partition, named by `partitions` or else `partition(topic, number)`,
+        its offset, and its request while that is open)."""
+        holds: list[tuple[Hashable, int, RequestRef | None]] = []
+        for m, raw in zip(messages, raws, strict=True):
+            ref = None
+            if raw is not None:
+                self.arrive(out, raw)
+                ref = raw.ref if raw.ref in self._open else None
+            key = (m.topic, m.partition)
+            tp = partitions.get(key)
+            if tp is None:
+                tp = partitions[key] = partition(m.topic, m.partition)
+            holds.append((tp, m.offset, ref))
+        return holds
 
     def handle_sse(
         self,
