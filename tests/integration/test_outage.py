@@ -37,8 +37,12 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLES = REPO / "samples"
-#: Seconds a request may stay quiet; each outage lasts three of them.
-TIMEOUT = 5.0
+#: Seconds a request may stay quiet; each outage lasts three of them.  (8, not 5: with 5,
+#: on 2026-11-24 the Kafka phase closed some requests as timed out in 4 of 12 runs, with
+#: and without the compiled modules; the restarted broker then took up to 19 s to serve
+#: fetches again, and the test's producer was still retrying NotLeaderForPartition.  What
+#: the worker sees there is a producer gone quiet after the outage.)
+TIMEOUT = 8.0
 OUTAGE = 3 * TIMEOUT
 DB = 12
 FILES = [
@@ -131,7 +135,7 @@ async def _usage(settings: Settings, tenant: str) -> dict[str, int]:
 def _check(settings: Settings, requests: list[Request], tenant: str, worker: WorkerProcess) -> None:
     stored = asyncio.run(_wait_tokens(settings, [r.ref for r in requests], 60))
     timed_out = [ref for ref, t in stored.items() if "timed out" in ((t or {}).get("error") or "")]
-    assert timed_out == [], worker.describe()
+    assert timed_out == [], (timed_out, worker.describe())
     for request in requests:
         assert stored[request.ref] == request.folded(), request.ref
     expected: dict[str, int] = defaultdict(int)
