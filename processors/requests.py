@@ -187,7 +187,7 @@ class RequestProcessor(_Closing):
             ref = None
             if raw is not None:
                 self.arrive(out, raw)
-                ref = raw.ref if raw.ref in self._open else None
+                ref = raw.ref if self.is_open(raw.ref) else None
             key = (m.topic, m.partition)
             tp = partitions.get(key)
             if tp is None:

@@ -44,10 +44,8 @@ def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     del args, settings
     status = _native.status()
     say(f"this process: {status.describe()}", file=sys.stdout)
-    if not status.active:
-        reason, _ = _native.check_build(_native.BUILD_DIR, _native.PACKAGE_DIR)
-        if reason is None:
-            say("the build is fresh: new processes use it", file=sys.stdout)
+    if not status.active and native.fresh():
+        say("the build is fresh: new processes use it", file=sys.stdout)
     return 0 if status.active else 3
 
 

@@ -73,14 +73,10 @@ def _compiler() -> str | None:
     return shutil.which(cc[0]) if cc else None
 
 
-def build(
-    *,
-    force: bool = False,
-    build_dir: Path = BUILD_DIR,
-    package_dir: Path = PACKAGE_DIR,
-    progress: Callable[[str], None] = print,
-) -> BuildResult:
-    """Build the compiled modules unless a fresh build exists (or `force`)."""
+def build(*, force: bool = False, progress: Callable[[str], None] = print) -> BuildResult:
+    """Build the package's compiled modules into `BUILD_DIR` unless a fresh build is there
+    (or `force`)."""
+    build_dir, package_dir = BUILD_DIR, PACKAGE_DIR
     started = time.perf_counter()
     if not force and fresh(build_dir, package_dir):
         return BuildResult(False, 0.0, MODULES, build_dir)
