@@ -343,10 +343,9 @@ def module_source(schemas: Sequence[tuple[str, Mapping[str, Any], bool, str]]) -
     parts = [
         _MODULE_DOC,
         "from __future__ import annotations\n\n"
-        "import struct\nfrom datetime import UTC, datetime, timedelta\n"
-        "from typing import Any, Final\n",
-        "_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)\n_timedelta = timedelta\n"
-        '_DOUBLE = struct.Struct("<d").unpack_from\n_FLOAT = struct.Struct("<f").unpack_from\n',
+        "from datetime import timedelta as _timedelta\n"
+        "from typing import Any, Final\n\n"
+        "from streamtally.wire.avro._compiled import _DOUBLE, _EPOCH, _FLOAT\n",
         inspect.getsource(_long_tail),
         inspect.getsource(_eof),
     ]

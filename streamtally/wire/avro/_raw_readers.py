@@ -10,15 +10,10 @@ the generator writes for the schemas of today.
 
 from __future__ import annotations
 
-import struct
-from datetime import UTC, datetime, timedelta
+from datetime import timedelta as _timedelta
 from typing import Any, Final
 
-
-_EPOCH: Final = datetime(1970, 1, 1, tzinfo=UTC)
-_timedelta = timedelta
-_DOUBLE = struct.Struct("<d").unpack_from
-_FLOAT = struct.Struct("<f").unpack_from
+from streamtally.wire.avro._compiled import _DOUBLE, _EPOCH, _FLOAT
 
 
 def _long_tail(buf: bytes, pos: int, b: int) -> tuple[int, int]:
