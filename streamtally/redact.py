@@ -21,6 +21,13 @@ the URL ambiguous, and everything after its ``scheme://`` is hidden
 (``redis://user:pa/ss@host/0`` -> ``redis://***``).  A raw ``&``, ``;`` or
 ``#`` ends a query value, as it does for every URL parser.
 
+`redact_credentials` hides what an HTTP client quotes of the calls it made (an
+exception's repr holds the request's headers): the values of the credential
+headers (``Authorization``, ``Proxy-Authorization``, ``x-api-key``,
+``x-goog-api-key``, ``api-key``), a ``Bearer`` token anywhere, and a ``key=``
+parameter outside a URL (``Authorization: Bearer sk-1`` -> ``Authorization:
+***``, ``'x-api-key': 'k'`` -> ``'x-api-key': '***'``).
+
 `redact_servers` does the same for each entry of a Kafka bootstrap list (no
 Kafka client takes credentials there, but a user may still paste some), and
 `redact_text` for every ``scheme://`` URL inside free text (a log record, an
@@ -42,6 +49,7 @@ from urllib.parse import unquote
 __all__ = [
     "MIN_SCRUBBED",
     "REDACTED",
+    "redact_credentials",
     "redact_servers",
     "redact_text",
     "redact_url",
@@ -145,6 +153,32 @@ def redact_text(text: str) -> str:
     if "://" not in text:
         return text
     return _URL_IN_TEXT.sub(lambda match: redact_url(match.group()), text)
+
+
+#: A credential header and its value as a library quotes it: ``Name: value`` (a header
+#: line), ``'Name': 'value'`` (a dict's repr), ``("Name", "value")`` (a list of pairs),
+#: ``Name=value``.  The value ends at its closing quote, or at a line end without one.
+_CREDENTIAL_HEADER: Final = re.compile(
+    r"(?i)(?P<name>\b(?:proxy-)?authorization|\bx-api-key|\bx-goog-api-key|\bapi-key)"
+    r"(?P<sep>['\"]?\s*(?:[:=,]|\)\s*,)\s*)"
+    r"(?:(?P<q>['\"])(?:\\.|(?!(?P=q)).)*(?P=q)|[^\r\n,;}\]]+)"
+)
+_BEARER: Final = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/=\-]{4,}")
+_KEY_PARAMETER: Final = re.compile(r"(?i)(?<![A-Za-z0-9_])((?:api_?)?key=)[^&#\s'\"]+")
+
+
+def _hide_header(match: re.Match[str]) -> str:
+    quote = match.group("q")
+    value = f"{quote}{REDACTED}{quote}" if quote else REDACTED
+    return f"{match.group('name')}{match.group('sep')}{value}"
+
+
+def redact_credentials(text: str) -> str:
+    """`text` with credential header values, ``Bearer`` tokens and ``key=`` values hidden
+    (see the module docstring)."""
+    text = _CREDENTIAL_HEADER.sub(_hide_header, text)
+    text = _BEARER.sub(lambda match: f"{match.group(1)} {REDACTED}", text)
+    return _KEY_PARAMETER.sub(lambda match: f"{match.group(1)}{REDACTED}", text)
 
 
 def url_secrets(url: str) -> frozenset[str]:

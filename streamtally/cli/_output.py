@@ -29,7 +29,7 @@ from collections.abc import Collection, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Final, TextIO
 
-from streamtally.redact import redact_text, scrub
+from streamtally.redact import redact_credentials, redact_text, scrub
 
 __all__ = [
     "escape",
@@ -113,11 +113,13 @@ def hiding(secrets: Iterable[str]) -> Iterator[None]:
 
 
 def redacted(text: str) -> str:
-    """`text` with the credentials of every URL in it and the secrets being hidden as ``***``.
+    """`text` with the credentials of every URL in it, credential headers and ``Bearer``
+    tokens (`redact_credentials`) and the secrets being hidden as ``***``.
 
     What every message and log record goes through (`say`, `streamtally.cli._logging`).
     """
-    return scrub(redact_text(text), _HIDDEN) if _HIDDEN else redact_text(text)
+    text = redact_credentials(redact_text(text))
+    return scrub(text, _HIDDEN) if _HIDDEN else text
 
 
 def say(text: str, *, file: TextIO | None = None) -> None:

@@ -1,23 +1,41 @@
 """`streamtally proxy`: a reverse proxy that taps the LLM traffic going through it.
 
 Requests are forwarded to the upstream as they came (method, path and query,
-headers but the hop-by-hop ones, body bytes); responses come back unchanged,
-streamed chunk by chunk.  On the way, the response of a known API call is
-teed to the raw topic through a `Tap`: each SSE event as it passes, or the
-JSON body of a non-streaming call once it is complete.  The tenant is the
-value of a request header (`X-Tenant` by default), or with ``--api-keys`` the
-tenant the call's API key maps to (a call with another key is refused, never
-forwarded: `streamtally.cli._api_keys`); the request id is the provider's,
-found in the stream.  A client that goes away mid-stream ends
-its request as cancelled; an upstream that breaks off ends it plainly (the
-worker closes it `error`).
+headers but the hop-by-hop ones and the tenant header, body bytes);
+responses come back unchanged, streamed chunk by chunk.  On the way, the
+response of a metered API call is teed to the raw topic through a `Tap`:
+each SSE event as it passes, or the JSON body of a non-streaming call once
+it is complete (`streamtally.cli._tee` decides what is teed).
 
-Which calls are tapped (by path): `/chat/completions` (openai),
-`/responses` (openai-responses), `/messages` (anthropic),
-`:streamGenerateContent` and `:generateContent` (gemini); 2xx responses only,
-not content-encoded ones other than gzip and deflate.  A non-streaming body is
-tapped whole, as one event that every source's fold reads (see
-`streamtally.cli._tee`, which decides what is teed).
+Who pays.  The tenant is the value of a request header (`X-Tenant` by
+default), sent exactly once: a call that sends it twice (a front gateway
+that appends its own value to the client's) is refused with 400 and never
+forwarded, and so is a call without it unless ``--default-tenant`` names
+one.  With ``--api-keys`` the tenant is the one the call's API key maps to
+(a call with another key is refused, never forwarded:
+`streamtally.cli._api_keys`).  The request id is the provider's, found in
+the stream.
+
+What is billed.  An OpenAI-compatible streamed call that did not ask for its
+usage is asked for it, and the client gets the stream it would have had
+(`streamtally.cli._usage_ask`; ``--no-usage-request`` turns it off).  A
+client that goes away does not stop the call: the upstream is still read and
+teed to its end, for at most ``--drain-seconds``, and the request closes
+`cancelled` with the provider's usage; when the bound cuts the upstream
+first, it is billed with what came (``usage_source`` says so).  An upstream
+that breaks off ends the request plainly (the worker closes it `error`) and
+breaks the client's response off too.
+
+Bounds.  A metered call's body is read whole, up to ``--max-request-bytes``
+(413 past it) within ``--body-timeout`` (408); a connection must send its
+headers within ``--header-timeout``; at most ``--max-connections`` calls are
+served at once (503 with ``Retry-After`` past it).  Other calls' bodies are
+streamed upstream as they come.
+
+Secrets.  No log line or answer of the proxy quotes a credential: the HTTP
+client's exceptions are described by their message with credential headers,
+``Bearer`` tokens and ``key=`` parameters hidden (`describe`), and a 502
+names only the kind of failure, never the upstream URL.
 """
 
 from __future__ import annotations
@@ -26,18 +44,22 @@ import argparse
 import asyncio
 import contextlib
 import logging
+import math
 import signal
-from dataclasses import dataclass
+from collections import Counter as CounterOf
+from dataclasses import dataclass, field
 from typing import Any, Final
 
-from aiohttp import ClientError, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
+from aiohttp.streams import StreamReader
 from aiokafka.errors import KafkaError
 from yarl import URL
 
 from streamtally.cli._api_keys import ApiKeyTenants
-from streamtally.cli._args import bootstrap_servers, kafka_of
-from streamtally.cli._output import say
+from streamtally.cli._args import bootstrap_servers, kafka_of, positive
+from streamtally.cli._output import redacted, say
 from streamtally.cli._tee import Tee, plan, source_of
+from streamtally.cli._usage_ask import UsageStripper, ask_for_usage, asks_for_usage
 from streamtally.cli.produce import add_key_file_argument, producer_key
 from streamtally.connection import KafkaConnection
 from streamtally.errors import InputError, StackError
@@ -47,7 +69,7 @@ from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 from streamtally.wire.tenant_keys import ProducerKey
 
-__all__ = ["ProxyServer", "add_parser", "source_of"]
+__all__ = ["ProxyOptions", "ProxyServer", "ProxyStats", "add_parser", "describe", "source_of"]
 
 log = logging.getLogger("streamtally.cli.proxy")
 
@@ -67,6 +89,16 @@ _HOP_BY_HOP: Final = frozenset(
         "content-length",
     }
 )
+#: Default seconds the upstream is still read after its client went away.
+DEFAULT_DRAIN_S: Final = 120.0
+#: Default largest request body of a metered call (JSON; images inline as base64 included).
+DEFAULT_MAX_REQUEST_BYTES: Final = 64 << 20
+#: Default seconds a client may take for its request headers, and for its body.
+DEFAULT_CLIENT_TIMEOUT_S: Final = 60.0
+#: Default calls served at once.
+DEFAULT_MAX_CONNECTIONS: Final = 4096
+#: Seconds between two looks at whether the client of a silent upstream is still there.
+CLIENT_POLL_S: Final = 0.25
 #: Headers aiohttp's client would add on its own: only those the client sent go upstream.
 _AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -91,6 +123,78 @@ def upstream_url(value: str) -> str:
     return value.rstrip("/")
 
 
+@dataclass(frozen=True, slots=True)
+class ProxyOptions:
+    """What the proxy bills to whom, and its bounds: each a `streamtally proxy` option.
+
+    Checked when made (`ValueError` names the option): every bound finite and in range.
+    """
+
+    #: Request header naming the tenant (sent once: twice is refused, never forwarded).
+    tenant_header: str = "X-Tenant"
+    #: Tenant of a call without the header; None: such a call is refused (400).
+    default_tenant: str | None = None
+    #: Ask OpenAI-compatible streams for their usage (`streamtally.cli._usage_ask`).
+    request_usage: bool = True
+    #: Seconds the upstream is still read, and teed, after its client went away (0: none).
+    drain_s: float = DEFAULT_DRAIN_S
+    #: Largest request body of a metered call (a larger one is answered 413).
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    #: Seconds a client may take to send its request headers, or to send its body.
+    header_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
+    #: Calls served at once; one more is answered 503 with Retry-After.
+    max_connections: int = DEFAULT_MAX_CONNECTIONS
+
+    def __post_init__(self) -> None:
+        if not self.tenant_header.strip():
+            raise ValueError("--tenant-header must not be empty")
+        if self.default_tenant is not None and not self.default_tenant.strip():
+            raise ValueError("--default-tenant must not be empty")
+        for name, value, low, high in (
+            ("--drain-seconds", self.drain_s, 0.0, 24 * 3600.0),
+            ("--header-timeout", self.header_timeout_s, 0.001, 24 * 3600.0),
+            ("--body-timeout", self.body_timeout_s, 0.001, 24 * 3600.0),
+        ):
+            if not math.isfinite(value) or not low <= value <= high:
+                raise ValueError(f"{name} must be a number of seconds in [{low:g}, {high:g}]")
+        if not 1 <= self.max_request_bytes <= 1 << 40:
+            raise ValueError("--max-request-bytes must be a whole number >= 1")
+        if not 1 <= self.max_connections <= 1_000_000:
+            raise ValueError("--max-connections must be a whole number in [1, 1000000]")
+
+
+@dataclass(slots=True)
+class ProxyStats:
+    """What the proxy did since it started (its last log line says it)."""
+
+    #: Calls forwarded upstream, and those of them teed to the tap.
+    forwarded: int = 0
+    tapped: int = 0
+    #: Calls answered by the proxy itself, never forwarded, by reason.
+    refused: CounterOf[str] = field(default_factory=CounterOf)
+    #: Streamed calls whose usage the proxy asked for, and usage-only chunks held back.
+    usage_asked: int = 0
+    usage_chunks_held: int = 0
+    #: Tapped calls whose client went away before the end; of those, the ones whose
+    #: upstream was cut before its end (the drain bound passed, or 0).
+    clients_gone: int = 0
+    drains_cut: int = 0
+    #: Tapped calls whose upstream broke off (the client still there).
+    upstream_broke: int = 0
+
+
+def describe(exc: BaseException) -> str:
+    """An exception for a log line: its type and message, credentials hidden.
+
+    An HTTP client's exceptions may quote the call they failed on: its URL (a
+    ``key=`` parameter) and in their repr its headers (``Authorization``); only
+    the message is used, through `redacted` (`streamtally.redact.redact_credentials`).
+    """
+    message = redacted(str(exc))
+    return f"{type(exc).__name__}: {message}" if message else type(exc).__name__
+
+
 class ProxyServer:
     """The proxy: an aiohttp server whose every request goes to `upstream`, tapped."""
 
@@ -99,20 +203,30 @@ class ProxyServer:
         upstream: str,
         tap: Tap,
         *,
-        tenant_header: str = "X-Tenant",
         api_keys: ApiKeyTenants | None = None,
+        options: ProxyOptions | None = None,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.tap = tap
-        self.tenant_header = tenant_header
+        self.options = ProxyOptions() if options is None else options
         #: With a map, the tenant is the API key's, and a call with no mapped key is refused.
         self.api_keys = api_keys
+        self.stats = ProxyStats()
         self._session: ClientSession | None = None
         self._runner: web.AppRunner | None = None
-        #: Requests forwarded, tapped ones (a `Tap` request each), refused (no mapped key).
-        self.forwarded = 0
-        self.tapped = 0
-        self.refused = 0
+        self._active = 0
+
+    @property
+    def forwarded(self) -> int:
+        return self.stats.forwarded
+
+    @property
+    def tapped(self) -> int:
+        return self.stats.tapped
+
+    @property
+    def refused(self) -> int:
+        return sum(self.stats.refused.values())
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host`:`port` (0: any free port); returns the port."""
@@ -121,10 +235,18 @@ class ProxyServer:
             auto_decompress=False,
             timeout=ClientTimeout(total=None, sock_connect=30),
         )
-        app = web.Application(client_max_size=1 << 30)
+        app = web.Application(client_max_size=self.options.max_request_bytes)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        # A client that goes away cancels its handler: its request ends as cancelled.
-        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        # A client that goes away does not cancel its handler: the upstream is still read
+        # to its end (at most --drain-seconds) and teed, so the call's usage is billed.
+        # An idle connection, or one whose headers do not come, is closed after
+        # --header-timeout (aiohttp's keep-alive timer runs from the connection's start).
+        self._runner = web.AppRunner(
+            app,
+            handler_cancellation=False,
+            access_log=None,
+            keepalive_timeout=self.options.header_timeout_s,
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -137,50 +259,135 @@ class ProxyServer:
         if self._session is not None:
             await self._session.close()
 
-    def _tenant(self, request: web.Request) -> str | None:
+    def _refuse(self, reason: str, status: int, text: str, **headers: str) -> web.Response:
+        self.stats.refused[reason] += 1
+        return web.Response(status=status, text=f"streamtally proxy: {text}\n", headers=headers)
+
+    def _tenant(self, request: web.Request) -> str | web.Response:
+        """The call's tenant, or the answer that refuses it (never forwarded)."""
         if self.api_keys is not None:
-            return self.api_keys.tenant_of(request.headers, request.query)
-        return request.headers.get(self.tenant_header) or "default"
+            tenant = self.api_keys.tenant_of(request.headers, request.query)
+            if tenant is None:
+                return self._refuse(
+                    "api_key", 403, "no API key, or one no tenant is billed for: not forwarded"
+                )
+            return tenant
+        name = self.options.tenant_header
+        values = request.headers.getall(name, [])
+        if len(values) > 1:
+            return self._refuse(
+                "tenant_header_repeated",
+                400,
+                f"the {name} header was sent {len(values)} times; send it once: not forwarded",
+            )
+        tenant = values[0].strip() if values else ""
+        if tenant:
+            return tenant
+        if self.options.default_tenant is not None:
+            return self.options.default_tenant
+        return self._refuse(
+            "tenant_header_missing",
+            400,
+            f"no {name} header naming the tenant to bill (or start the proxy with "
+            "--default-tenant): not forwarded",
+        )
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
-        assert self._session is not None
         tenant = self._tenant(request)
-        if tenant is None:
-            self.refused += 1
-            return web.Response(
-                status=403,
-                text="streamtally proxy: no API key, or one no tenant is billed for: "
-                "not forwarded\n",
+        if isinstance(tenant, web.Response):
+            return tenant
+        if self._active >= self.options.max_connections:
+            return self._refuse(
+                "busy",
+                503,
+                f"{self._active} calls in flight, the limit (--max-connections): try again",
+                **{"Retry-After": "1"},
             )
-        self.forwarded += 1
-        body = await request.read()
-        headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
+        self._active += 1
+        try:
+            return await self._forward(request, tenant)
+        finally:
+            self._active -= 1
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The body of a metered call, whole; or the answer to a body too large or too slow."""
+        limit = self.options.max_request_bytes
+        if request.content_length is not None and request.content_length > limit:
+            return self._refuse(
+                "too_large", 413, f"a request body over {limit} bytes (--max-request-bytes)"
+            )
+        try:
+            async with asyncio.timeout(self.options.body_timeout_s):
+                return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return self._refuse(
+                "too_large", 413, f"a request body over {limit} bytes (--max-request-bytes)"
+            )
+        except TimeoutError:
+            return self._refuse(
+                "body_timeout",
+                408,
+                f"the request body did not come within {self.options.body_timeout_s:g}s",
+            )
+
+    async def _forward(self, request: web.Request, tenant: str) -> web.StreamResponse:
+        assert self._session is not None
+        metered = source_of(request.path) is not None
+        headers = [
+            (k, v)
+            for k, v in request.headers.items()
+            if k.lower() not in _HOP_BY_HOP and k.lower() != self.options.tenant_header.lower()
+        ]
+        data: bytes | StreamReader | None
+        stripper: UsageStripper | None = None
+        if metered:
+            body = await self._read_body(request)
+            if isinstance(body, web.Response):
+                return body
+            if self.options.request_usage and asks_for_usage(request.method, request.path):
+                asked = ask_for_usage(body)
+                if asked is not None:
+                    body = asked
+                    stripper = UsageStripper()
+                    self.stats.usage_asked += 1
+                    # The stripper reads the stream's bytes: none of them compressed.
+                    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
+                    headers.append(("Accept-Encoding", "identity"))
+            data = body or None
+        else:
+            # Not metered: streamed through as it comes (a file upload may be large).
+            data = request.content if request.body_exists else None
         url = URL(self.upstream + request.raw_path, encoded=True)
         try:
             upstream = await self._session.request(
                 request.method,
                 url,
                 headers=headers,
-                data=body if body else None,
+                data=data,
                 skip_auto_headers=_AUTO_HEADERS,
                 allow_redirects=False,
             )
-        except (ClientError, OSError) as exc:
-            log.warning("upstream %s failed: %r", self.upstream, exc)
-            return web.Response(status=502, text=f"bad gateway: {exc}\n")
+        except (ClientError, OSError, TimeoutError) as exc:
+            log.warning(
+                "upstream call %s %s failed: %s", request.method, request.path, describe(exc)
+            )
+            return web.Response(
+                status=502,
+                text=f"streamtally proxy: bad gateway: the upstream did not answer "
+                f"({type(exc).__name__})\n",
+            )
+        self.stats.forwarded += 1
         async with upstream:
             response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
             for name, value in upstream.headers.items():
                 if name.lower() not in _HOP_BY_HOP or name.lower() == "content-length":
+                    if stripper is not None and name.lower() == "content-length":
+                        continue  # the client gets fewer bytes than the upstream sent
                     response.headers.add(name, value)
-            await response.prepare(request)
             tee = self._tee(request, upstream.status, upstream.headers, tenant)
-            if tee is None:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
-            else:
-                await self._stream_tapped(request, upstream, response, tee)
-            await response.write_eof()
+            with contextlib.suppress(ConnectionError):  # a client gone: drained all the same
+                await response.prepare(request)
+            await self._relay(request, upstream, response, tee, stripper)
         return response
 
     def _tee(self, request: web.Request, status: int, headers: Any, tenant: str) -> Tee | None:
@@ -194,25 +401,131 @@ class ProxyServer:
             return None
         return Tee(self.tap.request(tee.source, tenant=tenant), tee)
 
-    async def _stream_tapped(
-        self, request: web.Request, upstream: Any, response: web.StreamResponse, tee: Tee
+    async def _relay(
+        self,
+        request: web.Request,
+        upstream: ClientResponse,
+        response: web.StreamResponse,
+        tee: Tee | None,
+        stripper: UsageStripper | None,
     ) -> None:
-        self.tapped += 1
-        req = tee.request
-        cancelled = True
+        """Upstream to client, teed; after the client leaves, the upstream is still read
+        and teed to its end, for at most --drain-seconds (module docstring)."""
+        if tee is not None:
+            self.stats.tapped += 1
+        loop = asyncio.get_running_loop()
+        client = _Client(request, response)
+        drain_until: float | None = None
+        cancelled = False  # the END marker says cancelled: the client went away
+        read: asyncio.Future[bytes] | None = None
         try:
-            try:
-                async for chunk in upstream.content.iter_any():
-                    await response.write(chunk)
+            chunks = upstream.content.iter_any()
+            while True:
+                if drain_until is None and not client.there:
+                    cancelled = True
+                    self.stats.clients_gone += 1
+                    drain_until = loop.time() + self.options.drain_s
+                if read is None:
+                    read = asyncio.ensure_future(anext(chunks, b""))
+                # Waiting for the upstream, the client is looked at now and then: one that
+                # left while the upstream was silent starts the drain's clock.
+                wait = CLIENT_POLL_S
+                if drain_until is not None:
+                    wait = min(wait, max(0.0, drain_until - loop.time()))
+                done, _ = await asyncio.wait((read,), timeout=wait)
+                if not done:
+                    if drain_until is not None and loop.time() >= drain_until:
+                        self.stats.drains_cut += 1
+                        log.warning(
+                            "%s %s: the client went away and the upstream did not end within "
+                            "%gs (--drain-seconds): cut, billed with what came",
+                            request.method,
+                            request.path,
+                            self.options.drain_s,
+                        )
+                        upstream.close()
+                        break
+                    continue
+                finished, read = read, None
+                try:
+                    chunk = finished.result()
+                except (ClientError, OSError) as exc:
+                    if not cancelled:
+                        self.stats.upstream_broke += 1
+                    log.warning(
+                        "%s %s: the upstream broke off: %s",
+                        request.method,
+                        request.path,
+                        describe(exc),
+                    )
+                    client.abort()  # the client's response breaks off too
+                    break
+                if not chunk:
+                    if tee is not None:
+                        await tee.close()
+                    if client.there:
+                        await client.finish(b"" if stripper is None else stripper.close())
+                    break
+                if tee is not None:
                     await tee.feed(chunk)
-            except ClientError as exc:  # the upstream broke off: a plain end (`error`)
-                log.warning("upstream broke off %s: %r", request.path, exc)
-                cancelled = False
-                raise
-            await tee.close()
-            cancelled = False
+                if client.there:
+                    await client.write(chunk if stripper is None else stripper.feed(chunk))
+        except asyncio.CancelledError:
+            cancelled = True  # the proxy is stopping: the call is cut here
+            raise
         finally:
-            req.end(cancelled=cancelled)
+            if read is not None:
+                read.cancel()
+            if stripper is not None:
+                self.stats.usage_chunks_held += stripper.dropped
+            if tee is not None:
+                tee.request.end(cancelled=cancelled)
+
+
+class _Client:
+    """The client's side of one call: writes that stop, without an error, once it is gone."""
+
+    def __init__(self, request: web.Request, response: web.StreamResponse) -> None:
+        self._request = request
+        self._response = response
+        self._gone = False
+        #: The response was written whole, its end included.
+        self.finished = False
+
+    @property
+    def there(self) -> bool:
+        if self._gone:
+            return False
+        transport = self._request.transport
+        if transport is None or transport.is_closing() or not self._response.prepared:
+            self._gone = True
+        return not self._gone
+
+    async def write(self, data: bytes) -> None:
+        if not data:
+            return
+        try:
+            await self._response.write(data)
+        except ConnectionError:
+            self._gone = True
+
+    async def finish(self, data: bytes) -> None:
+        await self.write(data)
+        if self._gone:
+            return
+        try:
+            await self._response.write_eof()
+        except ConnectionError:
+            self._gone = True
+            return
+        self.finished = True
+
+    def abort(self) -> None:
+        """Break the client's connection off (the upstream broke off: so does its answer)."""
+        transport = self._request.transport
+        if transport is not None:
+            transport.close()
+        self._gone = True
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -240,7 +553,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "--tenant-header",
         default="X-Tenant",
         metavar="NAME",
-        help="request header naming the tenant (default: X-Tenant; absent: default)",
+        help="request header naming the tenant, sent once (default: X-Tenant); a call that "
+        "sends it twice, or not at all without --default-tenant, is refused (400)",
+    )
+    parser.add_argument(
+        "--default-tenant",
+        metavar="TENANT",
+        help="bill a call without the tenant header to TENANT (default: refuse it)",
     )
     parser.add_argument(
         "--api-keys",
@@ -250,8 +569,54 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "header is then ignored",
     )
     parser.add_argument(
+        "--no-usage-request",
+        dest="request_usage",
+        action="store_false",
+        help="do not ask OpenAI-compatible streams for their usage chunk (by default the "
+        "proxy asks and hides it from a client that did not ask)",
+    )
+    parser.add_argument(
+        "--drain-seconds",
+        type=seconds,
+        default=DEFAULT_DRAIN_S,
+        metavar="S",
+        help="after a client goes away, keep reading and teeing the upstream for at most S "
+        f"seconds, so its usage is billed (default: {DEFAULT_DRAIN_S:g}; 0: cut at once)",
+    )
+    parser.add_argument(
+        "--max-request-bytes",
+        type=positive,
+        default=DEFAULT_MAX_REQUEST_BYTES,
+        metavar="N",
+        help=f"largest request body of a metered call (default: {DEFAULT_MAX_REQUEST_BYTES}); "
+        "larger: 413",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=seconds,
+        default=DEFAULT_CLIENT_TIMEOUT_S,
+        metavar="S",
+        help="seconds a connection may take to send its request headers, or stay idle "
+        f"(default: {DEFAULT_CLIENT_TIMEOUT_S:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=seconds,
+        default=DEFAULT_CLIENT_TIMEOUT_S,
+        metavar="S",
+        help="seconds a client may take to send a metered call's body (default: "
+        f"{DEFAULT_CLIENT_TIMEOUT_S:g}); slower: 408",
+    )
+    parser.add_argument(
+        "--max-connections",
+        type=positive,
+        default=DEFAULT_MAX_CONNECTIONS,
+        metavar="N",
+        help=f"calls served at once (default: {DEFAULT_MAX_CONNECTIONS}); one more: 503",
+    )
+    parser.add_argument(
         "--budget-ms",
-        type=float,
+        type=seconds,
         default=5.0,
         metavar="MS",
         help="longest wait of one event for room in the tap's buffer (default: 5)",
@@ -276,7 +641,7 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with Tap(servers, namespace=namespace, budget_s=args.budget_ms / 1000, key=key) as tap:
-        proxy = ProxyServer(args.upstream, tap, tenant_header=args.tenant_header, api_keys=api_keys)
+        proxy = ProxyServer(args.upstream, tap, api_keys=api_keys, options=options(args))
         try:
             port = await proxy.start(args.listen.host, args.listen.port)
         except OSError as exc:
@@ -289,18 +654,50 @@ async def _serve(
         finally:
             await proxy.stop()
     stats = tap.stats  # once the tap has sent what it had
+    done = proxy.stats
+    refused = ", ".join(f"{n} {reason}" for reason, n in sorted(done.refused.items())) or "none"
     say(
-        f"proxy: {proxy.forwarded} requests forwarded, {proxy.tapped} tapped, "
-        f"{proxy.refused} refused (no mapped API key); records "
-        f"sent {stats.sent}, dropped over budget {stats.dropped_over_budget}, "
-        f"failed {stats.failed}"
+        f"proxy: {done.forwarded} calls forwarded, {done.tapped} tapped "
+        f"({done.usage_asked} asked for usage; {done.clients_gone} clients gone, "
+        f"{done.drains_cut} of them cut at --drain-seconds; {done.upstream_broke} upstreams "
+        f"broke off); refused: {refused}; records sent {stats.sent}, dropped over budget "
+        f"{stats.dropped_over_budget}, failed {stats.failed}"
     )
     return 0
 
 
+def seconds(text: str) -> float:
+    """An argparse type: a finite number >= 0 (``nan`` and ``inf`` are refused)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a finite number >= 0")
+    return value
+
+
+def options(args: argparse.Namespace) -> ProxyOptions:
+    """The `ProxyOptions` the command line gives (an `InputError` names a bad one)."""
+    try:
+        return ProxyOptions(
+            tenant_header=args.tenant_header,
+            default_tenant=args.default_tenant,
+            request_usage=args.request_usage,
+            drain_s=args.drain_seconds,
+            max_request_bytes=args.max_request_bytes,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            max_connections=args.max_connections,
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from exc
+
+
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    if args.budget_ms < 0:
-        raise InputError("--budget-ms must be >= 0")
+    if args.budget_ms > 60_000:
+        raise InputError("--budget-ms must be at most 60000")
+    options(args)  # checked before anything starts
     key = producer_key(args, settings)
     api_keys = None if args.api_keys is None else ApiKeyTenants.load(args.api_keys)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)

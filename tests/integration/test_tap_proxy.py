@@ -1,13 +1,21 @@
 """`streamtally proxy` on the real stack: clients, the proxy, a replaying upstream, a worker.
 
 A small aiohttp upstream replays our own transcripts (`samples/`): an OpenAI
-stream, a Gemini non-streaming body (one event of a Gemini transcript), and
-an Anthropic stream that stops after a few events and waits, so that its
-client can go away mid-stream.  The proxy (`ProxyServer`, the command's own
-code, with a real `Tap`) sits in front; plain aiohttp clients call it.
-Every client must get exactly the upstream's bytes, and the Tokens and usage
-rows in Redis must be what `streamtally fold` makes of the same transcripts;
-the request whose client went away is closed `cancelled` with what it had.
+stream (with its usage only when the request asks for it, as a real
+OpenAI-compatible server does: `tests.openai_upstream`), a Gemini
+non-streaming body (one event of a Gemini transcript), and streams that stop
+at a point and wait until their client has gone away, then go on to their
+end.  The proxy (`ProxyServer`, the command's own code, with a real `Tap`)
+sits in front; plain aiohttp clients call it, none of them asking for usage.
+
+Checked: every client gets exactly what the upstream would have sent it
+without the proxy (the OpenAI stream without usage); the upstream was asked
+for the usage and never saw the tenant header; a client that goes away after
+the OpenAI finish chunk, before the usage chunk, and one that goes away in
+the middle of an Anthropic stream, are still billed the provider's usage
+(the proxy drains the upstream), closed with their provider's finish reason;
+the Tokens and usage rows in Redis are what `streamtally fold` makes of the
+whole transcripts.
 """
 
 from __future__ import annotations
@@ -15,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +39,7 @@ from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 from tests.integration.worker import SAMPLES, WorkerProcess, cli, forget_usage, wait_for_tokens
+from tests.openai_upstream import asked_for_usage, openai_stream
 
 pytestmark = pytest.mark.integration
 
@@ -53,12 +62,21 @@ def anthropic_prefix() -> bytes:
     return b"".join(block + b"\n\n" for block in blocks[:BEFORE_LEAVING])
 
 
+def openai_until_finish(data: bytes) -> bytes:
+    """The OpenAI stream up to its finish chunk, included (then come the usage and DONE)."""
+    end = data.index(b'"finish_reason":"stop"')
+    return data[: data.index(b"\n\n", end) + 2]
+
+
 class Upstream:
-    """The provider: replays transcripts in small pieces."""
+    """The provider: replays transcripts in small pieces (module docstring)."""
 
     def __init__(self) -> None:
-        self.leave = asyncio.Event()
+        #: Set by the test once a client has gone away: its stream goes on to its end.
+        self.resume = {"openai": asyncio.Event(), "anthropic": asyncio.Event()}
         self.runner: web.AppRunner | None = None
+        self.asked: list[bool] = []
+        self.tenant_headers: list[str] = []
 
     async def start(self) -> int:
         app = web.Application()
@@ -73,31 +91,46 @@ class Upstream:
         return int(self.runner.addresses[0][1])
 
     async def stop(self) -> None:
-        self.leave.set()
+        for event in self.resume.values():
+            event.set()
         assert self.runner is not None
         await self.runner.cleanup()
 
-    async def _stream(self, request: web.Request, data: bytes) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
+    async def _write(self, response: web.StreamResponse, data: bytes) -> None:
         for start in range(0, len(data), 97):
             await response.write(data[start : start + 97])
             await asyncio.sleep(0)
+
+    async def _stream(
+        self, request: web.Request, data: bytes, wait: str | None = None, at: int = 0
+    ) -> web.StreamResponse:
+        self.tenant_headers += request.headers.getall("X-Tenant", [])
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        if wait is None:
+            await self._write(response, data)
+        else:  # up to `at`, then wait for the client to go away, then the rest
+            await self._write(response, data[:at])
+            await asyncio.wait_for(self.resume[wait].wait(), 60)
+            await self._write(response, data[at:])
+        await response.write_eof()
         return response
 
     async def openai(self, request: web.Request) -> web.StreamResponse:
-        assert (await request.json())["stream"] is True
-        response = await self._stream(request, OPENAI_FILE.read_bytes())
-        await response.write_eof()
-        return response
+        body = await request.json()
+        assert body["stream"] is True
+        self.asked.append(asked_for_usage(body))
+        data = openai_stream(OPENAI_FILE.read_bytes(), include_usage=asked_for_usage(body))
+        if request.headers.get("X-Leave") == "after-finish":
+            return await self._stream(request, data, "openai", len(openai_until_finish(data)))
+        return await self._stream(request, data)
 
     async def gemini(self, request: web.Request) -> web.Response:
         return web.Response(body=gemini_body(), content_type="application/json")
 
     async def anthropic(self, request: web.Request) -> web.StreamResponse:
-        response = await self._stream(request, anthropic_prefix())
-        await asyncio.wait_for(self.leave.wait(), 60)  # the client leaves meanwhile
-        return response
+        data = ANTHROPIC_FILE.read_bytes()
+        return await self._stream(request, data, "anthropic", len(anthropic_prefix()))
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"data": [{"id": "m"}]})
@@ -106,10 +139,24 @@ class Upstream:
 @dataclass
 class Seen:
     openai: bytes = b""
+    openai_left: bytes = b""
     gemini: bytes = b""
     anthropic: bytes = b""
     models: bytes = b""
+    asked: list[bool] = field(default_factory=list)
+    tenant_headers: list[str] = field(default_factory=list)
     tap: Any = None
+    proxy: Any = None
+
+
+async def leave_after(client: ClientSession, url: str, want: bytes, **kwargs: Any) -> bytes:
+    """Call, read until `want` came, then go away (the connection closed)."""
+    seen = b""
+    resp = await client.post(url, **kwargs)
+    while len(seen) < len(want):
+        seen += await asyncio.wait_for(resp.content.readany(), 10)
+    resp.close()  # the client goes away mid-stream
+    return seen
 
 
 async def traffic(servers: str, namespace: str, tenants: dict[str, str]) -> Seen:
@@ -121,11 +168,12 @@ async def traffic(servers: str, namespace: str, tenants: dict[str, str]) -> Seen
         proxy = ProxyServer(f"http://127.0.0.1:{up_port}", tap)
         port = await proxy.start("127.0.0.1", 0)
         base = f"http://127.0.0.1:{port}"
+        chat = {"model": "gpt-4o-mini", "stream": True, "messages": []}
         try:
             async with ClientSession() as client:
                 async with client.post(
                     f"{base}/v1/chat/completions",
-                    json={"model": "gpt-4o-mini", "stream": True, "messages": []},
+                    json=chat,
                     headers={"X-Tenant": tenants["openai"]},
                 ) as resp:
                     assert resp.status == 200
@@ -137,25 +185,42 @@ async def traffic(servers: str, namespace: str, tenants: dict[str, str]) -> Seen
                     headers={"X-Tenant": tenants["gemini"]},
                 ) as resp:
                     seen.gemini = await resp.read()
-                async with client.get(f"{base}/v1/models") as resp:
+                async with client.get(
+                    f"{base}/v1/models", headers={"X-Tenant": tenants["gemini"]}
+                ) as resp:
                     seen.models = await resp.read()
-                want = anthropic_prefix()
-                resp = await client.post(
+                plain = openai_stream(OPENAI_FILE.read_bytes(), include_usage=False)
+                seen.openai_left = await leave_after(
+                    client,
+                    f"{base}/v1/chat/completions",
+                    openai_until_finish(plain),
+                    json=chat,
+                    headers={"X-Tenant": tenants["openai-left"], "X-Leave": "after-finish"},
+                )
+                seen.anthropic = await leave_after(
+                    client,
                     f"{base}/v1/messages",
+                    anthropic_prefix(),
                     json={"model": "claude-haiku-4-5", "stream": True, "messages": []},
                     headers={"X-Tenant": tenants["anthropic"]},
                 )
-                while len(seen.anthropic) < len(want):
-                    seen.anthropic += await asyncio.wait_for(resp.content.readany(), 10)
-                resp.close()  # the client goes away mid-stream
-                for _ in range(200):  # the proxy notices and ends the request cancelled
-                    if tap.stats.requests == 3:
+                for _ in range(200):  # the proxy notices both clients gone
+                    if proxy.stats.clients_gone == 2:
+                        break
+                    await asyncio.sleep(0.05)
+                for event in upstream.resume.values():
+                    event.set()  # the upstream goes on; the proxy reads it to its end
+                for _ in range(200):
+                    if tap.stats.requests == 4:
                         break
                     await asyncio.sleep(0.05)
         finally:
             await proxy.stop()
             await upstream.stop()
     seen.tap = tap.stats
+    seen.proxy = proxy.stats
+    seen.asked = upstream.asked
+    seen.tenant_headers = upstream.tenant_headers
     return seen
 
 
@@ -170,31 +235,39 @@ def test_the_proxy_forwards_unchanged_and_the_pipeline_counts_what_it_tapped(
     worker: WorkerProcess, bootstrap_servers: str, redis_url: str, tmp_path: Path
 ) -> None:
     run = uuid.uuid4().hex[:10]
-    tenants = {name: f"tap-{name}-{run}" for name in ("openai", "gemini", "anthropic")}
+    names = ("openai", "openai-left", "gemini", "anthropic")
+    tenants = {name: f"tap-{name}-{run}" for name in names}
     namespace = Settings.load().namespace
     try:
         seen = asyncio.run(traffic(bootstrap_servers, namespace, tenants))
-        assert seen.openai == OPENAI_FILE.read_bytes()
+        plain = openai_stream(OPENAI_FILE.read_bytes(), include_usage=False)
+        assert b'"usage"' not in plain
+        assert seen.openai == plain  # what the client would have had without the proxy
+        assert seen.openai_left == openai_until_finish(plain)
+        assert seen.asked == [True, True]  # the proxy asked the upstream for the usage
+        assert seen.tenant_headers == []  # and kept the tenant to itself
         assert seen.gemini == gemini_body()
         assert seen.anthropic == anthropic_prefix()
         assert json.loads(seen.models) == {"data": [{"id": "m"}]}
-        assert seen.tap.requests == 3
-        assert seen.tap.cancelled == 1
+        assert seen.tap.requests == 4
+        assert seen.tap.cancelled == 2
         assert seen.tap.dropped_over_budget == 0
         assert seen.tap.failed == 0
+        assert seen.proxy.usage_asked == 2
+        assert seen.proxy.usage_chunks_held == 1  # the other client had gone before it came
+        assert (seen.proxy.clients_gone, seen.proxy.drains_cut) == (2, 0)
 
         gemini_sse = tmp_path / "gemini.sse"
         gemini_sse.write_bytes(b"data: " + gemini_body() + b"\n\n")
-        cut_sse = tmp_path / "anthropic-cut.sse"
-        cut_sse.write_bytes(anthropic_prefix())
+        # Both clients that went away are billed the provider's usage, whole: the proxy read
+        # their streams to the end; their choices finished before the END said cancelled.
         expected = {
             "openai": folded(Source.OPENAI, OPENAI_FILE),
+            "openai-left": folded(Source.OPENAI, OPENAI_FILE),
             "gemini": folded(Source.GEMINI, gemini_sse),
-            # What it had when its client left, closed `cancelled` rather than `error`.
-            "anthropic": folded(Source.ANTHROPIC, cut_sse)
-            | {"finish_reason": "cancelled", "finish_reason_raw": None, "error": None},
+            "anthropic": folded(Source.ANTHROPIC, ANTHROPIC_FILE),
         }
-        assert folded(Source.ANTHROPIC, cut_sse)["finish_reason"] == "error"
+        assert expected["openai"]["usage"]["output_tokens"] > 0
 
         refs = {
             name: RequestRef(tenants[name], exp["request_id"]) for name, exp in expected.items()

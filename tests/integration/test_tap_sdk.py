@@ -39,7 +39,7 @@ from aiohttp import web
 from google import genai
 from google.genai import types as genai_types
 
-from streamtally.cli.proxy import ProxyServer
+from streamtally.cli.proxy import ProxyOptions, ProxyServer
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source
 from streamtally.core.normalize import read_events
@@ -49,6 +49,7 @@ from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 from tests.bodies import body_of
 from tests.integration.worker import SAMPLES, WorkerProcess, cli, forget_usage, wait_for_tokens
+from tests.openai_upstream import asked_for_usage, openai_stream
 
 pytestmark = pytest.mark.integration
 
@@ -82,6 +83,14 @@ def blocks(sample: str) -> list[bytes]:
 
 def cut_prefix() -> bytes:
     return b"".join(blocks(CUT_SAMPLE)[:BEFORE_LEAVING])
+
+
+def sent_unasked(sample: str) -> bytes:
+    """What the upstream sends a call that did not ask for usage (the SDKs' default)."""
+    data = (SAMPLES / sample).read_bytes()
+    if source_of_sample(sample) is Source.OPENAI:
+        return openai_stream(data, include_usage=False)
+    return data
 
 
 def transcript_events(sample: str, data: bytes | None = None) -> list[dict[str, Any]]:
@@ -129,6 +138,8 @@ class Upstream:
             return web.json_response(body_of(source_of_sample(sample), SAMPLES / sample))
         cut = request.headers.get("X-Cut")
         data = b"".join(blocks(sample)[: int(cut)]) if cut else (SAMPLES / sample).read_bytes()
+        if source_of_sample(sample) is Source.OPENAI:  # usage only when asked, as OpenAI does
+            data = openai_stream(data, include_usage=asked_for_usage(body))
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         for start in range(0, len(data), 97):
@@ -157,7 +168,7 @@ class Call:
 
     def want_parsed(self) -> list[dict[str, Any]]:
         if self.streaming:
-            return transcript_events(self.sample)
+            return transcript_events(self.sample, sent_unasked(self.sample))
         return [body_of(source_of_sample(self.sample), SAMPLES / self.sample)]
 
 
@@ -301,6 +312,7 @@ class Seen:
     raw: dict[str, bytes]
     tap: Any
     upstream_calls: int
+    proxy: Any
 
 
 async def traffic(
@@ -311,7 +323,8 @@ async def traffic(
     up_port = await upstream.start()
     total = len(calls) + 1 + len(RAW_READS)
     async with Tap(servers, namespace=namespace) as tap:
-        proxy = ProxyServer(f"http://127.0.0.1:{up_port}", tap)
+        # The cut call's upstream stays silent after its client left: drained 1 s, then cut.
+        proxy = ProxyServer(f"http://127.0.0.1:{up_port}", tap, options=ProxyOptions(drain_s=1))
         port = await proxy.start("127.0.0.1", 0)
         base = f"http://127.0.0.1:{port}"
         try:
@@ -326,7 +339,7 @@ async def traffic(
         finally:
             await proxy.stop()
             await upstream.stop()
-    return Seen(raw, tap.stats, upstream.calls)
+    return Seen(raw, tap.stats, upstream.calls, proxy.stats)
 
 
 def folded(source: Source, path: Path) -> dict[str, Any]:
@@ -358,10 +371,13 @@ def test_sdk_clients_get_the_upstream_unchanged_and_the_pipeline_counts_their_ca
             assert call.parsed == call.want_parsed(), call.name
         assert cut.parsed == transcript_events(CUT_SAMPLE, cut_prefix())
         for sample in RAW_READS:
-            assert seen.raw[sample] == (SAMPLES / sample).read_bytes(), sample
+            assert seen.raw[sample] == sent_unasked(sample), sample
         assert seen.upstream_calls == len(calls) + 1 + len(RAW_READS)
         assert seen.tap.requests == len(calls) + 1 + len(RAW_READS)
         assert seen.tap.cancelled == 1
+        assert (seen.proxy.clients_gone, seen.proxy.drains_cut) == (1, 1)
+        assert seen.proxy.usage_asked == 2  # the SDK's default streamed chat, the raw read
+        assert seen.proxy.usage_chunks_held == 2
         assert seen.tap.dropped_over_budget == 0
         assert seen.tap.failed == 0
 
