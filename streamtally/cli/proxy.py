@@ -324,11 +324,13 @@ class ProxyServer:
                 "too_large", 413, f"a request body over {limit} bytes (--max-request-bytes)"
             )
         except TimeoutError:
-            return self._refuse(
+            answer = self._refuse(
                 "body_timeout",
                 408,
                 f"the request body did not come within {self.options.body_timeout_s:g}s",
             )
+            answer.force_close()  # the rest of the body is not waited for
+            return answer
 
     async def _forward(self, request: web.Request, tenant: str) -> web.StreamResponse:
         assert self._session is not None

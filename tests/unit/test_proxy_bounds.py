@@ -1,0 +1,292 @@
+"""`streamtally proxy`: who pays (the tenant header), its bounds, and no secret in its words.
+
+The proxy on loopback sockets (an aiohttp upstream and raw or aiohttp clients;
+the tap's records kept by a fake sender, no Kafka): a tenant header sent
+twice, or not at all, is refused before anything is forwarded; a body over
+the limit is 413, a slow one 408, a connection that does not send its
+headers is closed, calls past the connection limit are 503; every option is
+checked (finite, in range); and neither a log line nor an answer quotes the
+credentials of a call whose upstream fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+from aiohttp import ClientSession, web
+
+from streamtally.cli import main
+from streamtally.cli._output import redacted
+from streamtally.cli.proxy import ProxyOptions, ProxyServer, describe
+from streamtally.producers import Tap
+from tests.unit.test_tap import SAMPLES, FakeSender
+
+TEXT = SAMPLES / "openai" / "text_usage.sse"
+SECRETS = ("sk-live-0123456789abcdef", "sk-ant-api03-secretsecret", "AIzaSyGoogleSecret123")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def serving(handler: Handler) -> AsyncIterator[int]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        yield int(runner.addresses[0][1])
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def proxied(upstream: str, options: ProxyOptions | None = None) -> AsyncIterator[ProxyServer]:
+    async with Tap(sender=FakeSender()) as tap:
+        proxy = ProxyServer(upstream, tap, options=options)
+        proxy.port = await proxy.start("127.0.0.1", 0)  # type: ignore[attr-defined]
+        try:
+            yield proxy
+        finally:
+            await proxy.stop()
+
+
+def base(proxy: ProxyServer) -> str:
+    return f"http://127.0.0.1:{proxy.port}"  # type: ignore[attr-defined]
+
+
+async def stream_text(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    await response.write(TEXT.read_bytes())
+    await response.write_eof()
+    return response
+
+
+async def test_the_tenant_header_once_or_refused() -> None:
+    seen: list[str] = []
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        seen.append(request.headers.get("X-Tenant", "-"))
+        return await stream_text(request)
+
+    async with serving(upstream) as port, proxied(f"http://127.0.0.1:{port}") as proxy:
+        url = base(proxy) + "/v1/chat/completions"
+        async with ClientSession() as client:
+            twice = [("X-Tenant", "victim"), ("X-Tenant", "attacker")]
+            async with client.post(url, data=b"{}", headers=twice) as response:
+                assert response.status == 400
+                assert "sent 2 times" in await response.text()
+            async with client.post(url, data=b"{}") as response:
+                assert response.status == 400
+                assert "--default-tenant" in await response.text()
+            async with client.post(url, data=b"{}", headers={"X-Tenant": "  "}) as response:
+                assert response.status == 400
+            async with client.post(url, data=b"{}", headers={"X-Tenant": "acme"}) as response:
+                assert response.status == 200
+    assert seen == ["-"]  # one call forwarded, without the tenant header
+    assert proxy.stats.refused == {"tenant_header_repeated": 1, "tenant_header_missing": 2}
+    tenants = {r.tenant for r in proxy.tap._sender.decoded()}  # type: ignore[attr-defined]
+    assert tenants == {"acme"}
+
+
+async def test_a_default_tenant_bills_calls_without_the_header() -> None:
+    options = ProxyOptions(default_tenant="house")
+    async with serving(stream_text) as port, proxied(f"http://127.0.0.1:{port}", options) as proxy:
+        async with ClientSession() as client:
+            url = base(proxy) + "/v1/chat/completions"
+            async with client.post(url, data=b"{}") as response:
+                assert response.status == 200
+                await response.read()
+            twice = [("X-Tenant", "a"), ("X-Tenant", "b")]
+            async with client.post(url, data=b"{}", headers=twice) as response:
+                assert response.status == 400  # twice is refused even with a default
+    tenants = {r.tenant for r in proxy.tap._sender.decoded()}  # type: ignore[attr-defined]
+    assert tenants == {"house"}
+
+
+async def test_a_body_over_the_limit_is_413_and_never_forwarded() -> None:
+    calls: list[int] = []
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        calls.append(len(await request.read()))
+        return await stream_text(request)
+
+    options = ProxyOptions(max_request_bytes=1000, default_tenant="t")
+    async with serving(upstream) as port, proxied(f"http://127.0.0.1:{port}", options) as proxy:
+        url = base(proxy) + "/v1/chat/completions"
+        async with ClientSession() as client:
+            async with client.post(url, data=b"x" * 1001) as response:
+                assert response.status == 413
+
+            # without a length: chunked, found out while reading
+            async def chunks() -> AsyncIterator[bytes]:
+                for _ in range(20):
+                    yield b"y" * 100
+
+            async with client.post(url, data=chunks()) as response:
+                assert response.status == 413
+            async with client.post(url, data=b"z" * 1000) as response:
+                assert response.status == 200
+    assert calls == [1000]
+    assert proxy.stats.refused == {"too_large": 2}
+
+
+async def raw_call(port: int, head: bytes, then: bytes = b"", wait: float = 0.0) -> bytes:
+    """A raw HTTP exchange: `head`, a pause, `then`; everything the proxy answers."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(head)
+    await writer.drain()
+    if wait:
+        await asyncio.sleep(wait)
+    if then:
+        writer.write(then)
+        await writer.drain()
+    try:
+        return await asyncio.wait_for(reader.read(200), 5)
+    finally:
+        writer.close()
+
+
+async def test_slow_headers_and_bodies_are_cut() -> None:
+    options = ProxyOptions(header_timeout_s=0.3, body_timeout_s=0.3, default_tenant="t")
+    async with serving(stream_text) as port, proxied(f"http://127.0.0.1:{port}", options) as proxy:
+        # headers that never end: the connection is closed, nothing answered
+        got = await raw_call(proxy.port, b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")  # type: ignore[attr-defined]
+        assert got == b""
+        # a body that does not come: 408
+        head = (
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 10\r\n"
+            b"Connection: close\r\n\r\nabc"
+        )
+        got = await raw_call(proxy.port, head)  # type: ignore[attr-defined]
+        assert got.startswith(b"HTTP/1.1 408"), got[:60]
+    assert proxy.stats.refused == {"body_timeout": 1}
+
+
+async def test_calls_past_the_connection_limit_are_503() -> None:
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return await stream_text(request)
+
+    options = ProxyOptions(max_connections=2, default_tenant="t")
+    async with serving(slow) as port, proxied(f"http://127.0.0.1:{port}", options) as proxy:
+        url = base(proxy) + "/v1/chat/completions"
+        async with ClientSession() as client:
+
+            async def call() -> int:
+                async with client.post(url, data=b"{}") as response:
+                    await response.read()
+                    if response.status == 503:
+                        assert response.headers["Retry-After"] == "1"
+                    return response.status
+
+            first = [asyncio.create_task(call()) for _ in range(2)]
+            for _ in range(100):
+                if proxy._active == 2:
+                    break
+                await asyncio.sleep(0.01)
+            assert await call() == 503
+            release.set()
+            assert sorted(await asyncio.gather(*first)) == [200, 200]
+            assert await call() == 200  # room again
+    assert proxy.stats.refused == {"busy": 1}
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        {"drain_s": math.nan},
+        {"drain_s": math.inf},
+        {"drain_s": -1.0},
+        {"header_timeout_s": 0.0},
+        {"body_timeout_s": math.nan},
+        {"max_request_bytes": 0},
+        {"max_connections": 0},
+        {"tenant_header": " "},
+        {"default_tenant": ""},
+    ],
+)
+def test_options_are_checked(option: dict[str, object]) -> None:
+    with pytest.raises(ValueError, match="--"):
+        ProxyOptions(**option)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--budget-ms", "nan"],
+        ["--budget-ms", "inf"],
+        ["--budget-ms", "-1"],
+        ["--drain-seconds", "nan"],
+        ["--header-timeout", "0"],
+        ["--max-connections", "0"],
+        ["--max-request-bytes", "-5"],
+    ],
+)
+def test_the_command_refuses_bad_options_in_one_line(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    try:
+        code = main(["proxy", "--upstream", "http://127.0.0.1:9", *argv])
+    except SystemExit as exited:  # argparse's own check of the option's type
+        code = int(str(exited.code))
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert argv[0] in err or "finite" in err or "whole number" in err or "seconds" in err
+
+
+def test_describe_hides_what_an_http_client_quotes() -> None:
+    exc = RuntimeError(
+        "bad reply to POST http://up/v1beta/models/g:generateContent?key=AIzaSyGoogleSecret123 "
+        "headers={'Authorization': 'Bearer sk-live-0123456789abcdef', "
+        "'x-api-key': 'sk-ant-api03-secretsecret'}"
+    )
+    text = describe(exc)
+    assert text.startswith("RuntimeError: bad reply")
+    for secret in SECRETS:
+        assert secret not in text
+    assert redacted("Authorization: Bearer sk-live-0123456789abcdef") == "Authorization: ***"
+
+
+async def test_no_secret_in_a_log_line_or_an_answer_when_the_upstream_fails(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def garbage(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        assert request.transport is not None
+        request.transport.write(b"HTTP/1.1 200 OK\r\nContent-Length: nope\r\n\r\n{")
+        request.transport.close()
+        return web.Response()
+
+    headers = {
+        "Authorization": f"Bearer {SECRETS[0]}",
+        "x-api-key": SECRETS[1],
+        "x-goog-api-key": SECRETS[2],
+        "X-Tenant": "t",
+    }
+    answers: list[str] = []
+    caplog.set_level(logging.DEBUG)
+    async with serving(garbage) as port:
+        for upstream in (f"http://127.0.0.1:{port}", "http://127.0.0.1:1"):
+            async with proxied(upstream) as proxy, ClientSession() as client:
+                url = base(proxy) + f"/v1beta/models/g:generateContent?key={SECRETS[2]}"
+                async with client.post(url, data=b"{}", headers=headers) as response:
+                    answers.append(f"{response.status} {await response.text()}")
+    assert [a[:3] for a in answers] == ["502", "502"]
+    logged = "\n".join(redacted(r.getMessage()) for r in caplog.records)
+    assert "upstream call POST" in logged
+    for secret in SECRETS:
+        assert not any(secret in a for a in answers), answers
+        assert secret not in logged
+    assert "127.0.0.1" not in " ".join(answers)  # the upstream's address is not echoed
