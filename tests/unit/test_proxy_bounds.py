@@ -99,15 +99,18 @@ async def test_the_tenant_header_once_or_refused() -> None:
 
 async def test_a_default_tenant_bills_calls_without_the_header() -> None:
     options = ProxyOptions(default_tenant="house")
-    async with serving(stream_text) as port, proxied(f"http://127.0.0.1:{port}", options) as proxy:
-        async with ClientSession() as client:
-            url = base(proxy) + "/v1/chat/completions"
-            async with client.post(url, data=b"{}") as response:
-                assert response.status == 200
-                await response.read()
-            twice = [("X-Tenant", "a"), ("X-Tenant", "b")]
-            async with client.post(url, data=b"{}", headers=twice) as response:
-                assert response.status == 400  # twice is refused even with a default
+    async with (
+        serving(stream_text) as port,
+        proxied(f"http://127.0.0.1:{port}", options) as proxy,
+        ClientSession() as client,
+    ):
+        url = base(proxy) + "/v1/chat/completions"
+        async with client.post(url, data=b"{}") as response:
+            assert response.status == 200
+            await response.read()
+        twice = [("X-Tenant", "a"), ("X-Tenant", "b")]
+        async with client.post(url, data=b"{}", headers=twice) as response:
+            assert response.status == 400  # twice is refused even with a default
     tenants = {r.tenant for r in proxy.tap._sender.decoded()}  # type: ignore[attr-defined]
     assert tenants == {"house"}
 
