@@ -132,6 +132,10 @@ class ProxyProcess:
                 "--upstream", f"http://127.0.0.1:{upstream_port}",
                 "--listen", "127.0.0.1:0",
                 "--bootstrap-servers", bootstrap_servers,
+                # The clients name no tenant; the replaying upstream sends its usage
+                # whatever it is asked, so the proxy is told not to ask (and not to strip).
+                "--default-tenant", "bench",
+                "--no-usage-request",
             ],
             stdout=self._out,
             stderr=subprocess.STDOUT,
