@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import logging
 import math
+import re
 import signal
 from collections import Counter as CounterOf
 from dataclasses import dataclass, field
@@ -58,6 +59,7 @@ from yarl import URL
 from streamtally.cli._api_keys import ApiKeyTenants
 from streamtally.cli._args import bootstrap_servers, kafka_of, positive
 from streamtally.cli._output import redacted, say
+from streamtally.cli._proxy_metrics import ProxyCollector, metrics_app
 from streamtally.cli._tee import Tee, plan, source_of
 from streamtally.cli._usage_ask import UsageStripper, ask_for_usage, asks_for_usage
 from streamtally.cli.produce import add_key_file_argument, producer_key
@@ -97,6 +99,10 @@ DEFAULT_MAX_REQUEST_BYTES: Final = 64 << 20
 DEFAULT_CLIENT_TIMEOUT_S: Final = 60.0
 #: Default calls served at once.
 DEFAULT_MAX_CONNECTIONS: Final = 4096
+#: Distinct paths the `unmetered` counts keep apart; the rest are ``other``.
+MAX_UNMETERED_LABELS: Final = 100
+#: An API version as a path segment: not an id.
+_VERSION: Final = re.compile(r"v\d+(?:[a-z]+\d*)?")
 #: Seconds between two looks at whether the client of a silent upstream is still there.
 CLIENT_POLL_S: Final = 0.25
 #: Headers aiohttp's client would add on its own: only those the client sent go upstream.
@@ -173,6 +179,8 @@ class ProxyStats:
     tapped: int = 0
     #: Calls answered by the proxy itself, never forwarded, by reason.
     refused: CounterOf[str] = field(default_factory=CounterOf)
+    #: Calls forwarded to a path the proxy does not meter, by `unmetered_label`.
+    unmetered: CounterOf[str] = field(default_factory=CounterOf)
     #: Streamed calls whose usage the proxy asked for, and usage-only chunks held back.
     usage_asked: int = 0
     usage_chunks_held: int = 0
@@ -182,6 +190,27 @@ class ProxyStats:
     drains_cut: int = 0
     #: Tapped calls whose upstream broke off (the client still there).
     upstream_broke: int = 0
+
+
+def unmetered_label(path: str, seen: CounterOf[str]) -> str:
+    """The metric label of an unmetered call's path: its ids as ``{id}``, bounded.
+
+    A segment holding a digit (but a version: ``v1``, ``v1beta``) or longer than 24
+    characters is an id
+    (``/v1/files/file-abc123`` -> ``/v1/files/{id}``); past `MAX_UNMETERED_LABELS`
+    distinct labels every new one is ``other``, so no client can grow the metric
+    without bound.
+    """
+    segments = [
+        "{id}"
+        if len(part) > 24 or (any(c.isdigit() for c in part) and not _VERSION.fullmatch(part))
+        else part
+        for part in path.split("/")
+    ]
+    label = "/".join(segments)[:200]
+    if label in seen or len(seen) < MAX_UNMETERED_LABELS:
+        return label
+    return "other"
 
 
 def describe(exc: BaseException) -> str:
@@ -227,6 +256,11 @@ class ProxyServer:
     @property
     def refused(self) -> int:
         return sum(self.stats.refused.values())
+
+    @property
+    def in_flight(self) -> int:
+        """Calls being served now."""
+        return self._active
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host`:`port` (0: any free port); returns the port."""
@@ -359,6 +393,7 @@ class ProxyServer:
         else:
             # Not metered: streamed through as it comes (a file upload may be large).
             data = request.content if request.body_exists else None
+            self.stats.unmetered[unmetered_label(request.path, self.stats.unmetered)] += 1
         url = URL(self.upstream + request.raw_path, encoded=True)
         try:
             upstream = await self._session.request(
@@ -617,6 +652,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"calls served at once (default: {DEFAULT_MAX_CONNECTIONS}); one more: 503",
     )
     parser.add_argument(
+        "--metrics",
+        type=listen_address,
+        metavar="HOST:PORT",
+        help="serve the proxy's Prometheus metrics (/metrics) and /health there "
+        "(default: not served)",
+    )
+    parser.add_argument(
         "--budget-ms",
         type=seconds,
         default=5.0,
@@ -651,10 +693,15 @@ async def _serve(
                 f"cannot listen on {args.listen.host}:{args.listen.port}: {exc}"
             ) from exc
         say(f"proxy: listening on {args.listen.host}:{port}, forwarding to {args.upstream}")
+        metrics = None
         try:
+            if args.metrics is not None:
+                metrics = await serve_metrics(proxy, args.metrics)
             await stop.wait()
         finally:
             await proxy.stop()
+            if metrics is not None:
+                await metrics.cleanup()
     stats = tap.stats  # once the tap has sent what it had
     done = proxy.stats
     refused = ", ".join(f"{n} {reason}" for reason, n in sorted(done.refused.items())) or "none"
@@ -666,6 +713,23 @@ async def _serve(
         f"{stats.dropped_over_budget}, failed {stats.failed}"
     )
     return 0
+
+
+async def serve_metrics(proxy: ProxyServer, where: Listen) -> web.AppRunner:
+    """/metrics and /health of `proxy` on `where` (`streamtally.cli._proxy_metrics`)."""
+    collector = ProxyCollector(
+        lambda: proxy.stats, lambda: proxy.tap.stats, lambda: proxy.in_flight
+    )
+    runner = web.AppRunner(metrics_app(collector), access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, where.host, where.port).start()
+    except OSError as exc:
+        await runner.cleanup()
+        raise InputError(f"cannot serve metrics on {where.host}:{where.port}: {exc}") from exc
+    bound = [address for address in runner.addresses if isinstance(address, tuple)]
+    say(f"proxy: metrics on http://{where.host}:{bound[0][1] if bound else where.port}/metrics")
+    return runner
 
 
 def seconds(text: str) -> float:

@@ -88,7 +88,7 @@ def start_proxy(
             sys.executable, "-m", "streamtally.cli", "proxy",
             "--upstream", upstream, "--listen", "127.0.0.1:0",
             "--bootstrap-servers", bootstrap, "--max-request-bytes", "10000",
-            "--drain-seconds", "1",
+            "--drain-seconds", "1", "--metrics", "127.0.0.1:0",
         ],
         stdout=out,
         stderr=subprocess.STDOUT,
@@ -127,6 +127,9 @@ async def calls(port: int, up: Upstream) -> list[str]:
             answers.append(f"{r.status} {await r.text()}")
         async with client.post(url, data=b"x" * 20000, headers=headers) as r:
             answers.append(f"{r.status} {await r.text()}")
+        unmetered = f"http://127.0.0.1:{port}/v1/files/file-{SECRETS[0]}?key={SECRETS[2]}"
+        async with client.get(unmetered, headers=headers) as r:
+            answers.append(f"{r.status} {await r.text()}")
         await up.stop()  # the upstream is gone: the next call cannot reach it
         async with client.post(url, data=b"{}", headers=headers) as r:
             answers.append(f"{r.status} {await r.text()}")
@@ -158,6 +161,10 @@ def test_no_credential_shows_in_output_answers_or_records(
         try:
             answers = await calls(port, up)
             await asyncio.sleep(2)  # the drain of the client that went away (1 s)
+            found = re.search(r"metrics on (http://\S+/metrics)", log.read_text())
+            assert found, log.read_text()
+            async with ClientSession() as client, client.get(found.group(1)) as r:
+                answers.append(await r.text())  # searched for secrets too
         finally:
             proc.send_signal(signal.SIGTERM)
             code = await asyncio.to_thread(proc.wait, 60)
@@ -176,6 +183,11 @@ def test_no_credential_shows_in_output_answers_or_records(
     assert any(a.startswith("413 ") for a in answers)
     assert sum(a.startswith("502 ") for a in answers) == 2, answers
     assert "1 clients gone, 0 of them cut" in output, output
+    metrics = answers[-1]
+    assert 'streamtally_proxy_calls_refused_total{reason="too_large"} 1.0' in metrics
+    assert 'streamtally_proxy_calls_unmetered_total{path="/v1/files/{id}"} 1.0' in metrics
+    assert "streamtally_proxy_clients_gone_total 1.0" in metrics
+    assert "streamtally_tap_records_sent_total" in metrics
     for secret in SECRETS:
         assert secret not in output
         assert not any(secret in a for a in answers), answers

@@ -293,3 +293,29 @@ async def test_no_secret_in_a_log_line_or_an_answer_when_the_upstream_fails(
         assert not any(secret in a for a in answers), answers
         assert secret not in logged
     assert "127.0.0.1" not in " ".join(answers)  # the upstream's address is not echoed
+
+
+def test_unmetered_paths_are_labelled_without_ids_and_bounded() -> None:
+    from collections import Counter
+
+    from streamtally.cli.proxy import MAX_UNMETERED_LABELS, unmetered_label
+
+    seen: Counter[str] = Counter()
+    assert unmetered_label("/v1/files/file-abc123/content", seen) == "/v1/files/{id}/content"
+    assert unmetered_label("/v1/models", seen) == "/v1/models"
+    assert unmetered_label("/v1/x/" + "a" * 30, seen) == "/v1/x/{id}"
+    for n in range(MAX_UNMETERED_LABELS):
+        seen[f"/p{chr(97 + n % 26)}/{'q' * (n // 26)}"] += 1
+    assert len(seen) == MAX_UNMETERED_LABELS
+    assert unmetered_label("/brand/new", seen) == "other"
+    assert unmetered_label("/pa/", seen) == "/pa/"  # one it keeps already
+
+
+def test_api_versions_are_not_ids() -> None:
+    from collections import Counter
+
+    from streamtally.cli.proxy import unmetered_label
+
+    seen: Counter[str] = Counter()
+    assert unmetered_label("/v1beta/models/gemini-2.5-pro", seen) == "/v1beta/models/{id}"
+    assert unmetered_label("/v2/x", seen) == "/v2/x"
