@@ -30,6 +30,16 @@ the request until it is known, at most `id_wait_events` of them; a stream
 that ends before naming one gets `streamtally produce`'s fallback
 (``sha256-`` of its bytes, when they all came through `feed`), and one that
 goes on without naming one a random ``tap-`` id.
+
+Explicit sequence numbers.  A request whose id is given may number its
+events itself (`event(..., seq=n)`): a producer that sees one provider
+response through several calls (the Responses API's background mode: a
+stream, its resumption from a sequence number, polls of the finished
+response) keys them all by the response's id and the provider's own
+sequence numbers, so that what two calls both carry is a re-sent record (a
+duplicate for the worker), never a second bill.  The END marker then follows
+the highest number sent.  `suspend` leaves such a request without END: the
+response goes on upstream, and a later call (or the worker's timeout) ends it.
 """
 
 from __future__ import annotations
@@ -373,10 +383,35 @@ class TapRequest:
         for line in lines:
             await self._engine_line(bytes(line))
 
-    async def event(self, event: SseEvent | dict[str, Any]) -> None:
-        """One raw event: an `SseEvent`, or an engine output (the dict its JSON line parses to)."""
+    async def event(self, event: SseEvent | dict[str, Any], *, seq: int | None = None) -> None:
+        """One raw event: an `SseEvent`, or an engine output (the dict its JSON line parses to).
+
+        `seq` numbers it explicitly (a request with a given id only; see the module docstring).
+        """
         self._raw = None
-        await self._event(event)
+        if seq is None:
+            await self._event(event)
+            return
+        if self._request_id is None or self._finder is not None:
+            raise ValueError("an explicit seq needs a request id given up front")
+        if seq < 0:
+            raise ValueError(f"seq must be >= 0, got {seq}")
+        if self._ended:
+            raise RuntimeError("the request has ended")
+        received = self.tap.clock()
+        if await self.tap._room(1):
+            self._send(event, received, seq)
+        else:
+            self.dropped += 1
+            self.tap.stats.dropped_over_budget += 1
+            self._seq = max(self._seq, seq + 1)
+            log.warning(
+                "tap: request %s (%s, tenant %s): event %d dropped over budget",
+                self._request_id,
+                self.source.value,
+                self.tenant,
+                seq,
+            )
 
     async def _engine_line(self, line: bytes) -> None:
         if not line.strip():
@@ -436,12 +471,19 @@ class TapRequest:
         if len(held) > room:
             self._drop(len(held) - room)
 
-    def _send(self, event: Any, received: datetime) -> None:
-        """Encode the next event and queue it (its sequence number is taken even on failure)."""
+    def _send(self, event: Any, received: datetime, explicit: int | None = None) -> None:
+        """Encode the next event (or the one numbered `explicit`) and queue it.
+
+        Its sequence number is taken even on failure.
+        """
         request_id = self._request_id
         assert request_id is not None
-        seq = self._seq
-        self._seq += 1
+        if explicit is None:
+            seq = self._seq
+            self._seq += 1
+        else:
+            seq = explicit
+            self._seq = max(self._seq, seq + 1)
         try:
             if self.source.is_sse:
                 value = avro.encode_raw_sse_event(
@@ -554,6 +596,23 @@ class TapRequest:
             )
         self.tap._put(self, self._request_id, self._seq, value)
         self._seq += 1
+
+    def suspend(self) -> None:
+        """Stop here without an END marker: the response goes on upstream (module docstring).
+
+        The events sent stay; a later request of the same id, or the worker's
+        timeout, ends it.  Calling `end` or `suspend` afterwards does nothing.
+        """
+        if self._ended:
+            return
+        self._ended = True
+        log.info(
+            "tap: request %s (%s, tenant %s) left open after %d events",
+            self._request_id,
+            self.source.value,
+            self.tenant,
+            self._seq,
+        )
 
     def _drain_bytes(self) -> None:
         """At a normal end: what the byte decoders still hold (Gemini's raw JSON error tail)."""

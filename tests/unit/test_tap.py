@@ -361,3 +361,31 @@ async def test_a_tap_connects_with_the_secured_kafka_settings() -> None:
     assert isinstance(sender, _KafkaSender)
     assert sender._producer.kafka == secured
     assert "not-in-any-repr" not in repr(sender._producer.kafka)
+
+
+async def test_a_request_with_a_given_id_may_number_its_events_itself() -> None:
+    events = events_of(TEXT)
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap:
+        req = tap.request(Source.OPENAI, tenant="acme", request_id="resp_given")
+        await req.event(events[0], seq=0)
+        await req.event(events[2], seq=2)
+        await req.event(events[1], seq=1)
+        req.end()
+        unnamed = tap.request(Source.OPENAI, tenant="acme")
+        with pytest.raises(ValueError, match="request id given up front"):
+            await unnamed.event(events[0], seq=0)
+        with pytest.raises(ValueError, match="seq must be >= 0"):
+            await tap.request(Source.OPENAI, tenant="acme", request_id="r").event(events[0], seq=-1)
+        left = tap.request(Source.OPENAI, tenant="acme", request_id="resp_left")
+        await left.event(events[5], seq=5)
+        left.suspend()  # no END: the response goes on elsewhere
+        left.end()  # nothing more
+    records = sender.decoded()
+    assert [(r.request_id, r.seq, r.kind) for r in records] == [
+        ("resp_given", 0, EventKind.EVENT),
+        ("resp_given", 2, EventKind.EVENT),
+        ("resp_given", 1, EventKind.EVENT),
+        ("resp_given", 3, EventKind.END),  # after the highest number sent
+        ("resp_left", 5, EventKind.EVENT),
+    ]
