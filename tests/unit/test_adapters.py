@@ -16,6 +16,7 @@ import pytest
 
 from streamtally.core.adapters.base import AdapterOptions
 from streamtally.core.adapters.gemini import RAW_ERROR_BODY
+from streamtally.core.adapters.openai import OpenAIChatAdapter
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.models import FinishReason, Source, Tokens, ToolCall, Usage
 from streamtally.core.normalize import Normalizer, fold_stream, read_events
@@ -2093,3 +2094,78 @@ def test_fallback_request_id_names_a_request_without_any_id() -> None:
 def test_no_events_is_not_a_stream(source: Source) -> None:
     with pytest.raises(NotAStream):
         fold_stream(source, [])
+
+
+# -- legacy completions and embeddings (bodies written for these tests) ---------------
+
+
+def test_legacy_completion_chunks_carry_their_text_in_the_choice() -> None:
+    chunks = [
+        {
+            "id": "cmpl-a",
+            "object": "text_completion",
+            "model": "gpt-3.5-turbo-instruct",
+            "choices": [{"index": 0, "text": "Hello", "finish_reason": None}],
+        },
+        {
+            "id": "cmpl-a",
+            "object": "text_completion",
+            "model": "gpt-3.5-turbo-instruct",
+            "choices": [
+                {"index": 1, "text": "Bye", "finish_reason": "stop"},
+                {"index": 0, "text": " there", "finish_reason": "length"},
+            ],
+        },
+        {
+            "id": "cmpl-a",
+            "object": "text_completion",
+            "model": "gpt-3.5-turbo-instruct",
+            "choices": [],
+            "usage": {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7},
+        },
+    ]
+    tokens = fold_stream(Source.OPENAI, [SseEvent(json.dumps(c)) for c in chunks])
+    assert tokens.request_id == "cmpl-a"
+    assert tokens.text == "Hello there"
+    assert tokens.finish_reason.value == "length"
+    assert [(c.index, c.text) for c in tokens.choices] == [(0, "Hello there"), (1, "Bye")]
+    assert (tokens.usage.input_tokens, tokens.usage.output_tokens) == (3, 4)
+
+
+def test_an_openai_embeddings_body_is_input_tokens_and_a_stop() -> None:
+    body = {
+        "object": "list",
+        "data": [{"object": "embedding", "index": 0, "embedding": [0.1, -0.2]}],
+        "model": "text-embedding-3-large",
+        "usage": {"prompt_tokens": 8, "completion_tokens": 5, "total_tokens": 13},
+    }
+    tokens = fold_stream(Source.OPENAI, [SseEvent(json.dumps(body))], "emb-1")
+    assert tokens.model == "text-embedding-3-large"
+    assert tokens.text == ""
+    assert tokens.finish_reason.value == "stop"
+    assert tokens.finish_reason_raw is None
+    assert tokens.usage.input_tokens == 8
+    assert tokens.usage.output_tokens == 0  # never output, whatever the report says
+    del body["usage"]
+    tokens = fold_stream(Source.OPENAI, [SseEvent(json.dumps(body))], "emb-2")
+    assert tokens.usage.input_tokens == 0
+    assert tokens.finish_reason.value == "stop"
+
+
+def test_a_list_that_is_not_of_embeddings_is_no_embeddings_body() -> None:
+    listing = {"object": "list", "data": [{"id": "gpt-4o", "object": "model"}]}
+    with pytest.raises(InvalidEvent):
+        OpenAIChatAdapter().feed(SseEvent(json.dumps(listing)))
+
+
+def test_gemini_embeddings_bodies_are_a_stop_with_what_usage_they_report() -> None:
+    single = {"embedding": {"values": [0.5, 0.25]}}
+    batch = {"embeddings": [{"values": [0.5]}, {"values": [0.25]}]}
+    vertex = single | {"usageMetadata": {"promptTokenCount": 21, "totalTokenCount": 21}}
+    for body, billed in ((single, 0), (batch, 0), (vertex, 21)):
+        tokens = fold_stream(Source.GEMINI, [SseEvent(json.dumps(body))], "g-1")
+        assert tokens.text == ""
+        assert tokens.finish_reason.value == "stop"
+        assert tokens.usage.input_tokens == billed
+        assert tokens.usage.output_tokens == 0
+        assert tokens.model is None

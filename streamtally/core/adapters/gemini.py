@@ -17,6 +17,18 @@ after the stream's last SSE line, joined with LF, become one more event of
 type `RAW_ERROR_BODY` after the SSE events when, and only when, they are
 one JSON object with an `error` member.  Any other non-SSE text, of this
 source or any other, stays on the side channel.
+
+Embeddings (the spec names them not; this adapter's rule).  The body of
+`embedContent` (``{"embedding": {"values": [...]}}``) or
+`batchEmbedContents` (``{"embeddings": [...]}``) is one event.  It folds to
+no text and a `stop` finish (no raw finish reason: none is given).  The
+Gemini API reports no token counts for them: such a call is billed with no
+usage (`usage_source` missing, 0 tokens), recorded all the same.  Where a
+body carries `usageMetadata` (Vertex AI's `embedContent`), its
+``promptTokenCount`` is the input; an embedding is never billed output
+tokens.  Vertex's ``metadata.billableCharacterCount`` counts characters,
+not tokens: not read.  The body names no model (the path does), so the
+Tokens of an embedding has none.
 """
 
 from __future__ import annotations
@@ -40,6 +52,8 @@ __all__ = ["RAW_ERROR_BODY", "GeminiAdapter"]
 RAW_ERROR_BODY = "__gemini_raw_error_body__"
 
 _SHAPE_KEYS = ("candidates", "usageMetadata", "promptFeedback", "error", "modelVersion")
+#: The members of an `embedContent` / `batchEmbedContents` body.
+_EMBEDDING_KEYS = ("embedding", "embeddings")
 _PATH_STEP = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
 
 
@@ -138,6 +152,8 @@ class GeminiAdapter(Adapter):
         obj = event_object(event.data, "Gemini GenerateContentResponse")
         if obj is None:
             return []  # a keep-alive
+        if "candidates" not in obj and not obj.keys().isdisjoint(_EMBEDDING_KEYS):
+            return [self._embeddings(obj)]
         if "candidates" not in obj and obj.keys().isdisjoint(_SHAPE_KEYS):
             raise InvalidEvent(
                 "not a Gemini GenerateContentResponse "
@@ -193,6 +209,14 @@ class GeminiAdapter(Adapter):
         if not isinstance(value, dict) or "error" not in value:
             return None
         return SseEvent(body, RAW_ERROR_BODY)
+
+    def _embeddings(self, obj: Mapping[str, Any]) -> Draft:
+        """An embeddings body: a stop; input tokens only where `usageMetadata` has them."""
+        draft = Draft(finish=FinishReason.STOP)
+        usage = obj.get("usageMetadata")
+        if isinstance(usage, dict) and usage.get("promptTokenCount") is not None:
+            draft.usage = self._usage.report(usage["promptTokenCount"], 0, 0, 0)
+        return draft
 
     def end(self) -> list[Draft]:
         drafts = [self._close(candidate) for candidate in sorted(self._open)]

@@ -4,6 +4,20 @@ Covers OpenAI, Azure, DeepSeek, Qwen/DashScope (compatible mode and the native
 `output.choices[].message` envelope), vLLM, SGLang, Groq, Mistral (content
 arrays with thinking parts, tool calls without index), xAI, Together,
 OpenRouter, Moonshot and Ollama.
+
+Besides chat, two more OpenAI endpoints answer in this shape (the spec's
+normalisation contract names neither; these rules are this adapter's):
+
+- Legacy completions (`/v1/completions`, ``"object": "text_completion"``):
+  a choice carries its text in ``choices[].text`` instead of a delta or a
+  message; the finish reason and the usage (the last chunk with
+  ``stream_options.include_usage``, or the body) are read as for chat.
+- Embeddings (`/v1/embeddings`, ``"object": "list"`` of ``"embedding"``
+  items): one event, the whole body.  It folds to no text and a `stop`
+  finish (no raw finish reason: the provider gives none); its usage is
+  input only, ``prompt_tokens`` (``total_tokens`` when that is all it
+  says), and never any output tokens, whatever the report holds.  A body
+  without usage is billed with `usage_source` missing.
 """
 
 from __future__ import annotations
@@ -19,7 +33,7 @@ from streamtally.core.models import FinishReason, Source, ToolCallDelta, Usage, 
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InvalidEvent
 
-__all__ = ["OpenAIChatAdapter"]
+__all__ = ["OpenAIChatAdapter", "is_embeddings"]
 
 _SHAPE_KEYS = ("choices", "error", "usage", "output")
 
@@ -61,6 +75,31 @@ def _usage_fields(usage: Mapping[str, Any]) -> dict[str, object]:
         "cache_write": prompt_details.get("cache_write_tokens"),
         "reasoning": completion_details.get("reasoning_tokens"),
     }
+
+
+def _embedding_usage(raw: Mapping[str, int]) -> Usage:
+    """An embeddings report: input tokens only (`prompt`, else `total`), never output."""
+    prompt = raw.get("prompt")
+    return trusted_usage(
+        input_tokens=raw.get("total", 0) if prompt is None else prompt,
+        output_tokens=0,
+        reasoning_tokens=0,
+        cached_tokens=0,
+        cache_write_tokens=0,
+    )
+
+
+def is_embeddings(obj: Mapping[str, Any]) -> bool:
+    """Whether a JSON object is an embeddings response (a list whose items are embeddings)."""
+    if obj.get("object") != "list":  # the common case (a chunk) leaves here
+        return False
+    data = obj.get("data")
+    if not isinstance(data, list) or "choices" in obj:
+        return False
+    return all(
+        isinstance(item, dict) and (item.get("object") == "embedding" or "embedding" in item)
+        for item in data
+    )
 
 
 def _text_and_thinking(content: object) -> tuple[str, str]:
@@ -128,6 +167,10 @@ class OpenAIChatAdapter(Adapter):
         obj = event_object(data, "chat completion chunk")
         if obj is None:
             return []  # a keep-alive
+        if is_embeddings(obj):
+            self._see_id(obj.get("id"))
+            self._see_model(obj.get("model"))
+            return [self._embeddings(obj)]
         if obj.keys().isdisjoint(_SHAPE_KEYS) or (
             isinstance(obj.get("type"), str) and "choices" not in obj and "output" not in obj
         ):  # no chat chunk shape, or a typed event (Anthropic, Responses)
@@ -165,6 +208,16 @@ class OpenAIChatAdapter(Adapter):
                 drafts.append(Draft(usage=total))
         return drafts
 
+    def _embeddings(self, obj: Mapping[str, Any]) -> Draft:
+        """An embeddings body: a stop, and the input tokens its usage reports (no output)."""
+        draft = Draft(finish=FinishReason.STOP)
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            fields = _usage_fields(usage)
+            embedding = RawUsage(_embedding_usage)
+            draft.usage = embedding.report({"prompt": fields["prompt"], "total": fields["total"]})
+        return draft
+
     def _error(self, error: object) -> list[Draft]:
         return [Draft(finish=FinishReason.ERROR, finish_raw="error", error=_error_message(error))]
 
@@ -176,7 +229,9 @@ class OpenAIChatAdapter(Adapter):
         delta = choice.get("delta")
         if not isinstance(delta, dict):
             delta = choice.get("message")
-        if isinstance(delta, dict):
+        if not isinstance(delta, dict):  # legacy completions: the choice's own `text`
+            draft.text = as_str(choice.get("text"))
+        else:
             text, thinking = _text_and_thinking(delta.get("content"))
             draft.text = text + as_str(delta.get("refusal"))
             draft.reasoning = thinking + _reasoning(delta)
