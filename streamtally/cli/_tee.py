@@ -1,55 +1,249 @@
-"""What of a proxied response goes to the tap: which calls, and in which events.
+"""What of a proxied call goes to the tap: which calls, in which events, under which id.
 
 The proxy (`streamtally.cli.proxy`) forwards everything; this module decides
-what it tees.  A call is recognised by its path (`source_of`), and teed when
-its response is 2xx and in an encoding the tap can read (`plan`).  A
-streaming response (``text/event-stream``) is fed to the tap as it passes:
-its SSE events are the raw events, as `streamtally produce` would send them.
-A non-streaming response is the whole JSON object the stream would have
-built (a `chat.completion`, a Response, a Message, a
-`GenerateContentResponse`); each adapter folds that object as one event, so
-the body becomes one raw record (`body_events`), kept verbatim for audit.
-Gemini's `streamGenerateContent` without ``alt=sse`` answers with a JSON
-array of chunks: one raw record each.  A Responses API body still queued or
-in progress (``background: true``) carries no result yet (the client fetches
-it later, by another call): it is not teed.
+what it tees: `metered` (from the request's method and path) and `call_of`
+(with its body too: a metered `Call`, or None), `upstream_headers` (what the
+proxy asks of the upstream), and `Teeing.tee` (from the response's status
+and headers: a `Tee`, or None), whose `TeeStats` count what it could not read.
+
+Metered calls (`call_of`), by method and path:
+
+| call | source | response |
+|---|---|---|
+| ``POST …/chat/completions`` | openai | SSE or a `chat.completion` |
+| ``POST …/completions`` (legacy) | openai | SSE or a `text_completion` |
+| ``POST …/embeddings`` | openai | an embeddings list |
+| ``POST …/responses`` | openai-responses | SSE or a Response |
+| ``GET …/responses/{id}`` (retrieve, stream resume) | openai-responses | a Response, or SSE |
+| ``POST …/responses/{id}/cancel`` | openai-responses | a Response |
+| ``POST …/messages`` | anthropic | SSE or a Message |
+| ``POST …:generateContent``, ``…:streamGenerateContent`` | gemini | a body, an array, or SSE |
+| ``POST …:embedContent``, ``…:batchEmbedContents`` | gemini | an embeddings body |
+
+Anything else is forwarded unmetered (or refused: ``--unmetered reject``).
+A response is teed when it is 2xx.  A streaming one (``text/event-stream``)
+is fed to the tap as it passes: its SSE events are the raw events, as
+`streamtally produce` would send them.  A non-streaming one is the whole
+JSON object the stream would have built; each adapter folds that object as
+one event, so the body becomes one raw record (`body_events`), kept verbatim
+for audit.  Gemini's `streamGenerateContent` without ``alt=sse`` answers with
+a JSON array of chunks: one raw record each.
+
+Encodings (`streamtally.cli._encodings`): the proxy asks the upstream only for
+codings the tee decodes, and the tee decodes gzip, deflate, br and zstd, in
+any stack, from pieces cut anywhere; the client gets the bytes as sent.  A
+response in another coding (an upstream that ignores Accept-Encoding), or
+whose bytes do not decode, is forwarded, logged as an error naming its path
+and counted (`TeeStats.undecodable`): never silently untapped.
+
+The Responses API's background mode: billed once per response.  A call
+created with ``background: true`` answers at once (``queued``); its result
+comes by later calls: polls (``GET /responses/{id}``), a stream (``stream:
+true`` on the create, or ``GET /responses/{id}?stream=true``) that may be
+resumed (``&starting_after=N``), a cancel.  Every tee of such a response is
+keyed by the response id (``resp_…``, the tap's request id) and numbered by
+the provider, so that two calls that carry the same thing send the same
+records, which the worker keeps once (a re-sent sequence number is a
+duplicate; a record of a closed request is not billed again):
+
+- a streamed event is numbered by its ``sequence_number``: the overlap of a
+  resumed stream is exact duplicates.  The END marker follows the stream's
+  last event once a terminal event (``response.completed``, ``.failed``,
+  ``.incomplete``, ``.cancelled`` or ``error``) was teed; a stream that
+  stops before one (the client or the connection went away) ends without
+  END, since the response goes on upstream: its resumption brings the rest,
+  or the worker's timeout closes it with what it had.
+- a non-streaming body (the create's answer, a poll, a cancel) is teed only
+  when its status is terminal, as record 0, then END (record 1): repeated
+  polls of a finished response are the same two records.  A body still
+  ``queued`` or ``in_progress`` is not teed (nothing to bill yet).  A
+  retrieved Response is teed only when it says ``"background": true``: a
+  foreground response was billed by its create call.
+- a proxy remembers the background responses it teed to their end (the last
+  100,000) and does not tee them again (`TeeStats.repeats`), which spares
+  the worker the late records of a later poll.
+
+Limits: a response both streamed and polled whose stream stopped before its
+terminal event, while that stream's request is still open, gets the poll's
+records as duplicates of the stream's first two (dropped): the terminal body
+is then lost, and the request closes by timeout without usage (`missing`).
+Resuming the stream, as the SDKs do, bills it.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import zlib
-from dataclasses import dataclass
-from typing import Final
+import re
+from collections import Counter, OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Final
 
+from streamtally.cli._encodings import (
+    DecodeError,
+    Decoder,
+    UndecodableEncoding,
+    accept_encoding_upstream,
+    codings_of,
+    decoder_for,
+)
 from streamtally.core.models import Source
-from streamtally.core.sse import SseEvent
-from streamtally.producers import TapRequest
+from streamtally.core.sse import SseDecoder, SseEvent
+from streamtally.producers import Tap, TapRequest
 
-__all__ = ["MAX_BODY_BYTES", "Tee", "TeePlan", "body_events", "plan", "source_of"]
+__all__ = [
+    "MAX_BODY_BYTES",
+    "Call",
+    "Tee",
+    "TeePlan",
+    "TeeStats",
+    "Teeing",
+    "body_events",
+    "call_of",
+    "metered",
+    "plan",
+    "route_of",
+    "source_of",
+    "upstream_headers",
+]
 
 log = logging.getLogger("streamtally.cli.proxy")
 
 #: Bytes of a non-streaming body the tap keeps (a raw record's limit).
 MAX_BODY_BYTES: Final = 4 << 20
-#: Content encodings the tee can decode (the client still gets the bytes as sent).
-_ENCODINGS: Final = frozenset({"identity", "gzip", "deflate"})
 #: Responses API statuses of a Response that has no result yet.
 _NOT_DONE: Final = frozenset({"queued", "in_progress"})
+#: Responses API statuses of a Response that is over.
+_TERMINAL_STATUS: Final = frozenset({"completed", "failed", "incomplete", "cancelled"})
+#: Responses API stream events after which a response has nothing more to bill.
+_TERMINAL_EVENTS: Final = frozenset(
+    {"response.completed", "response.failed", "response.incomplete", "response.cancelled", "error"}
+)
+#: Events a background stream holds until it names its response.
+_ID_WAIT_EVENTS: Final = 16
+#: Background responses a proxy remembers as teed to their end.
+_FINISHED_KEPT: Final = 100_000
+#: Distinct paths counted per counter (then "other"): a metric's labels stay bounded.
+_ROUTES_KEPT: Final = 100
+
+_RETRIEVE: Final = re.compile(r"/responses/([^/]+)\Z")
+_CANCEL: Final = re.compile(r"/responses/([^/]+)/cancel\Z")
+#: A path segment that is a generated id (``resp_0a1b…``, ``file-…``, a uuid, a number).
+_ID_SEGMENT: Final = re.compile(
+    r"\A(?:[A-Za-z]{1,12}[-_][A-Za-z0-9_-]{12,}|[0-9A-Fa-f-]{16,}|[0-9]+)\Z"
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """A metered API call, as its request says: the response's source and how it is keyed."""
+
+    source: Source
+    #: What it is (`call_of`'s table): "chat", "completions", "embeddings", "responses",
+    #: "responses.retrieve", "responses.cancel", "messages", "generateContent",
+    #: "streamGenerateContent", "embedContent", "batchEmbedContents".
+    endpoint: str
+    path: str
+    #: A Responses API background response: keyed by its id, numbered by the provider.
+    background: bool = False
+    #: The response id the path names (retrieve, cancel).
+    response_id: str | None = None
+
+
+def _gemini_method(path: str) -> str | None:
+    _, sep, method = path.rpartition(":")
+    if sep and method in (
+        "generateContent",
+        "streamGenerateContent",
+        "embedContent",
+        "batchEmbedContents",
+    ):
+        return method
+    return None
+
+
+def call_of(method: str, path: str, body: bytes | None = None) -> Call | None:
+    """The metered call a request makes (module docstring), or None: not metered.
+
+    `body` is the request's body, read for the Responses API's ``background``
+    flag only.
+    """
+    method = method.upper()
+    if method == "GET":
+        match = _RETRIEVE.search(path)
+        if match is not None and match.group(1) != "input_items":
+            return Call(
+                Source.OPENAI_RESPONSES,
+                "responses.retrieve",
+                path,
+                background=True,
+                response_id=match.group(1),
+            )
+        return None
+    if method != "POST":
+        return None
+    gemini = _gemini_method(path)
+    if gemini is not None:
+        return Call(Source.GEMINI, gemini, path)
+    if path.endswith("/chat/completions"):
+        return Call(Source.OPENAI, "chat", path)
+    if path.endswith("/completions"):
+        return Call(Source.OPENAI, "completions", path)
+    if path.endswith("/embeddings"):
+        return Call(Source.OPENAI, "embeddings", path)
+    if path.endswith("/responses"):
+        return Call(Source.OPENAI_RESPONSES, "responses", path, background=_background(body))
+    match = _CANCEL.search(path)
+    if match is not None:
+        return Call(
+            Source.OPENAI_RESPONSES,
+            "responses.cancel",
+            path,
+            background=True,
+            response_id=match.group(1),
+        )
+    if path.endswith("/messages"):
+        return Call(Source.ANTHROPIC, "messages", path)
+    return None
+
+
+def _background(body: bytes | None) -> bool:
+    """Whether a Responses API create asks for background mode (``"background": true``)."""
+    if not body or b'"background"' not in body:
+        return False
+    try:
+        value = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(value, dict) and value.get("background") is True
+
+
+def metered(method: str, path: str) -> bool:
+    """Whether the proxy meters calls of this method to this path."""
+    return call_of(method, path) is not None
 
 
 def source_of(path: str) -> Source | None:
-    """The wire format of an API call, from its path; None: not tapped."""
-    if path.endswith(":streamGenerateContent") or path.endswith(":generateContent"):
-        return Source.GEMINI
-    if path.endswith("/chat/completions"):
-        return Source.OPENAI
-    if path.endswith("/responses"):
-        return Source.OPENAI_RESPONSES
-    if path.endswith("/messages"):
-        return Source.ANTHROPIC
-    return None
+    """The wire format of a POST to `path`; None: not metered (see `call_of`)."""
+    call = call_of("POST", path)
+    return None if call is None else call.source
+
+
+def route_of(path: str) -> str:
+    """`path` with its generated ids as ``{id}``: a counter's label (bounded, no secrets)."""
+    segments = [
+        "{id}" if _ID_SEGMENT.match(segment) else segment for segment in path[:256].split("/")
+    ]
+    return "/".join(segments)
+
+
+def upstream_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """A metered call's headers to send upstream: Accept-Encoding restricted to what the tee
+    decodes (`streamtally.cli._encodings.accept_encoding_upstream`)."""
+    offers = [value for name, value in headers if name.lower() == "accept-encoding"]
+    offer = ", ".join(offers) if offers else None
+    rest = [(name, value) for name, value in headers if name.lower() != "accept-encoding"]
+    return [*rest, ("Accept-Encoding", accept_encoding_upstream(offer))]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,20 +252,23 @@ class TeePlan:
 
     source: Source
     streaming: bool
+    #: The response's Content-Encoding, lower-cased ("identity" when none).
     encoding: str
+    #: The call it answers (None: a plain call of `source`).
+    call: Call | None = None
 
 
-def plan(path: str, status: int, content_type: str, encoding: str) -> TeePlan | None:
-    """The tee of a response to a call on `path`, or None when it is forwarded only."""
-    source = source_of(path)
-    if source is None or not 200 <= status < 300:
+def plan(call: Call, status: int, content_type: str, encoding: str) -> TeePlan | None:
+    """The tee of a response to `call`, or None when it is forwarded only (not 2xx).
+
+    Raises `UndecodableEncoding` when the tee cannot read its Content-Encoding.
+    """
+    if not 200 <= status < 300:
         return None
-    encoding = encoding.strip().lower() or "identity"
-    if encoding not in _ENCODINGS:
-        log.warning("%s: a %s body is not tapped", path, encoding)
-        return None
+    decoder_for(encoding)  # raises UndecodableEncoding
+    codings = codings_of(encoding)
     streaming = content_type.strip().lower().startswith("text/event-stream")
-    return TeePlan(source, streaming, encoding)
+    return TeePlan(call.source, streaming, ", ".join(codings) or "identity", call)
 
 
 def body_events(source: Source, text: str) -> list[SseEvent]:
@@ -102,36 +299,285 @@ def body_events(source: Source, text: str) -> list[SseEvent]:
     return [SseEvent(text)]
 
 
+@dataclass(slots=True)
+class TeeStats:
+    """What the tee side of a proxy counted since it started."""
+
+    #: Responses of metered calls not tapped (whole or in part) because their encoding
+    #: could not be decoded, by path.
+    undecodable: Counter[str] = field(default_factory=Counter)
+    #: Background responses already teed to their end by this proxy, not teed again.
+    repeats: int = 0
+
+
+def _count(counter: Counter[str], path: str) -> None:
+    route = route_of(path)
+    if route not in counter and len(counter) >= _ROUTES_KEPT:
+        route = "other"
+    counter[route] += 1
+
+
+class Teeing:
+    """A proxy's tee side: which calls are metered, which responses teed, and the counts."""
+
+    def __init__(self, tap: Tap) -> None:
+        self.tap = tap
+        self.stats = TeeStats()
+        self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
+
+    def tee(self, call: Call, tenant: str, status: int, headers: Any) -> Tee | None:
+        """The tee of the response to `call` (its status and headers), or None.
+
+        `headers` is the response's header multidict (``getall`` reads every
+        Content-Encoding header; a plain mapping works too).
+        """
+        getall = getattr(headers, "getall", None)
+        encodings = getall("Content-Encoding", []) if getall is not None else []
+        if getall is None and headers.get("Content-Encoding"):
+            encodings = [headers["Content-Encoding"]]
+        try:
+            tee = plan(call, status, headers.get("Content-Type", ""), ", ".join(encodings))
+        except UndecodableEncoding as exc:
+            self.undecodable(call, str(exc))
+            return None
+        return None if tee is None else Tee(self.tap, tenant, tee, owner=self)
+
+    def undecodable(self, call: Call, reason: str) -> None:
+        log.error("%s: a response of a metered call is not tapped: %s", call.path, reason)
+        _count(self.stats.undecodable, call.path)
+
+    def finished(self, tenant: str, response_id: str) -> bool:
+        return (tenant, response_id) in self._finished
+
+    def finish(self, tenant: str, response_id: str) -> None:
+        self._finished[tenant, response_id] = None
+        if len(self._finished) > _FINISHED_KEPT:
+            self._finished.popitem(last=False)
+
+
 class Tee:
     """One teed response: decoded, then fed as SSE, or kept whole until it is complete."""
 
-    def __init__(self, request: TapRequest, tee: TeePlan) -> None:
-        self.request = request
+    def __init__(
+        self,
+        tap: Tap,
+        tenant: str,
+        tee: TeePlan,
+        *,
+        owner: Teeing | None = None,
+    ) -> None:
+        self.tap = tap
+        self.tenant = tenant
+        self.plan = tee
         self.streaming = tee.streaming
-        self._inflate = (
-            zlib.decompressobj(wbits=47 if tee.encoding == "gzip" else zlib.MAX_WBITS)
-            if tee.encoding != "identity"
-            else None
-        )
+        self.call = tee.call or Call(tee.source, tee.source.value, "")
+        self.background = self.call.background
+        self._owner = owner
+        self._decoder: Decoder | None = decoder_for(tee.encoding)
+        self._failed = False
         self._body = bytearray()
         self._too_big = False
+        #: The tap's request: at once for a plain call; once the response id is known for
+        #: a background one (None until then, and when nothing of it is teed).
+        self.request: TapRequest | None = (
+            None if self.background else tap.request(tee.source, tenant=tenant)
+        )
+        # A background stream: its SSE, the events held until the id, the next number.
+        self._sse = SseDecoder() if self.background and self.streaming else None
+        self._held: list[tuple[SseEvent, int | None]] = []
+        self._response_id = self.call.response_id
+        self._next = 0
+        self._numbered = True
+        self._terminal = False
+        self._repeat = False
 
     async def feed(self, chunk: bytes) -> None:
-        if self._inflate is not None:
-            chunk = self._inflate.decompress(chunk)
-        if self.streaming:
-            await self.request.feed(chunk)
+        """The next piece of the response body, as the upstream sent it."""
+        if self._failed:
+            return
+        if self._decoder is not None:
+            try:
+                chunk = self._decoder.decompress(chunk)
+            except DecodeError as exc:
+                self._fail(str(exc))
+                return
+        await self._take(chunk)
+
+    async def _take(self, data: bytes) -> None:
+        if not data:
+            return
+        if self._sse is not None:
+            for event in self._sse.feed(data):
+                await self._stream_event(event)
+        elif self.streaming:
+            assert self.request is not None
+            await self.request.feed(data)
         elif not self._too_big:
-            self._body += chunk
+            self._body += data
             if len(self._body) > MAX_BODY_BYTES:
                 self._too_big = True
                 self._body = bytearray()
                 log.warning("a body over %d bytes is not tapped", MAX_BODY_BYTES)
 
+    def _fail(self, reason: str) -> None:
+        self._failed = True
+        self._body = bytearray()
+        if self._owner is not None:
+            self._owner.undecodable(self.call, reason)
+        else:
+            log.error("%s: a response is not tapped: %s", self.call.path, reason)
+
     async def close(self) -> None:
         """The response is complete: a non-streaming body's events go to the tap now."""
+        if self._decoder is not None and not self._failed:
+            try:
+                rest = self._decoder.flush()
+            except DecodeError as exc:
+                self._fail(str(exc))
+            else:
+                await self._take(rest)
+        if self._failed:
+            return
+        if self._sse is not None:
+            for event in self._sse.close():
+                await self._stream_event(event)
+            return
         if self.streaming or self._too_big or not self._body:
             return
         text = self._body.decode("utf-8", errors="replace")
-        for event in body_events(self.request.source, text):
+        if self.background:
+            await self._background_body(text)
+            return
+        assert self.request is not None
+        for event in body_events(self.plan.source, text):
             await self.request.event(event)
+
+    def end(self, *, cancelled: bool = False) -> None:
+        """The call is over (`cancelled`: its client went away): the END marker, if any.
+
+        A plain call's request ends (cancelled or not).  A background response
+        ends only once its terminal event or body was teed: otherwise it goes on
+        upstream, and its request is left open (module docstring).
+        """
+        if not self.background:
+            assert self.request is not None
+            self.request.end(cancelled=cancelled)
+            return
+        if self.request is None and self._held:
+            self._open_unnamed()
+            self._flush_held_now()
+        if self.request is None:
+            return
+        if self._terminal or not self._numbered:
+            self.request.end(cancelled=cancelled and not self._terminal)
+            if self._terminal and self._response_id is not None and self._owner is not None:
+                self._owner.finish(self.tenant, self._response_id)
+        else:
+            self.request.suspend()
+
+    # -- background responses ---------------------------------------------------------
+
+    def _seen(self, response_id: str) -> bool:
+        if self._owner is not None and self._owner.finished(self.tenant, response_id):
+            self._owner.stats.repeats += 1
+            log.info("response %s was teed to its end already: not teed again", response_id)
+            return True
+        return False
+
+    async def _background_body(self, text: str) -> None:
+        """A Response (the create's answer, a poll, a cancel): teed when it is terminal."""
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = None
+        if not isinstance(value, dict) or value.get("object") != "response":
+            log.warning("%s: the body is not a Response: not tapped", self.call.path)
+            return
+        response_id = value.get("id")
+        status = value.get("status")
+        if not isinstance(response_id, str) or not response_id:
+            log.warning("%s: a Response without an id: not tapped", self.call.path)
+            return
+        if status not in _TERMINAL_STATUS:
+            log.info("response %s is %s: nothing to tap yet", response_id, status)
+            return
+        if self.call.endpoint == "responses.retrieve" and value.get("background") is not True:
+            log.info("response %s is no background response: billed by its create", response_id)
+            return
+        if self._seen(response_id):
+            return
+        self._response_id = response_id
+        self.request = self.tap.request(
+            self.plan.source, tenant=self.tenant, request_id=response_id
+        )
+        await self.request.event(SseEvent(text), seq=0)
+        self._terminal = True
+
+    async def _stream_event(self, event: SseEvent) -> None:
+        """One event of a background stream: numbered by its `sequence_number`."""
+        if self._repeat:
+            return
+        obj = _object(event.data)
+        seq = obj.get("sequence_number")
+        number = seq if isinstance(seq, int) and not isinstance(seq, bool) and seq >= 0 else None
+        if obj.get("type") in _TERMINAL_EVENTS:
+            self._terminal = True
+        if self.request is None:
+            if self._response_id is None:
+                response = obj.get("response")
+                if isinstance(response, dict) and isinstance(response.get("id"), str):
+                    self._response_id = response["id"] or None
+            self._held.append((event, number))
+            if self._response_id is not None:
+                if self._seen(self._response_id):
+                    self._repeat = True
+                    self._held = []
+                    return
+                self.request = self.tap.request(
+                    self.plan.source, tenant=self.tenant, request_id=self._response_id
+                )
+            elif len(self._held) >= _ID_WAIT_EVENTS:
+                log.error(
+                    "%s: no response id in the first %d events of a background stream: "
+                    "teed as a call of its own",
+                    self.call.path,
+                    len(self._held),
+                )
+                self._open_unnamed()
+            else:
+                return
+            held, self._held = self._held, []
+            for item, item_number in held:
+                await self._send(item, item_number)
+            return
+        await self._send(event, number)
+
+    async def _send(self, event: SseEvent, number: int | None) -> None:
+        assert self.request is not None
+        if not self._numbered:
+            await self.request.event(event)
+            return
+        seq = self._next if number is None else number
+        self._next = max(self._next, seq + 1)
+        await self.request.event(event, seq=seq)
+
+    def _open_unnamed(self) -> None:
+        """A background stream that never named its response: a call of its own, numbered
+        by the tap (the provider id it finds, or its fallback)."""
+        self._numbered = False
+        self.request = self.tap.request(self.plan.source, tenant=self.tenant)
+
+    def _flush_held_now(self) -> None:
+        """At the end, held events of a stream that named no response (nothing waits)."""
+        assert self.request is not None
+        held, self._held = self._held, []
+        for event, _ in held:
+            self.request._event_now(event)
+
+
+def _object(data: str) -> dict[str, Any]:
+    try:
+        value = json.loads(data)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -5,7 +5,13 @@ headers but the hop-by-hop ones and the tenant header, body bytes);
 responses come back unchanged, streamed chunk by chunk.  On the way, the
 response of a metered API call is teed to the raw topic through a `Tap`:
 each SSE event as it passes, or the JSON body of a non-streaming call once
-it is complete (`streamtally.cli._tee` decides what is teed).
+it is complete (`streamtally.cli._tee` decides what is teed).  Metered, by
+method and path: chat completions, legacy completions and embeddings
+(openai), Responses create, retrieve and cancel, background mode included
+(billed once per response), Messages, Gemini's generate and embed calls.  A
+metered call asks the upstream only for encodings the tee decodes (gzip,
+deflate, br, zstd).  A call to any other path is forwarded and counted as
+unmetered by path, or refused (403) with ``--unmetered reject``.
 
 Who pays.  The tenant is the value of a request header (`X-Tenant` by
 default), sent exactly once: a call that sends it twice (a front gateway
@@ -49,7 +55,7 @@ import re
 import signal
 from collections import Counter as CounterOf
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Final
 
 from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
 from aiohttp.streams import StreamReader
@@ -60,7 +66,7 @@ from streamtally.cli._api_keys import ApiKeyTenants
 from streamtally.cli._args import bootstrap_servers, kafka_of, positive
 from streamtally.cli._output import redacted, say
 from streamtally.cli._proxy_metrics import ProxyCollector, metrics_app
-from streamtally.cli._tee import Tee, plan, source_of
+from streamtally.cli._tee import Call, Tee, Teeing, call_of, metered, source_of, upstream_headers
 from streamtally.cli._usage_ask import UsageStripper, ask_for_usage, asks_for_usage
 from streamtally.cli.produce import add_key_file_argument, producer_key
 from streamtally.connection import KafkaConnection
@@ -105,6 +111,8 @@ MAX_UNMETERED_LABELS: Final = 100
 _VERSION: Final = re.compile(r"v\d+(?:[a-z]+\d*)?")
 #: Seconds between two looks at whether the client of a silent upstream is still there.
 CLIENT_POLL_S: Final = 0.25
+#: `--unmetered`: what a call to a path the proxy does not meter gets.
+UNMETERED: Final = ("forward", "reject")
 #: Headers aiohttp's client would add on its own: only those the client sent go upstream.
 _AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -151,6 +159,8 @@ class ProxyOptions:
     body_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
     #: Calls served at once; one more is answered 503 with Retry-After.
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    #: A call to a path the proxy does not meter: "forward" (counted) or "reject" (403).
+    unmetered: str = "forward"
 
     def __post_init__(self) -> None:
         if not self.tenant_header.strip():
@@ -166,6 +176,8 @@ class ProxyOptions:
                 raise ValueError(f"{name} must be a number of seconds in [{low:g}, {high:g}]")
         if not 1 <= self.max_request_bytes <= 1 << 40:
             raise ValueError("--max-request-bytes must be a whole number >= 1")
+        if self.unmetered not in UNMETERED:
+            raise ValueError(f"--unmetered must be one of {', '.join(UNMETERED)}")
         if not 1 <= self.max_connections <= 1_000_000:
             raise ValueError("--max-connections must be a whole number in [1, 1000000]")
 
@@ -241,6 +253,8 @@ class ProxyServer:
         #: With a map, the tenant is the API key's, and a call with no mapped key is refused.
         self.api_keys = api_keys
         self.stats = ProxyStats()
+        #: The tee side: which responses are teed, how, and what it could not read.
+        self.tees = Teeing(tap)
         self._session: ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._active = 0
@@ -368,7 +382,16 @@ class ProxyServer:
 
     async def _forward(self, request: web.Request, tenant: str) -> web.StreamResponse:
         assert self._session is not None
-        metered = source_of(request.path) is not None
+        is_metered = metered(request.method, request.path)
+        if not is_metered and self.options.unmetered == "reject":
+            self.stats.unmetered[unmetered_label(request.path, self.stats.unmetered)] += 1
+            return self._refuse(
+                "unmetered",
+                403,
+                f"{request.method} {request.path} is not metered (--unmetered reject): "
+                "not forwarded",
+            )
+        call: Call | None = None
         headers = [
             (k, v)
             for k, v in request.headers.items()
@@ -376,10 +399,12 @@ class ProxyServer:
         ]
         data: bytes | StreamReader | None
         stripper: UsageStripper | None = None
-        if metered:
+        if is_metered:
             body = await self._read_body(request)
             if isinstance(body, web.Response):
                 return body
+            call = call_of(request.method, request.path, body)
+            headers = upstream_headers(headers)  # only encodings the tee decodes
             if self.options.request_usage and asks_for_usage(request.method, request.path):
                 asked = ask_for_usage(body)
                 if asked is not None:
@@ -421,22 +446,15 @@ class ProxyServer:
                     if stripper is not None and name.lower() == "content-length":
                         continue  # the client gets fewer bytes than the upstream sent
                     response.headers.add(name, value)
-            tee = self._tee(request, upstream.status, upstream.headers, tenant)
+            tee = (
+                None
+                if call is None
+                else self.tees.tee(call, tenant, upstream.status, upstream.headers)
+            )
             with contextlib.suppress(ConnectionError):  # a client gone: drained all the same
                 await response.prepare(request)
             await self._relay(request, upstream, response, tee, stripper)
         return response
-
-    def _tee(self, request: web.Request, status: int, headers: Any, tenant: str) -> Tee | None:
-        tee = plan(
-            request.path,
-            status,
-            headers.get("Content-Type", ""),
-            headers.get("Content-Encoding", "identity"),
-        )
-        if tee is None:
-            return None
-        return Tee(self.tap.request(tee.source, tenant=tenant), tee)
 
     async def _relay(
         self,
@@ -516,7 +534,7 @@ class ProxyServer:
             if stripper is not None:
                 self.stats.usage_chunks_held += stripper.dropped
             if tee is not None:
-                tee.request.end(cancelled=cancelled)
+                tee.end(cancelled=cancelled)
 
 
 class _Client:
@@ -652,6 +670,13 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"calls served at once (default: {DEFAULT_MAX_CONNECTIONS}); one more: 503",
     )
     parser.add_argument(
+        "--unmetered",
+        choices=UNMETERED,
+        default="forward",
+        help="a call to a path the proxy does not meter: forward it (counted by path; the "
+        "default) or reject it (403, not forwarded)",
+    )
+    parser.add_argument(
         "--metrics",
         type=listen_address,
         metavar="HOST:PORT",
@@ -709,8 +734,10 @@ async def _serve(
         f"proxy: {done.forwarded} calls forwarded, {done.tapped} tapped "
         f"({done.usage_asked} asked for usage; {done.clients_gone} clients gone, "
         f"{done.drains_cut} of them cut at --drain-seconds; {done.upstream_broke} upstreams "
-        f"broke off); refused: {refused}; records sent {stats.sent}, dropped over budget "
-        f"{stats.dropped_over_budget}, failed {stats.failed}"
+        f"broke off); refused: {refused}; unmetered {sum(done.unmetered.values())}; not "
+        f"tapped for their encoding {sum(proxy.tees.stats.undecodable.values())}; records "
+        f"sent {stats.sent}, dropped over budget {stats.dropped_over_budget}, failed "
+        f"{stats.failed}"
     )
     return 0
 
@@ -755,6 +782,7 @@ def options(args: argparse.Namespace) -> ProxyOptions:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             max_connections=args.max_connections,
+            unmetered=args.unmetered,
         )
     except ValueError as exc:
         raise InputError(str(exc)) from exc

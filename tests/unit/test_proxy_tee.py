@@ -14,7 +14,15 @@ from pathlib import Path
 
 import pytest
 
-from streamtally.cli._tee import MAX_BODY_BYTES, Tee, TeePlan, body_events, plan, source_of
+from streamtally.cli._tee import (
+    MAX_BODY_BYTES,
+    Tee,
+    TeePlan,
+    body_events,
+    call_of,
+    plan,
+    source_of,
+)
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream
 from streamtally.core.sse import SseEvent
@@ -40,32 +48,43 @@ SAMPLES = Path(__file__).resolve().parents[2] / "samples"
             "gemini-2.5-pro:streamGenerateContent",
             Source.GEMINI,
         ),  # Vertex AI
+        ("/v1/completions", Source.OPENAI),  # legacy completions
+        ("/openai/deployments/davinci/completions", Source.OPENAI),
+        ("/v1/embeddings", Source.OPENAI),
+        ("/v1beta/models/text-embedding-004:embedContent", Source.GEMINI),
+        ("/v1beta/models/gemini-embedding-001:batchEmbedContents", Source.GEMINI),
+        ("/v1/responses/resp_123/cancel", Source.OPENAI_RESPONSES),
         ("/v1/models", None),
-        ("/v1/embeddings", None),
         ("/v1/messages/count_tokens", None),  # counts, bills nothing
         ("/v1/messages/batches", None),
-        ("/v1/responses/resp_123", None),  # a later fetch of a stored response
+        ("/v1/responses/resp_123", None),  # a POST there is no API call
+        ("/v1/responses/input_tokens", None),
         ("/v1beta/models/gemini-2.5-pro:countTokens", None),
-        ("/v1/completions", None),  # legacy completions: not one of the seven formats
     ],
 )
 def test_calls_are_recognised_by_their_path(path: str, source: Source | None) -> None:
     assert source_of(path) is source
 
 
-def test_a_plan_needs_a_known_path_a_2xx_status_and_a_readable_encoding() -> None:
+def test_a_plan_needs_a_2xx_status_and_says_how_to_read_the_body() -> None:
     sse = "text/event-stream; charset=utf-8"
-    assert plan("/v1/messages", 200, sse, "") == TeePlan(Source.ANTHROPIC, True, "identity")
-    assert plan("/v1/messages", 200, "application/json", "GZIP") == TeePlan(
-        Source.ANTHROPIC, False, "gzip"
+    messages = call_of("POST", "/v1/messages")
+    responses = call_of("POST", "/v1/responses")
+    chat = call_of("POST", "/v1/chat/completions")
+    assert messages is not None
+    assert responses is not None
+    assert chat is not None
+    assert plan(messages, 200, sse, "") == TeePlan(Source.ANTHROPIC, True, "identity", messages)
+    assert plan(messages, 200, "application/json", "GZIP") == TeePlan(
+        Source.ANTHROPIC, False, "gzip", messages
     )
-    assert plan("/v1/responses", 201, "application/json", "deflate") == TeePlan(
-        Source.OPENAI_RESPONSES, False, "deflate"
+    assert plan(responses, 201, "application/json", "deflate") == TeePlan(
+        Source.OPENAI_RESPONSES, False, "deflate", responses
     )
-    assert plan("/v1/messages", 529, "application/json", "") is None  # overloaded: not billed
-    assert plan("/v1/chat/completions", 400, sse, "") is None
-    assert plan("/v1/chat/completions", 200, sse, "br") is None  # cannot decode: forward only
-    assert plan("/v1/models", 200, "application/json", "") is None
+    assert plan(chat, 200, sse, "gzip, br") == TeePlan(Source.OPENAI, True, "gzip, br", chat)
+    assert plan(chat, 200, sse, "zstd") == TeePlan(Source.OPENAI, True, "zstd", chat)
+    assert plan(messages, 529, "application/json", "") is None  # overloaded: not billed
+    assert plan(chat, 400, sse, "") is None
 
 
 def test_a_body_is_one_event_verbatim() -> None:
@@ -108,12 +127,13 @@ async def test_a_compressed_body_in_pieces_reaches_the_worker_as_its_fold(source
     text = json.dumps(body_of(source, SAMPLES / _SAMPLE[source]), ensure_ascii=False)
     data = gzip.compress(text.encode())
     sender = FakeSender()
-    async with Tap(sender=sender) as tap, tap.request(source, tenant="acme") as req:
-        tee = Tee(req, TeePlan(source, streaming=False, encoding="gzip"))
+    async with Tap(sender=sender) as tap:
+        tee = Tee(tap, "acme", TeePlan(source, streaming=False, encoding="gzip"))
         for start in range(0, len(data), 50):
             await tee.feed(data[start : start + 50])
         assert sender.records == []  # nothing before the body is complete
         await tee.close()
+        tee.end()
     [event, end] = sender.decoded()
     assert event.data == text
     assert end.seq == 1
@@ -124,12 +144,13 @@ async def test_a_compressed_body_in_pieces_reaches_the_worker_as_its_fold(source
 
 async def test_a_body_over_the_limit_is_forwarded_only() -> None:
     sender = FakeSender()
-    async with Tap(sender=sender) as tap, tap.request(Source.ANTHROPIC, tenant="acme") as req:
-        tee = Tee(req, TeePlan(Source.ANTHROPIC, streaming=False, encoding="identity"))
+    async with Tap(sender=sender) as tap:
+        tee = Tee(tap, "acme", TeePlan(Source.ANTHROPIC, streaming=False, encoding="identity"))
         piece = b" " * (1 << 20)
         for _ in range(MAX_BODY_BYTES // len(piece) + 1):
             await tee.feed(piece)
         await tee.feed(b'{"type": "message"}')
         await tee.close()
+        tee.end()
     assert sender.records == []
     assert tap.stats.requests == 0
