@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from streamtally.cli._tee import TeeStats
 from streamtally.producers import TapStats
 
 __all__ = ["ProxyCollector", "Stats", "metrics_app"]
@@ -61,10 +62,12 @@ class ProxyCollector(Collector):
         stats: Callable[[], Stats],
         tap: Callable[[], TapStats],
         in_flight: Callable[[], int],
+        tees: Callable[[], TeeStats] | None = None,
     ) -> None:
         self._stats = stats
         self._tap = tap
         self._in_flight = in_flight
+        self._tees = tees
 
     def collect(self) -> Iterator[Any]:
         s = self._stats()
@@ -104,6 +107,20 @@ class ProxyCollector(Collector):
         yield _counter(
             p + "upstreams_broke", "Calls whose upstream broke off mid-answer.", s.upstream_broke
         )
+        if self._tees is not None:
+            tees = self._tees()
+            yield _labelled(
+                p + "calls_undecodable",
+                "Metered calls not teed (whole or in part) for an encoding the tee could not "
+                "decode, by route.",
+                "path",
+                tees.undecodable,
+            )
+            yield _counter(
+                p + "background_repeats",
+                "Background responses already teed to their end, seen again and not teed.",
+                tees.repeats,
+            )
         gauge = GaugeMetricFamily(p + "calls_in_flight", "Calls being served now.")
         gauge.add_metric([], self._in_flight())
         yield gauge

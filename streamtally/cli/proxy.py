@@ -745,7 +745,10 @@ async def _serve(
 async def serve_metrics(proxy: ProxyServer, where: Listen) -> web.AppRunner:
     """/metrics and /health of `proxy` on `where` (`streamtally.cli._proxy_metrics`)."""
     collector = ProxyCollector(
-        lambda: proxy.stats, lambda: proxy.tap.stats, lambda: proxy.in_flight
+        lambda: proxy.stats,
+        lambda: proxy.tap.stats,
+        lambda: proxy.in_flight,
+        lambda: proxy.tees.stats,
     )
     runner = web.AppRunner(metrics_app(collector), access_log=None)
     await runner.setup()

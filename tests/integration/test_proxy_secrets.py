@@ -188,6 +188,7 @@ def test_no_credential_shows_in_output_answers_or_records(
     assert 'streamtally_proxy_calls_unmetered_total{path="/v1/files/{id}"} 1.0' in metrics
     assert "streamtally_proxy_clients_gone_total 1.0" in metrics
     assert "streamtally_tap_records_sent_total" in metrics
+    assert "streamtally_proxy_background_repeats_total 0.0" in metrics
     for secret in SECRETS:
         assert secret not in output
         assert not any(secret in a for a in answers), answers
