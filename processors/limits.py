@@ -3,7 +3,8 @@
 Raw messages are refused at the edge, before they are decoded, when they have
 no key, no value (a tombstone) or more than `MAX_RECORD_BYTES`; a record
 fails permanently with one of `PERMANENT_ERRORS`; `Limits` bounds what one
-worker holds (records per request, open requests per worker and per tenant).
+worker holds (records per request, open requests per worker and per tenant, the
+bytes of an event sent in parts).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ class Limits:
 
     The defaults are the settings' own (`STREAMTALLY_MAX_RECORDS_PER_REQUEST`,
     `STREAMTALLY_MAX_OPEN_REQUESTS`, `STREAMTALLY_MAX_OPEN_PER_TENANT`,
-    `STREAMTALLY_MAX_TEXT_BYTES`: see `streamtally.settings`).
+    `STREAMTALLY_MAX_TEXT_BYTES`, `STREAMTALLY_MAX_EVENT_BYTES`: see `streamtally.settings`).
     """
 
     #: Records one request may have (its end marker is always taken, so it still closes).
@@ -54,6 +55,9 @@ class Limits:
     open_per_tenant: int = _default("max_open_per_tenant")
     #: UTF-8 bytes of text, reasoning and tool arguments one request keeps (a prefix beyond).
     text_bytes: int = _default("max_text_bytes")
+    #: UTF-8 bytes of data of one event sent in parts, joined: the part past it is
+    #: dead-lettered and its request closed with what it had (`CloseReason.LIMIT`).
+    event_bytes: int = _default("max_event_bytes")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -62,6 +66,7 @@ class Limits:
             open_requests=settings.max_open_requests,
             open_per_tenant=settings.max_open_per_tenant,
             text_bytes=settings.max_text_bytes,
+            event_bytes=settings.max_event_bytes,
         )
 
 
