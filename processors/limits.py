@@ -13,11 +13,13 @@ from dataclasses import dataclass
 
 from streamtally.errors import InputError
 from streamtally.settings import Settings
+from streamtally.topics import RAW_RECORD_BYTES
 
 __all__ = ["MAX_RECORD_BYTES", "PERMANENT_ERRORS", "TOMBSTONE", "Limits", "refused_at_the_edge"]
 
-#: Raw records larger than this are dead-lettered.
-MAX_RECORD_BYTES = 4 << 20
+#: Raw records larger than this are dead-lettered (the raw topics take a little more, so
+#: that such a record is refused here, with its reason, not by Kafka).
+MAX_RECORD_BYTES = RAW_RECORD_BYTES
 #: What one record can fail with that no retry cures: it is dead-lettered with the reason.
 #: (InputError covers decoding and validation, Avro encoding included; ValueError covers
 #: pydantic's ValidationError; the rest are what hostile JSON can make Python raise.)
