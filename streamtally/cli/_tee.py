@@ -8,7 +8,15 @@ its SSE events are the raw events, as `streamtally produce` would send them.
 A non-streaming response is the whole JSON object the stream would have
 built (a `chat.completion`, a Response, a Message, a
 `GenerateContentResponse`); each adapter folds that object as one event, so
-the body becomes one raw record (`body_events`), kept verbatim for audit.
+the body becomes one raw event (`body_events`), kept verbatim for audit: one
+record, or part records when it is over 512 KiB (`streamtally.producers.tap`).
+While it arrives the body is spooled (`SPOOL_MEMORY_BYTES` in memory, then a
+temporary file), and read back once at its end.  A body over the proxy's
+``--max-body-bytes`` (`DEFAULT_MAX_BODY_BYTES`, 64 MiB) is not teed whole,
+never dropped either: its usage, id and model are found in its first and last
+64 KiB and teed as a small body of the same source that folds to them
+(`streamtally.cli._oversize`), with a warning (an error naming the request
+when no usage is found); `Tee.oversize` says so, and the proxy counts it.
 Gemini's `streamGenerateContent` without ``alt=sse`` answers with a JSON
 array of chunks: one raw record each.  A Responses API body still queued or
 in progress (``background: true``) carries no result yet (the client fetches
@@ -19,20 +27,33 @@ from __future__ import annotations
 
 import json
 import logging
+import tempfile
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final
 
+from streamtally.cli._oversize import EDGE_BYTES, extract
 from streamtally.core.models import Source
 from streamtally.core.sse import SseEvent
 from streamtally.producers import TapRequest
 
-__all__ = ["MAX_BODY_BYTES", "Tee", "TeePlan", "body_events", "plan", "source_of"]
+__all__ = [
+    "DEFAULT_MAX_BODY_BYTES",
+    "SPOOL_MEMORY_BYTES",
+    "Tee",
+    "TeePlan",
+    "body_events",
+    "plan",
+    "source_of",
+]
 
 log = logging.getLogger("streamtally.cli.proxy")
 
-#: Bytes of a non-streaming body the tap keeps (a raw record's limit).
-MAX_BODY_BYTES: Final = 4 << 20
+#: Bytes of a non-streaming body teed whole unless told otherwise (``--max-body-bytes``);
+#: past it, only its usage is (see `Tee`).
+DEFAULT_MAX_BODY_BYTES: Final = 64 << 20
+#: Bytes of a body held in memory before its spool moves to a temporary file.
+SPOOL_MEMORY_BYTES: Final = 1 << 20
 #: Content encodings the tee can decode (the client still gets the bytes as sent).
 _ENCODINGS: Final = frozenset({"identity", "gzip", "deflate"})
 #: Responses API statuses of a Response that has no result yet.
@@ -54,14 +75,25 @@ def source_of(path: str) -> Source | None:
 
 @dataclass(frozen=True, slots=True)
 class TeePlan:
-    """How one response is teed: its source, SSE or a whole body, its content encoding."""
+    """How one response is teed: its source, SSE or a whole body, its content encoding,
+    and the largest body teed whole."""
 
     source: Source
     streaming: bool
     encoding: str
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: The call's path (named in the log lines of an oversized body).
+    path: str = field(default="", compare=False)
 
 
-def plan(path: str, status: int, content_type: str, encoding: str) -> TeePlan | None:
+def plan(
+    path: str,
+    status: int,
+    content_type: str,
+    encoding: str,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> TeePlan | None:
     """The tee of a response to a call on `path`, or None when it is forwarded only."""
     source = source_of(path)
     if source is None or not 200 <= status < 300:
@@ -71,7 +103,7 @@ def plan(path: str, status: int, content_type: str, encoding: str) -> TeePlan | 
         log.warning("%s: a %s body is not tapped", path, encoding)
         return None
     streaming = content_type.strip().lower().startswith("text/event-stream")
-    return TeePlan(source, streaming, encoding)
+    return TeePlan(source, streaming, encoding, max_body_bytes, path)
 
 
 def body_events(source: Source, text: str) -> list[SseEvent]:
@@ -103,35 +135,111 @@ def body_events(source: Source, text: str) -> list[SseEvent]:
 
 
 class Tee:
-    """One teed response: decoded, then fed as SSE, or kept whole until it is complete."""
+    """One teed response: decoded, then fed as SSE, or spooled whole until it is complete.
 
-    def __init__(self, request: TapRequest, tee: TeePlan) -> None:
+    A non-streaming body goes to a temporary file (in memory up to `SPOOL_MEMORY_BYTES`)
+    while it arrives, and is teed whole at its end, up to `max_body_bytes`.  Past it the
+    spool is dropped, its first and last `EDGE_BYTES` kept, and a synthetic body with
+    the usage found in them is teed (`streamtally.cli._oversize`); `oversize` says so.
+    """
+
+    def __init__(
+        self, request: TapRequest, tee: TeePlan, *, max_body_bytes: int | None = None
+    ) -> None:
         self.request = request
         self.streaming = tee.streaming
+        self.path = tee.path
+        self.max_body_bytes = tee.max_body_bytes if max_body_bytes is None else max_body_bytes
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         self._inflate = (
             zlib.decompressobj(wbits=47 if tee.encoding == "gzip" else zlib.MAX_WBITS)
             if tee.encoding != "identity"
             else None
         )
-        self._body = bytearray()
-        self._too_big = False
+        self._spool: tempfile.SpooledTemporaryFile[bytes] | None = None
+        #: Bytes of the (decoded) body so far.
+        self.size = 0
+        #: The body passed `max_body_bytes`: only its head and tail are kept.
+        self.oversize = False
+        self._head = b""
+        self._tail = bytearray()
 
     async def feed(self, chunk: bytes) -> None:
         if self._inflate is not None:
             chunk = self._inflate.decompress(chunk)
         if self.streaming:
             await self.request.feed(chunk)
-        elif not self._too_big:
-            self._body += chunk
-            if len(self._body) > MAX_BODY_BYTES:
-                self._too_big = True
-                self._body = bytearray()
-                log.warning("a body over %d bytes is not tapped", MAX_BODY_BYTES)
+            return
+        before = self.size
+        self.size += len(chunk)
+        if self.oversize:
+            self._tail += chunk
+            del self._tail[: max(0, len(self._tail) - EDGE_BYTES)]
+            return
+        if self._spool is None:
+            # Kept open across `feed` calls; closed at `close` or once over the limit.
+            self._spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)  # noqa: SIM115
+        if self.size <= self.max_body_bytes:
+            self._spool.write(chunk)
+            return
+        # Past the limit: keep the head and the tail, drop the spool.
+        spool, self._spool = self._spool, None
+        spool.seek(0)
+        self._head = spool.read(EDGE_BYTES)
+        spool.seek(max(0, before - EDGE_BYTES))
+        self._tail = bytearray(spool.read()) + chunk
+        del self._tail[: max(0, len(self._tail) - EDGE_BYTES)]
+        if len(self._head) < EDGE_BYTES:  # a limit below the head's size
+            self._head = bytes(self._head + chunk)[:EDGE_BYTES]
+        spool.close()
+        self.oversize = True
 
     async def close(self) -> None:
         """The response is complete: a non-streaming body's events go to the tap now."""
-        if self.streaming or self._too_big or not self._body:
+        if self.streaming:
             return
-        text = self._body.decode("utf-8", errors="replace")
+        if self.oversize:
+            await self._tee_extracted()
+            return
+        spool, self._spool = self._spool, None
+        if spool is None:
+            return
+        with spool:
+            spool.seek(0)
+            text = spool.read().decode("utf-8", errors="replace")
         for event in body_events(self.request.source, text):
             await self.request.event(event)
+
+    async def _tee_extracted(self) -> None:
+        source = self.request.source
+        found = extract(
+            source,
+            self._head.decode("utf-8", errors="replace"),
+            bytes(self._tail).decode("utf-8", errors="replace"),
+        )
+        if found.usage:
+            log.warning(
+                "%s: a %s body of %d bytes is over --max-body-bytes %d: teed as its usage, "
+                "id %s and model %s (its content is not kept)",
+                self.path,
+                source.value,
+                self.size,
+                self.max_body_bytes,
+                found.request_id,
+                found.model,
+            )
+        else:
+            log.error(
+                "%s: a %s body of %d bytes is over --max-body-bytes %d and its usage was not "
+                "found in its last %d bytes: request %s (model %s, tenant %s) teed without usage",
+                self.path,
+                source.value,
+                self.size,
+                self.max_body_bytes,
+                EDGE_BYTES,
+                found.request_id,
+                found.model,
+                self.request.tenant,
+            )
+        await self.request.event(SseEvent(json.dumps(found.body, ensure_ascii=False)))

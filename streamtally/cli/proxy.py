@@ -16,7 +16,10 @@ Which calls are tapped (by path): `/chat/completions` (openai),
 `/responses` (openai-responses), `/messages` (anthropic),
 `:streamGenerateContent` and `:generateContent` (gemini); 2xx responses only,
 not content-encoded ones other than gzip and deflate.  A non-streaming body is
-tapped whole, as one event that every source's fold reads (see
+tapped whole, as one event that every source's fold reads (in part records
+when it is over 512 KiB), up to ``--max-body-bytes`` (64 MiB by default;
+spooled to a temporary file while it arrives); a larger one is tapped as the
+usage found in its first and last 64 KiB, with a warning, and counted (see
 `streamtally.cli._tee`, which decides what is teed).
 """
 
@@ -37,7 +40,7 @@ from yarl import URL
 from streamtally.cli._api_keys import ApiKeyTenants
 from streamtally.cli._args import bootstrap_servers, kafka_of
 from streamtally.cli._output import say
-from streamtally.cli._tee import Tee, plan, source_of
+from streamtally.cli._tee import DEFAULT_MAX_BODY_BYTES, Tee, plan, source_of
 from streamtally.cli.produce import add_key_file_argument, producer_key
 from streamtally.connection import KafkaConnection
 from streamtally.errors import InputError, StackError
@@ -84,6 +87,16 @@ def listen_address(value: str) -> Listen:
     return Listen(host.strip("[]") or "127.0.0.1", int(port))
 
 
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
+
+
 def upstream_url(value: str) -> str:
     url = URL(value)
     if url.scheme not in ("http", "https") or not url.host:
@@ -101,18 +114,25 @@ class ProxyServer:
         *,
         tenant_header: str = "X-Tenant",
         api_keys: ApiKeyTenants | None = None,
+        max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     ) -> None:
         self.upstream = upstream.rstrip("/")
         self.tap = tap
         self.tenant_header = tenant_header
         #: With a map, the tenant is the API key's, and a call with no mapped key is refused.
         self.api_keys = api_keys
+        #: The largest non-streaming body teed whole; past it, its usage (`Tee`).
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
+        self.max_body_bytes = max_body_bytes
         self._session: ClientSession | None = None
         self._runner: web.AppRunner | None = None
         #: Requests forwarded, tapped ones (a `Tap` request each), refused (no mapped key).
         self.forwarded = 0
         self.tapped = 0
         self.refused = 0
+        #: Tapped bodies over `max_body_bytes`, teed as the usage found in them.
+        self.oversize = 0
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host`:`port` (0: any free port); returns the port."""
@@ -189,6 +209,7 @@ class ProxyServer:
             status,
             headers.get("Content-Type", ""),
             headers.get("Content-Encoding", "identity"),
+            max_body_bytes=self.max_body_bytes,
         )
         if tee is None:
             return None
@@ -210,6 +231,8 @@ class ProxyServer:
                 cancelled = False
                 raise
             await tee.close()
+            if tee.oversize:
+                self.oversize += 1
             cancelled = False
         finally:
             req.end(cancelled=cancelled)
@@ -257,6 +280,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="longest wait of one event for room in the tap's buffer (default: 5)",
     )
     parser.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help="largest non-streaming body tapped whole, spooled to a temporary file "
+        f"(default: {DEFAULT_MAX_BODY_BYTES}); a larger one is tapped as the usage, id and "
+        "model found in its first and last 64 KiB, with a warning",
+    )
+    parser.add_argument(
         "--bootstrap-servers", type=bootstrap_servers, metavar="HOST:PORT", help="Kafka to use"
     )
     add_key_file_argument(parser)
@@ -276,7 +308,13 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     async with Tap(servers, namespace=namespace, budget_s=args.budget_ms / 1000, key=key) as tap:
-        proxy = ProxyServer(args.upstream, tap, tenant_header=args.tenant_header, api_keys=api_keys)
+        proxy = ProxyServer(
+            args.upstream,
+            tap,
+            tenant_header=args.tenant_header,
+            api_keys=api_keys,
+            max_body_bytes=args.max_body_bytes,
+        )
         try:
             port = await proxy.start(args.listen.host, args.listen.port)
         except OSError as exc:
@@ -291,7 +329,8 @@ async def _serve(
     stats = tap.stats  # once the tap has sent what it had
     say(
         f"proxy: {proxy.forwarded} requests forwarded, {proxy.tapped} tapped, "
-        f"{proxy.refused} refused (no mapped API key); records "
+        f"{proxy.refused} refused (no mapped API key), {proxy.oversize} bodies over "
+        f"--max-body-bytes tapped as their usage; records "
         f"sent {stats.sent}, dropped over budget {stats.dropped_over_budget}, "
         f"failed {stats.failed}"
     )

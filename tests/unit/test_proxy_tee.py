@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from streamtally.cli._tee import MAX_BODY_BYTES, Tee, TeePlan, body_events, plan, source_of
+from streamtally.cli._tee import Tee, TeePlan, body_events, plan, source_of
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream
 from streamtally.core.sse import SseEvent
 from streamtally.producers import Tap
+from streamtally.producers.tap import utf8_slices
+from streamtally.wire.records import PART_BYTES
 from tests.bodies import body_of
 from tests.unit.test_tap import FakeSender, worker_tokens
 
@@ -122,14 +124,101 @@ async def test_a_compressed_body_in_pieces_reaches_the_worker_as_its_fold(source
     assert tokens.usage.input_tokens > 0
 
 
-async def test_a_body_over_the_limit_is_forwarded_only() -> None:
+async def test_a_body_over_the_limit_is_teed_as_its_usage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Never a silent drop: the usage, id and model of its edges, counted and logged."""
+    body = body_of(Source.ANTHROPIC, SAMPLES / _SAMPLE[Source.ANTHROPIC])
+    text = json.dumps(body, ensure_ascii=False)
+    padded = text.replace('"content": [', '"content": [' + " " * (3 << 20), 1)
+    assert len(padded) > 3 << 20
     sender = FakeSender()
     async with Tap(sender=sender) as tap, tap.request(Source.ANTHROPIC, tenant="acme") as req:
-        tee = Tee(req, TeePlan(Source.ANTHROPIC, streaming=False, encoding="identity"))
-        piece = b" " * (1 << 20)
-        for _ in range(MAX_BODY_BYTES // len(piece) + 1):
-            await tee.feed(piece)
-        await tee.feed(b'{"type": "message"}')
+        plan_ = TeePlan(Source.ANTHROPIC, streaming=False, encoding="identity", path="/v1/messages")
+        tee = Tee(req, plan_, max_body_bytes=1 << 20)
+        data = padded.encode()
+        for start in range(0, len(data), 65536):
+            await tee.feed(data[start : start + 65536])
+        assert tee.oversize
         await tee.close()
-    assert sender.records == []
-    assert tap.stats.requests == 0
+    [event, _end] = sender.decoded()
+    assert len(event.data) < 2000
+    (tokens,), _ = worker_tokens(sender)
+    want = fold_stream(Source.ANTHROPIC, [SseEvent(text)])
+    assert tokens.usage == want.usage
+    assert tokens.usage.input_tokens > 0
+    assert (tokens.request_id, tokens.model) == (want.request_id, want.model)
+    assert tokens.finish_reason == want.finish_reason
+    assert tokens.text == ""
+    assert "over --max-body-bytes 1048576: teed as its usage" in caplog.text
+    assert tee.size == len(data)
+
+
+async def test_a_body_whose_usage_is_not_found_is_teed_with_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    data = b'{"id": "chatcmpl-cut", "model": "gpt-4o-mini", "choices": [' + b" " * 300_000
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap, tap.request(Source.OPENAI, tenant="acme") as req:
+        plan_ = TeePlan(Source.OPENAI, streaming=False, encoding="identity", path="/v1/x")
+        tee = Tee(req, plan_, max_body_bytes=100_000)
+        await tee.feed(data)
+        await tee.close()
+    [event, _end] = sender.decoded()
+    assert json.loads(event.data) == {
+        "id": "chatcmpl-cut",
+        "object": "chat.completion",
+        "model": "gpt-4o-mini",
+        "choices": [],
+    }
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens.request_id == "chatcmpl-cut"
+    assert tokens.usage.input_tokens == 0
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1
+    assert "request chatcmpl-cut" in errors[0].getMessage()
+    assert "tenant acme" in errors[0].getMessage()
+
+
+async def test_a_body_under_the_limit_is_spooled_and_teed_whole_in_parts() -> None:
+    body = body_of(Source.OPENAI, SAMPLES / _SAMPLE[Source.OPENAI])
+    body["choices"][0]["message"]["content"] = "é€😀 " * 300_000  # 3.3 MB
+    text = json.dumps(body, ensure_ascii=False)
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap, tap.request(Source.OPENAI, tenant="acme") as req:
+        tee = Tee(req, TeePlan(Source.OPENAI, streaming=False, encoding="identity"))
+        data = text.encode()
+        for start in range(0, len(data), 10_000):
+            await tee.feed(data[start : start + 10_000])
+        assert tee._spool is not None
+        assert tee._spool._rolled  # type: ignore[attr-defined]  # on disk past 1 MiB
+        await tee.close()
+    assert not tee.oversize
+    records = sender.decoded()
+    assert len(records) == len(utf8_slices(text, PART_BYTES)) + 1 == 7  # the body, the END
+    assert "".join(r.data for r in records[:-1]) == text
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens == fold_stream(Source.OPENAI, [SseEvent(text)])
+
+
+def test_the_body_limit_must_be_positive() -> None:
+    with pytest.raises(ValueError, match="max_body_bytes must be >= 1"):
+        Tee(None, TeePlan(Source.OPENAI, False, "identity"), max_body_bytes=0)  # type: ignore[arg-type]
+    assert plan("/v1/messages", 200, "application/json", "", max_body_bytes=5) == TeePlan(
+        Source.ANTHROPIC, False, "identity", 5, "/v1/messages"
+    )
+    assert plan("/v1/messages", 200, "application/json", "").max_body_bytes == 64 << 20  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5", "64MiB", "nan"])
+def test_the_command_refuses_a_body_limit_that_is_not_a_positive_integer(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamtally.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["proxy", "--upstream", "http://127.0.0.1:9", "--max-body-bytes", value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-body-bytes" in err
+    assert repr(value) in err
