@@ -13,6 +13,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
+from streamtally.core.content import capped_chunk
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, Tokens
@@ -20,7 +21,7 @@ from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
 from streamtally.processors._records import _Open, _Raw
 from streamtally.processors._refusals import _Refusals
-from streamtally.processors.limits import PERMANENT_ERRORS
+from streamtally.processors.limits import CHUNK_CONTENT_BYTES, PERMANENT_ERRORS
 from streamtally.processors.outputs import Closed, CloseReason, Completed, Outputs
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
@@ -78,7 +79,8 @@ class _Closing(_Refusals):
             chunks = state.normalizer.feed(event, record.received_at)
             values: list[bytes] | None
             if self._chunks_as_is:  # full content, chunks topic on: the chunks themselves
-                shown, values = chunks, [avro.encode_chunk(chunk) for chunk in chunks]
+                shown = [capped_chunk(chunk, CHUNK_CONTENT_BYTES) for chunk in chunks]
+                values = [avro.encode_chunk(chunk) for chunk in shown]
             else:
                 shown, values = self._written(chunks)
         except PERMANENT_ERRORS as exc:
@@ -152,7 +154,8 @@ class _Closing(_Refusals):
             self._finish(out, ref, state, CloseReason.LIMIT)
 
     def _written(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[bytes] | None]:
-        """The chunks as written (the content policy applied) and their Avro values (None:
+        """The chunks as written (the content policy applied, each capped at
+        `CHUNK_CONTENT_BYTES` of content: `capped_chunk`) and their Avro values (None:
         the chunks topic is off, nothing encoded).  Raises what encoding them can (the
         record's poison).  Under ``full`` they are the chunks themselves: no copy.
         """
@@ -160,6 +163,7 @@ class _Closing(_Refusals):
             return chunks, None
         policy = self.content
         shown = chunks if policy.keeps_content else [policy.chunk(c) for c in chunks]
+        shown = [capped_chunk(chunk, CHUNK_CONTENT_BYTES) for chunk in shown]
         return shown, [avro.encode_chunk(chunk) for chunk in shown]
 
     def _finish(self, out: Outputs, ref: RequestRef, state: _Open, reason: CloseReason) -> None:

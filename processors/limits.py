@@ -15,11 +15,22 @@ from streamtally.errors import InputError
 from streamtally.settings import Settings
 from streamtally.topics import RAW_RECORD_BYTES
 
-__all__ = ["MAX_RECORD_BYTES", "PERMANENT_ERRORS", "TOMBSTONE", "Limits", "refused_at_the_edge"]
+__all__ = [
+    "CHUNK_CONTENT_BYTES",
+    "MAX_RECORD_BYTES",
+    "PERMANENT_ERRORS",
+    "TOMBSTONE",
+    "Limits",
+    "refused_at_the_edge",
+]
 
 #: Raw records larger than this are dead-lettered (the raw topics take a little more, so
 #: that such a record is refused here, with its reason, not by Kafka).
 MAX_RECORD_BYTES = RAW_RECORD_BYTES
+#: UTF-8 bytes of text, reasoning and tool arguments one chunk carries to the chunks topic
+#: (a prefix beyond: `streamtally.core.content.capped_chunk`), so that the chunk of an
+#: event of many MB (joined from part records) fits the topic's 8 MiB records.
+CHUNK_CONTENT_BYTES = RAW_RECORD_BYTES
 #: What one record can fail with that no retry cures: it is dead-lettered with the reason.
 #: (InputError covers decoding and validation, Avro encoding included; ValueError covers
 #: pydantic's ValidationError; the rest are what hostile JSON can make Python raise.)

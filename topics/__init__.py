@@ -25,8 +25,9 @@ broker).  The processors' consumer group is named in the same namespace.
 
 Sizes: ``max.message.bytes`` is declared where a record may pass the broker's
 default of 1 MiB: the raw topics take `RAW_MAX_MESSAGE_BYTES` (a raw record of
-`RAW_RECORD_BYTES` and its framing), the Tokens topic 8 MiB, the dead-letter
-topic 16 MiB.  `ensure_topics` creates topics with it and raises it on topics
+`RAW_RECORD_BYTES` and its framing), the chunks and Tokens topics 8 MiB (a
+chunk keeps 4 MiB of content, a Tokens `STREAMTALLY_MAX_TEXT_BYTES`), the
+dead-letter topic 16 MiB.  `ensure_topics` creates topics with it and raises it on topics
 that exist with less (never lowers it).
 
 Replication: the declarations hold no broker count.  `ensure_topics`
@@ -224,7 +225,11 @@ _CHUNKS: Final = Topic(
     retention_ms=7 * DAY_MS,
     key=OUTPUT_KEY,
     value_schema="Chunk",
-    description="One normalised Chunk per raw event that carried anything, in request order.",
+    description=(
+        "One normalised Chunk per raw event that carried anything, in request order (its "
+        "content cut to 4 MiB: the chunk of an event joined from part records)."
+    ),
+    max_message_bytes=8 * MIB,
     min_insync_replicas=OUTPUT_MIN_INSYNC,
 )
 

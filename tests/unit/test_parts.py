@@ -322,3 +322,24 @@ def test_parts_without_their_last_record_are_not_billed_silently() -> None:
     (done,) = out.completed
     assert done.tokens.text == "hi"
     assert "ended without its last record (2 parts, 23 bytes)" in (done.tokens.error or "")
+
+
+async def test_the_chunk_of_a_joined_event_is_capped_to_fit_its_topic() -> None:
+    """A 6 MB body makes one chunk: its text is cut to CHUNK_CONTENT_BYTES (whole characters)
+    so that it fits the chunks topic; the Tokens and the usage are the whole body's."""
+    from streamtally.processors.limits import CHUNK_CONTENT_BYTES
+
+    body = big_body(6_000_000)
+    sender = await tapped(SseEvent(body))
+    out, _ = worker(sender.records)
+    (chunk,) = out.chunks
+    (value,) = out.chunk_values
+    want = expected(body)
+    full = json.loads(body)["choices"][0]["message"]["content"]
+    assert CHUNK_CONTENT_BYTES - 4 < len(chunk.text_delta.encode()) <= CHUNK_CONTENT_BYTES
+    assert full.startswith(chunk.text_delta)
+    assert len(value) < (8 << 20) - 1024  # the chunks topic's max.message.bytes
+    assert TOPICS.chunks.max_message_bytes == 8 << 20
+    (done,) = out.completed
+    assert done.tokens == want
+    assert done.tokens.usage.output_tokens == 34567

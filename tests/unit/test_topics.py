@@ -167,6 +167,6 @@ def test_the_record_sizes_agree() -> None:
         # a part record (512 KiB of data, its Avro framing) is far below
         assert 4 * PART_BYTES + framing <= raw.max_message_bytes
     # the producer's request takes the largest record of every topic the producers write
-    for topic in (*T.raw, T.tokens):
+    for topic in (*T.raw, T.chunks, T.tokens):
         assert topic.max_message_bytes is not None
         assert topic.max_message_bytes <= MAX_REQUEST_BYTES
