@@ -343,3 +343,31 @@ async def test_the_chunk_of_a_joined_event_is_capped_to_fit_its_topic() -> None:
     (done,) = out.completed
     assert done.tokens == want
     assert done.tokens.usage.output_tokens == 34567
+
+
+def test_the_audit_replays_parts_to_the_workers_bill() -> None:
+    """The audit replays the raw records through the same processor: it bills an event sent
+    in parts exactly as the worker did, provenance included."""
+    from streamtally.wire.kafka import TopicRecord
+    from tests.unit.test_audit_replay import replay
+
+    body = big_body(2 * PART_BYTES + 99)
+    sender = asyncio.run(tapped(SseEvent(body)))
+    out, _ = worker(sender.records)
+    (done,) = out.completed
+    appended = int(datetime(2026, 11, 23, 12, tzinfo=UTC).timestamp() * 1000)
+    records = [
+        TopicRecord(TOPICS.raw_sse.name, 0, offset, key.encode(), value, appended)
+        for offset, (key, value) in enumerate(sender.records)
+    ]
+    outcomes, _ = replay(records[:2], records[2:])
+    (bill,) = outcomes.bills
+    assert bill.usage == done.billing.usage
+    assert bill.usage.output_tokens == 34567
+    assert (bill.raw_sha256, bill.first_offset, bill.last_offset) == (
+        done.billing.raw_sha256,
+        done.billing.first_offset,
+        done.billing.last_offset,
+    )
+    assert bill.event_id == done.billing.event_id
+    assert (outcomes.partials, outcomes.dead) == ([], [])
