@@ -1,7 +1,8 @@
 """Closing requests: their records applied in order, their close, their billing event.
 
-A request closes at its END marker, by timeout, over a gap or at its record
-limit (`CloseReason`); its outputs (Tokens, billing event, last chunks) are
+A request closes at its END marker, by timeout, over a gap or at a limit
+(`CloseReason`: its record count, or an event sent in parts past
+`Limits.event_bytes`); its outputs (Tokens, billing event, last chunks) are
 encoded as they are made.  The close cannot fail on its price: a cost the
 billing record cannot carry is billed as unpriced (`_bill`).
 """
@@ -12,6 +13,7 @@ import logging
 from datetime import datetime
 from typing import Any
 
+from streamtally.core.content import capped_chunk
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, Tokens
@@ -19,11 +21,18 @@ from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
 from streamtally.processors._records import _Open, _Raw
 from streamtally.processors._refusals import _Refusals
-from streamtally.processors.limits import PERMANENT_ERRORS
+from streamtally.processors.limits import CHUNK_CONTENT_BYTES, PERMANENT_ERRORS
 from streamtally.processors.outputs import Closed, CloseReason, Completed, Outputs
 from streamtally.wire import avro
 from streamtally.wire.billing import bill
-from streamtally.wire.records import BillingEvent, EventKind, Provenance, RawSseEvent, UsageSource
+from streamtally.wire.records import (
+    PART_EVENT,
+    BillingEvent,
+    EventKind,
+    Provenance,
+    RawSseEvent,
+    UsageSource,
+)
 
 #: The processor's logger, named after the module it is known by.
 log = logging.getLogger("streamtally.processors.requests")
@@ -48,16 +57,30 @@ class _Closing(_Refusals):
                     state.fold.cancel()
                 self._finish(out, ref, state, CloseReason.END)
             return
-        event: Any = (
-            SseEvent(record.data, record.event, record.sse_id)
-            if isinstance(record, RawSseEvent)
-            else record.payload
-        )
+        event: Any
+        if isinstance(record, RawSseEvent):
+            if record.event == PART_EVENT:
+                self._part(out, ref, state, raw, closing=closing)
+                return
+            data = record.data
+            if state.parts:  # the last record of an event sent in parts: the event, joined
+                size = state.part_bytes + len(data.encode("utf-8", "surrogatepass"))
+                if size > self.limits.event_bytes:
+                    self._too_big(out, ref, state, raw, size, closing=closing)
+                    return
+                state.parts.append(data)
+                data = "".join(state.parts)
+                state.parts = []
+                state.part_bytes = 0
+            event = SseEvent(data, record.event, record.sse_id)
+        else:
+            event = record.payload
         try:
             chunks = state.normalizer.feed(event, record.received_at)
             values: list[bytes] | None
             if self._chunks_as_is:  # full content, chunks topic on: the chunks themselves
-                shown, values = chunks, [avro.encode_chunk(chunk) for chunk in chunks]
+                shown = [capped_chunk(chunk, CHUNK_CONTENT_BYTES) for chunk in chunks]
+                values = [avro.encode_chunk(chunk) for chunk in shown]
             else:
                 shown, values = self._written(chunks)
         except PERMANENT_ERRORS as exc:
@@ -81,8 +104,58 @@ class _Closing(_Refusals):
             out.chunk_values.extend(values)
             out.chunk_refs.extend([ref] * len(shown))
 
+    def _part(
+        self, out: Outputs, ref: RequestRef, state: _Open, raw: _Raw, *, closing: bool
+    ) -> None:
+        """A part record (`PART_EVENT`): its data kept for the event it is a part of.
+
+        Applied (counted, in the provenance) with no chunk of its own; the part that
+        takes the event past `Limits.event_bytes` is dead-lettered instead and closes the
+        request at its record limit (`_too_big`).
+        """
+        data = raw.record.data if isinstance(raw.record, RawSseEvent) else ""
+        size = state.part_bytes + len(data.encode("utf-8", "surrogatepass"))
+        if size > self.limits.event_bytes:
+            self._too_big(out, ref, state, raw, size, closing=closing)
+            return
+        state.parts.append(data)
+        state.part_bytes = size
+        state.records += 1
+        self.counters.applied += 1
+        state.applied(raw)
+
+    def _too_big(
+        self, out: Outputs, ref: RequestRef, state: _Open, raw: _Raw, size: int, *, closing: bool
+    ) -> None:
+        """An event sent in parts grew past `Limits.event_bytes`: the record that took it
+        there is dead-lettered, the parts so far are dropped, and the request closes with
+        what it had, as at its record limit (deterministic: a replay closes it here again).
+        """
+        limit = self.limits.event_bytes
+        reason = (
+            f"an event of request {ref} sent in parts has {size} bytes with this record, "
+            f"over the limit (STREAMTALLY_MAX_EVENT_BYTES={limit})"
+        )
+        self._dead(
+            out,
+            InputError(reason),
+            raw.key,
+            raw.value,
+            raw.position,
+            source=state.source,
+            request_id=ref.request_id,
+        )
+        state.parts = []
+        state.part_bytes = 0
+        if not closing:
+            state.limit_reason = (
+                f"request closed at its event limit: an event sent in parts over {limit} bytes"
+            )
+            self._finish(out, ref, state, CloseReason.LIMIT)
+
     def _written(self, chunks: list[Chunk]) -> tuple[list[Chunk], list[bytes] | None]:
-        """The chunks as written (the content policy applied) and their Avro values (None:
+        """The chunks as written (the content policy applied, each capped at
+        `CHUNK_CONTENT_BYTES` of content: `capped_chunk`) and their Avro values (None:
         the chunks topic is off, nothing encoded).  Raises what encoding them can (the
         record's poison).  Under ``full`` they are the chunks themselves: no copy.
         """
@@ -90,6 +163,7 @@ class _Closing(_Refusals):
             return chunks, None
         policy = self.content
         shown = chunks if policy.keeps_content else [policy.chunk(c) for c in chunks]
+        shown = [capped_chunk(chunk, CHUNK_CONTENT_BYTES) for chunk in shown]
         return shown, [avro.encode_chunk(chunk) for chunk in shown]
 
     def _finish(self, out: Outputs, ref: RequestRef, state: _Open, reason: CloseReason) -> None:
@@ -108,9 +182,16 @@ class _Closing(_Refusals):
         elif reason is CloseReason.TIMEOUT:
             message = f"request timed out: no end-of-stream marker within {self.timeout:g}s"
         elif reason is CloseReason.LIMIT:
-            message = (
+            message = state.limit_reason or (
                 f"request closed at its record limit ({self.limits.records_per_request} records)"
             )
+        if state.parts:  # an event whose last record never came: not billed, and said so
+            state.fold.fail(
+                f"an event sent in parts ended without its last record "
+                f"({len(state.parts)} parts, {state.part_bytes} bytes)"
+            )
+            state.parts = []
+            state.part_bytes = 0
         for seq in sorted(state.waiting):  # after the END marker: too late to belong
             waiting = state.waiting.pop(seq)
             late = InputError(f"event seq {seq} of request {ref} after its end marker")

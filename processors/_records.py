@@ -55,6 +55,12 @@ class _Open:
     digest: RawDigest = field(default_factory=RawDigest)
     first_offset: int | None = None
     last_offset: int | None = None
+    #: The data of the part records applied since the request's last whole event, in
+    #: order, and their UTF-8 bytes: the next event of the request is their sum.
+    parts: list[str] = field(default_factory=list)
+    part_bytes: int = 0
+    #: Why the request closes at a limit other than its record count (None: that one).
+    limit_reason: str | None = None
 
     def applied(self, raw: _Raw) -> None:
         """Count `raw` (just applied) into the request's provenance."""

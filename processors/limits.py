@@ -3,7 +3,8 @@
 Raw messages are refused at the edge, before they are decoded, when they have
 no key, no value (a tombstone) or more than `MAX_RECORD_BYTES`; a record
 fails permanently with one of `PERMANENT_ERRORS`; `Limits` bounds what one
-worker holds (records per request, open requests per worker and per tenant).
+worker holds (records per request, open requests per worker and per tenant, the
+bytes of an event sent in parts).
 """
 
 from __future__ import annotations
@@ -12,11 +13,24 @@ from dataclasses import dataclass
 
 from streamtally.errors import InputError
 from streamtally.settings import Settings
+from streamtally.topics import RAW_RECORD_BYTES
 
-__all__ = ["MAX_RECORD_BYTES", "PERMANENT_ERRORS", "TOMBSTONE", "Limits", "refused_at_the_edge"]
+__all__ = [
+    "CHUNK_CONTENT_BYTES",
+    "MAX_RECORD_BYTES",
+    "PERMANENT_ERRORS",
+    "TOMBSTONE",
+    "Limits",
+    "refused_at_the_edge",
+]
 
-#: Raw records larger than this are dead-lettered.
-MAX_RECORD_BYTES = 4 << 20
+#: Raw records larger than this are dead-lettered (the raw topics take a little more, so
+#: that such a record is refused here, with its reason, not by Kafka).
+MAX_RECORD_BYTES = RAW_RECORD_BYTES
+#: UTF-8 bytes of text, reasoning and tool arguments one chunk carries to the chunks topic
+#: (a prefix beyond: `streamtally.core.content.capped_chunk`), so that the chunk of an
+#: event of many MB (joined from part records) fits the topic's 8 MiB records.
+CHUNK_CONTENT_BYTES = RAW_RECORD_BYTES
 #: What one record can fail with that no retry cures: it is dead-lettered with the reason.
 #: (InputError covers decoding and validation, Avro encoding included; ValueError covers
 #: pydantic's ValidationError; the rest are what hostile JSON can make Python raise.)
@@ -43,7 +57,7 @@ class Limits:
 
     The defaults are the settings' own (`STREAMTALLY_MAX_RECORDS_PER_REQUEST`,
     `STREAMTALLY_MAX_OPEN_REQUESTS`, `STREAMTALLY_MAX_OPEN_PER_TENANT`,
-    `STREAMTALLY_MAX_TEXT_BYTES`: see `streamtally.settings`).
+    `STREAMTALLY_MAX_TEXT_BYTES`, `STREAMTALLY_MAX_EVENT_BYTES`: see `streamtally.settings`).
     """
 
     #: Records one request may have (its end marker is always taken, so it still closes).
@@ -54,6 +68,9 @@ class Limits:
     open_per_tenant: int = _default("max_open_per_tenant")
     #: UTF-8 bytes of text, reasoning and tool arguments one request keeps (a prefix beyond).
     text_bytes: int = _default("max_text_bytes")
+    #: UTF-8 bytes of data of one event sent in parts, joined: the part past it is
+    #: dead-lettered and its request closed with what it had (`CloseReason.LIMIT`).
+    event_bytes: int = _default("max_event_bytes")
 
     @classmethod
     def from_settings(cls, settings: Settings) -> Limits:
@@ -62,6 +79,7 @@ class Limits:
             open_requests=settings.max_open_requests,
             open_per_tenant=settings.max_open_per_tenant,
             text_bytes=settings.max_text_bytes,
+            event_bytes=settings.max_event_bytes,
         )
 
 

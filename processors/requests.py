@@ -22,6 +22,17 @@ counted when the request closed); after it, a late event (dead-lettered).  A
 request an earlier run decided to close but did not finish writing is closed
 again at the same offset for the same reason, so its outputs are the same.
 
+Events in parts.  An SSE event too large for one raw record comes as part
+records (`PART_EVENT`, see `streamtally.producers.tap`) and a last record under
+its own name: each part is applied (counted, in the provenance, no chunk) by
+keeping its data in the request's `_Open`; the last record's data is their sum,
+normalised as one event.  In sequence order, so parts arriving out of order or
+twice are held or dropped as any record.  The part (or last record) that takes
+the joined event past `Limits.event_bytes` is dead-lettered with the reason
+and the request closed at it with what it had (`CloseReason.LIMIT`), as at its
+record limit: a replay closes it there again.  Parts without their last record
+at the close are not billed, and the request's Tokens says so.
+
 Every raw record ends in exactly one of: applied, duplicate (a re-sent
 sequence number, dropped), dead-lettered (with the reason), or replayed
 (counted by the run that closed its request).  Per closed request the

@@ -38,6 +38,11 @@ log = logging.getLogger(__name__)
 
 #: A partition whose broker sent no fetch response for this long is not live (an outage).
 LIVE_WINDOW_S = 1.0
+#: Bytes one fetch takes of one partition, and of all of them: above the raw topics'
+#: ``max.message.bytes`` (`streamtally.topics.RAW_MAX_MESSAGE_BYTES`), so that a batch of
+#: the largest records comes in one fetch.
+PARTITION_FETCH_BYTES = 8 << 20
+FETCH_BYTES = 64 << 20
 
 
 class RawMessage(NamedTuple):
@@ -133,9 +138,9 @@ class RawSource:
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=settings.batch_size,
-            fetch_max_bytes=64 << 20,
+            fetch_max_bytes=FETCH_BYTES,
             fetch_max_wait_ms=50,  # the broker answers an idle fetch within a batch window
-            max_partition_fetch_bytes=8 << 20,
+            max_partition_fetch_bytes=PARTITION_FETCH_BYTES,
             session_timeout_ms=int(settings.session_timeout * 1000),
             heartbeat_interval_ms=int(max(settings.session_timeout / 10, 0.5) * 1000),
         )

@@ -14,9 +14,19 @@ client went away mid-stream) the END marker says `cancelled`
 (`RawSseEvent.end(..., cancelled=True)`, `RawEngineOutput.end(..., cancelled=True)`)
 and the worker closes the request `cancelled` with the usage seen so far.
 
+Large events.  An SSE event whose data is over `PART_BYTES` (512 KiB) of UTF-8
+is sent as several records with consecutive sequence numbers (`utf8_slices`,
+cut on character boundaries): part records (event `PART_EVENT`,
+``streamtally.part``) carrying the slices of its data, the last record under
+the event's own name and id with the final slice.  Every record then stays far
+below the raw topics' ``max.message.bytes``; the worker joins the parts into
+the one event before normalising it (`streamtally.processors.requests`).
+Engine outputs are sent as one record each, whatever their size.
+
 Bounded, never blocking: at most `max_buffered` records wait in the tap or in
 the Kafka client, unacknowledged.  When Kafka is slow and the bound is
-reached, an event waits for room at most `budget_s`; what still does not fit
+reached, an event waits for room at most `budget_s` (for all of its records: an
+event sent in parts is sent or dropped whole); what still does not fit
 is dropped, counted (`TapStats.dropped_over_budget`) and logged.  A dropped
 event keeps its sequence number, so the worker sees the gap and closes the
 request `error` ("raw events missing") after its timeout: a loss is never
@@ -65,10 +75,10 @@ from streamtally.errors import InvalidEvent
 from streamtally.producers.raw import RawProducer
 from streamtally.topics import DEFAULT_NAMESPACE
 from streamtally.wire import avro
-from streamtally.wire.records import RawEngineOutput, RawSseEvent
+from streamtally.wire.records import PART_BYTES, PART_EVENT, RawEngineOutput, RawSseEvent
 from streamtally.wire.tenant_keys import ProducerKey
 
-__all__ = ["Sender", "Tap", "TapRequest", "TapStats"]
+__all__ = ["Sender", "Tap", "TapRequest", "TapStats", "utf8_slices"]
 
 log = logging.getLogger("streamtally.producers.tap")
 
@@ -78,6 +88,28 @@ DEFAULT_BUDGET_S = 0.005
 DEFAULT_MAX_BUFFERED = 10_000
 #: Default events a request without a given id holds until the provider's id shows.
 DEFAULT_ID_WAIT_EVENTS = 16
+
+
+def utf8_slices(data: str, size: int) -> list[str]:
+    """`data` cut into consecutive slices of at most `size` UTF-8 bytes, each cut on a
+    character boundary (`size` >= 4); ``"".join`` of them is `data`.  Lone surrogates
+    pass through as they are (the Avro encoder refuses them later, as for a whole event).
+    """
+    if size < 4:
+        raise ValueError(f"size must be >= 4 (a UTF-8 character), got {size}")
+    raw = data.encode("utf-8", "surrogatepass")
+    if len(raw) <= size:
+        return [data]
+    out = []
+    start, end = 0, len(raw)
+    while end - start > size:
+        cut = start + size
+        while raw[cut] & 0xC0 == 0x80:  # a continuation byte: back to its character's start
+            cut -= 1
+        out.append(raw[start:cut].decode("utf-8", "surrogatepass"))
+        start = cut
+    out.append(raw[start:].decode("utf-8", "surrogatepass"))
+    return out
 
 
 class Sender(Protocol):
@@ -129,7 +161,8 @@ class TapStats:
 
     #: Records Kafka acknowledged (events and END markers).
     sent: int = 0
-    #: Events dropped because they found no room in the buffer within the budget.
+    #: Records dropped because they found no room in the buffer within the budget (an
+    #: event sent in parts is dropped whole: all of its records).
     dropped_over_budget: int = 0
     #: Records that could not be encoded or that Kafka refused.
     failed: int = 0
@@ -400,7 +433,7 @@ class TapRequest:
             raise RuntimeError("the request has ended")
         received = self.tap.clock()
         if await self.tap._room(1):
-            self._send(event, received, seq)
+            self._send([event], received, seq)
         else:
             self.dropped += 1
             self.tap.stats.dropped_over_budget += 1
@@ -445,14 +478,26 @@ class TapRequest:
                     len(self._held),
                     self._request_id,
                 )
-            held, self._held = self._held, []
-            room = await self.tap._room(len(held))
+            held = self._expand_held()
+            room = await self.tap._room(self._needed(held))
             self._send_held(held, room)
             return
-        if await self.tap._room(1):
-            self._send(event, received)
+        pieces = self._pieces(event)
+        need = min(len(pieces), self.tap.max_buffered)
+        if await self.tap._room(need) >= need:
+            self._send(pieces, received)
         else:
-            self._drop(1)
+            self._drop(len(pieces))
+
+    def _expand_held(self) -> list[tuple[list[Any], datetime]]:
+        """The held events, each as the records it is sent as; none held any more."""
+        held, self._held = self._held, []
+        return [(self._pieces(event), received) for event, received in held]
+
+    def _needed(self, held: list[tuple[list[Any], datetime]]) -> int:
+        """Room the held events need (an event of more parts than the bound: the bound)."""
+        limit = self.tap.max_buffered
+        return sum(min(len(pieces), limit) for pieces, _ in held)
 
     def _find_id(self, event: Any) -> None:
         finder = self._finder
@@ -465,62 +510,88 @@ class TapRequest:
             self._request_id = finder.provider_request_id
             self._finder = None
 
-    def _send_held(self, held: list[tuple[Any, datetime]], room: int) -> None:
-        for event, received in held[:room]:
-            self._send(event, received)
-        if len(held) > room:
-            self._drop(len(held) - room)
+    def _pieces(self, event: Any) -> list[Any]:
+        """The records one event is sent as: itself, or (an SSE event whose data is over
+        `PART_BYTES` of UTF-8) its part events, then its last slice under its own name."""
+        if not self.source.is_sse or len(event.data) <= PART_BYTES // 4:
+            return [event]  # at most 4 UTF-8 bytes a character: it fits
+        slices = utf8_slices(event.data, PART_BYTES)
+        if len(slices) == 1:
+            return [event]
+        parts: list[Any] = [SseEvent(piece, PART_EVENT) for piece in slices[:-1]]
+        parts.append(SseEvent(slices[-1], event.event, event.id))
+        return parts
 
-    def _send(self, event: Any, received: datetime, explicit: int | None = None) -> None:
-        """Encode the next event (or the one numbered `explicit`) and queue it.
+    def _send_held(self, held: list[tuple[list[Any], datetime]], room: int) -> None:
+        """Send held events (each as its records) while `room` records fit; drop the rest."""
+        limit = self.tap.max_buffered
+        for pieces, received in held:
+            need = min(len(pieces), limit)
+            if room >= need:
+                self._send(pieces, received)
+                room -= need
+            else:
+                room = 0
+                self._drop(len(pieces))
 
-        Its sequence number is taken even on failure.
+    def _send(self, pieces: list[Any], received: datetime, explicit: int | None = None) -> None:
+        """Encode the records of the next event and queue them (their sequence numbers are
+        taken even on failure: the worker sees the gap).
+
+        An event numbered `explicit` by its caller is one record, sent whole: the numbers
+        after it are the caller's, so it cannot be cut into parts.
         """
         request_id = self._request_id
         assert request_id is not None
         if explicit is None:
-            seq = self._seq
-            self._seq += 1
+            first = self._seq
+            self._seq += len(pieces)
         else:
-            seq = explicit
-            self._seq = max(self._seq, seq + 1)
+            first = explicit
+            self._seq = max(self._seq, explicit + len(pieces))
         try:
-            if self.source.is_sse:
-                value = avro.encode_raw_sse_event(
-                    RawSseEvent(
-                        request_id=request_id,
-                        seq=seq,
-                        source=self.source,
-                        tenant=self.tenant,
-                        received_at=received,
-                        event=event.event,
-                        data=event.data,
-                        sse_id=event.id,
-                    )
-                )
-            else:
-                value = avro.encode_raw_engine_output(
-                    RawEngineOutput(
-                        request_id=request_id,
-                        seq=seq,
-                        source=self.source,
-                        tenant=self.tenant,
-                        received_at=received,
-                        payload=event,
-                        model=self.model,
-                    )
-                )
+            values = [
+                self._encode(piece, request_id, first + i, received)
+                for i, piece in enumerate(pieces)
+            ]
         except Exception as exc:  # noqa: BLE001 - counted and logged, never the caller's
             self.tap.stats.failed += 1
             log.error(
                 "tap: event %d of request %s (%s) could not be encoded: %r",
-                seq,
+                first,
                 request_id,
                 self.source.value,
                 exc,
             )
             return
-        self.tap._put(self, request_id, seq, value)
+        for i, value in enumerate(values):
+            self.tap._put(self, request_id, first + i, value)
+
+    def _encode(self, event: Any, request_id: str, seq: int, received: datetime) -> bytes:
+        if self.source.is_sse:
+            return avro.encode_raw_sse_event(
+                RawSseEvent(
+                    request_id=request_id,
+                    seq=seq,
+                    source=self.source,
+                    tenant=self.tenant,
+                    received_at=received,
+                    event=event.event,
+                    data=event.data,
+                    sse_id=event.id,
+                )
+            )
+        return avro.encode_raw_engine_output(
+            RawEngineOutput(
+                request_id=request_id,
+                seq=seq,
+                source=self.source,
+                tenant=self.tenant,
+                received_at=received,
+                payload=event,
+                model=self.model,
+            )
+        )
 
     def _drop(self, count: int) -> None:
         first = self.dropped == 0
@@ -555,8 +626,8 @@ class TapRequest:
             else:
                 self._request_id = "tap-" + uuid.uuid4().hex
         if self._held:
-            held, self._held = self._held, []
-            self._send_held(held, self.tap._room_now(len(held)))
+            held = self._expand_held()
+            self._send_held(held, self.tap._room_now(self._needed(held)))
         if self.dropped:
             log.warning(
                 "tap: request %s (%s, tenant %s): %d events dropped over budget",
@@ -637,7 +708,9 @@ class TapRequest:
             self._held.append((event, received))
             self._find_id(event)
             return
-        if self.tap._room_now(1):
-            self._send(event, received)
+        pieces = self._pieces(event)
+        need = min(len(pieces), self.tap.max_buffered)
+        if self.tap._room_now(need) >= need:
+            self._send(pieces, received)
         else:
-            self._drop(1)
+            self._drop(len(pieces))

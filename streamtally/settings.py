@@ -153,6 +153,13 @@ class Settings(BaseSettings):
         le=6 << 20,  # the Tokens record must fit the tokens topic's 8 MiB
         validation_alias=_env("STREAMTALLY_MAX_TEXT_BYTES", "max_text_bytes"),
     )
+    #: UTF-8 bytes one SSE event sent in parts may have once joined (`PART_EVENT`); the
+    #: part that passes it is dead-lettered and its request closed (a record limit).
+    max_event_bytes: int = Field(
+        64 << 20,
+        ge=1,
+        validation_alias=_env("STREAMTALLY_MAX_EVENT_BYTES", "max_event_bytes"),
+    )
     #: Seconds Redis keeps a request's Tokens, its close marker and dead-letter marks after
     #: they are written (0: for ever).  The default, 8 days, is the raw topics' retention
     #: (7 days) plus their segment roll (1 day): the longest a raw record can be read again,

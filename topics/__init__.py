@@ -23,6 +23,13 @@ the namespace as a prefix (``streamtally.raw.sse`` by default, another with
 ``STREAMTALLY_NAMESPACE`` so that a test or a second deployment can share a
 broker).  The processors' consumer group is named in the same namespace.
 
+Sizes: ``max.message.bytes`` is declared where a record may pass the broker's
+default of 1 MiB: the raw topics take `RAW_MAX_MESSAGE_BYTES` (a raw record of
+`RAW_RECORD_BYTES` and its framing), the chunks and Tokens topics 8 MiB (a
+chunk keeps 4 MiB of content, a Tokens `STREAMTALLY_MAX_TEXT_BYTES`), the
+dead-letter topic 16 MiB.  `ensure_topics` creates topics with it and raises it on topics
+that exist with less (never lowers it).
+
 Replication: the declarations hold no broker count.  `ensure_topics`
 (`streamtally.wire.kafka`) creates each topic with `Topic.on_cluster` of the
 brokers it finds: as many copies as brokers, up to `MAX_REPLICATION_FACTOR`
@@ -47,6 +54,8 @@ __all__ = [
     "MAX_REPLICATION_FACTOR",
     "MIB",
     "OUTPUT_MIN_INSYNC",
+    "RAW_MAX_MESSAGE_BYTES",
+    "RAW_RECORD_BYTES",
     "Topic",
     "Topics",
     "decode_key",
@@ -64,6 +73,15 @@ DAY_MS: Final = 24 * 60 * 60 * 1000
 #: `retention.ms` meaning "keep forever".
 FOREVER: Final = -1
 MIB: Final = 1024 * 1024
+
+#: The largest value of one raw record: what a producer may write and the worker takes
+#: (`streamtally.processors.limits.MAX_RECORD_BYTES`; the tap sends a larger event in
+#: part records of 512 KiB, `streamtally.wire.records.PART_BYTES`).
+RAW_RECORD_BYTES: Final = 4 * MIB
+#: ``max.message.bytes`` of the raw topics: one record of `RAW_RECORD_BYTES` with its key,
+#: its ``st-auth`` header and the record batch's framing, with room to spare (a producer
+#: batches records up to 1 MiB; a larger record goes alone in its batch).
+RAW_MAX_MESSAGE_BYTES: Final = RAW_RECORD_BYTES + 64 * 1024
 
 #: Most copies of a partition streamtally asks for: with three, one broker can fail or
 #: restart while writes with ``min.insync.replicas`` 2 go on and nothing is lost.
@@ -177,6 +195,7 @@ _RAW_SSE: Final = Topic(
     segment_ms=DAY_MS,
     timestamp_type="LogAppendTime",
     value_schema="RawSseEvent",
+    max_message_bytes=RAW_MAX_MESSAGE_BYTES,
     description=(
         "Every server-sent event of every provider stream, as received, then an END marker "
         "per request. The audit record: chunks can be rebuilt from it for 7 days."
@@ -190,6 +209,7 @@ _RAW_ENGINE: Final = Topic(
     segment_ms=DAY_MS,
     timestamp_type="LogAppendTime",
     value_schema="RawEngineOutput",
+    max_message_bytes=RAW_MAX_MESSAGE_BYTES,
     description=(
         "Every inference-engine output (Dynamo LLMEngineOutput, vLLM RequestOutput, "
         "atomr TokenChunk), as received, then an END marker per request."
@@ -205,7 +225,11 @@ _CHUNKS: Final = Topic(
     retention_ms=7 * DAY_MS,
     key=OUTPUT_KEY,
     value_schema="Chunk",
-    description="One normalised Chunk per raw event that carried anything, in request order.",
+    description=(
+        "One normalised Chunk per raw event that carried anything, in request order (its "
+        "content cut to 4 MiB: the chunk of an event joined from part records)."
+    ),
+    max_message_bytes=8 * MIB,
     min_insync_replicas=OUTPUT_MIN_INSYNC,
 )
 

@@ -117,6 +117,11 @@ class ProxyCollector(Collector):
                 tees.undecodable,
             )
             yield _counter(
+                p + "bodies_oversize",
+                "Non-streaming bodies over --max-body-bytes, teed as the usage found in them.",
+                tees.oversize,
+            )
+            yield _counter(
                 p + "background_repeats",
                 "Background responses already teed to their end, seen again and not teed.",
                 tees.repeats,

@@ -68,6 +68,16 @@ terminal event, while that stream's request is still open, gets the poll's
 records as duplicates of the stream's first two (dropped): the terminal body
 is then lost, and the request closes by timeout without usage (`missing`).
 Resuming the stream, as the SDKs do, bills it.
+
+Non-streaming bodies: while one arrives it is spooled (`SPOOL_MEMORY_BYTES`
+in memory, then a temporary file) and read back once at its end; it is one
+raw event, one record, or part records when it is over 512 KiB
+(`streamtally.producers.tap`).  A body over the proxy's ``--max-body-bytes``
+(`DEFAULT_MAX_BODY_BYTES`, 64 MiB) is not teed whole, never dropped either:
+its usage, id and model are found in its first and last 64 KiB and teed as
+a small body of the same source that folds to them
+(`streamtally.cli._oversize`), with a warning (an error naming the request
+when no usage is found); `Tee.oversize` says so, and the proxy counts it.
 """
 
 from __future__ import annotations
@@ -75,6 +85,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import tempfile
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Final
@@ -87,12 +98,14 @@ from streamtally.cli._encodings import (
     codings_of,
     decoder_for,
 )
+from streamtally.cli._oversize import EDGE_BYTES, extract
 from streamtally.core.models import Source
 from streamtally.core.sse import SseDecoder, SseEvent
 from streamtally.producers import Tap, TapRequest
 
 __all__ = [
-    "MAX_BODY_BYTES",
+    "DEFAULT_MAX_BODY_BYTES",
+    "SPOOL_MEMORY_BYTES",
     "Call",
     "Tee",
     "TeePlan",
@@ -109,8 +122,11 @@ __all__ = [
 
 log = logging.getLogger("streamtally.cli.proxy")
 
-#: Bytes of a non-streaming body the tap keeps (a raw record's limit).
-MAX_BODY_BYTES: Final = 4 << 20
+#: Bytes of a non-streaming body teed whole unless told otherwise (``--max-body-bytes``);
+#: past it, only its usage is (see `Tee`).
+DEFAULT_MAX_BODY_BYTES: Final = 64 << 20
+#: Bytes of a body held in memory before its spool moves to a temporary file.
+SPOOL_MEMORY_BYTES: Final = 1 << 20
 #: Responses API statuses of a Response that has no result yet.
 _NOT_DONE: Final = frozenset({"queued", "in_progress"})
 #: Responses API statuses of a Response that is over.
@@ -248,7 +264,8 @@ def upstream_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
 
 @dataclass(frozen=True, slots=True)
 class TeePlan:
-    """How one response is teed: its source, SSE or a whole body, its content encoding."""
+    """How one response is teed: its source, SSE or a whole body, its content encoding,
+    and the largest body teed whole."""
 
     source: Source
     streaming: bool
@@ -256,9 +273,19 @@ class TeePlan:
     encoding: str
     #: The call it answers (None: a plain call of `source`).
     call: Call | None = None
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    #: The call's path (named in the log lines of an oversized body).
+    path: str = field(default="", compare=False)
 
 
-def plan(call: Call, status: int, content_type: str, encoding: str) -> TeePlan | None:
+def plan(
+    call: Call,
+    status: int,
+    content_type: str,
+    encoding: str,
+    *,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+) -> TeePlan | None:
     """The tee of a response to `call`, or None when it is forwarded only (not 2xx).
 
     Raises `UndecodableEncoding` when the tee cannot read its Content-Encoding.
@@ -268,7 +295,9 @@ def plan(call: Call, status: int, content_type: str, encoding: str) -> TeePlan |
     decoder_for(encoding)  # raises UndecodableEncoding
     codings = codings_of(encoding)
     streaming = content_type.strip().lower().startswith("text/event-stream")
-    return TeePlan(call.source, streaming, ", ".join(codings) or "identity", call)
+    return TeePlan(
+        call.source, streaming, ", ".join(codings) or "identity", call, max_body_bytes, call.path
+    )
 
 
 def body_events(source: Source, text: str) -> list[SseEvent]:
@@ -308,6 +337,8 @@ class TeeStats:
     undecodable: Counter[str] = field(default_factory=Counter)
     #: Background responses already teed to their end by this proxy, not teed again.
     repeats: int = 0
+    #: Non-streaming bodies over ``--max-body-bytes``: teed as their usage only.
+    oversize: int = 0
 
 
 def _count(counter: Counter[str], path: str) -> None:
@@ -320,8 +351,12 @@ def _count(counter: Counter[str], path: str) -> None:
 class Teeing:
     """A proxy's tee side: which calls are metered, which responses teed, and the counts."""
 
-    def __init__(self, tap: Tap) -> None:
+    def __init__(self, tap: Tap, *, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> None:
+        if max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {max_body_bytes}")
         self.tap = tap
+        #: The largest non-streaming body teed whole (``--max-body-bytes``).
+        self.max_body_bytes = max_body_bytes
         self.stats = TeeStats()
         self._finished: OrderedDict[tuple[str, str], None] = OrderedDict()
 
@@ -336,7 +371,13 @@ class Teeing:
         if getall is None and headers.get("Content-Encoding"):
             encodings = [headers["Content-Encoding"]]
         try:
-            tee = plan(call, status, headers.get("Content-Type", ""), ", ".join(encodings))
+            tee = plan(
+                call,
+                status,
+                headers.get("Content-Type", ""),
+                ", ".join(encodings),
+                max_body_bytes=self.max_body_bytes,
+            )
         except UndecodableEncoding as exc:
             self.undecodable(call, str(exc))
             return None
@@ -356,7 +397,13 @@ class Teeing:
 
 
 class Tee:
-    """One teed response: decoded, then fed as SSE, or kept whole until it is complete."""
+    """One teed response: decoded, then fed as SSE, or spooled whole until it is complete.
+
+    A non-streaming body goes to a temporary file (in memory up to `SPOOL_MEMORY_BYTES`)
+    while it arrives, and is teed whole at its end, up to `max_body_bytes`.  Past it the
+    spool is dropped, its first and last `EDGE_BYTES` kept, and a synthetic body with
+    the usage found in them is teed (`streamtally.cli._oversize`); `oversize` says so.
+    """
 
     def __init__(
         self,
@@ -375,8 +422,17 @@ class Tee:
         self._owner = owner
         self._decoder: Decoder | None = decoder_for(tee.encoding)
         self._failed = False
-        self._body = bytearray()
-        self._too_big = False
+        self.path = tee.path or self.call.path
+        self.max_body_bytes = tee.max_body_bytes
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        self._spool: tempfile.SpooledTemporaryFile[bytes] | None = None
+        #: Bytes of the (decoded) non-streaming body so far.
+        self.size = 0
+        #: The body passed `max_body_bytes`: only its head and tail are kept.
+        self.oversize = False
+        self._head = b""
+        self._tail = bytearray()
         #: The tap's request: at once for a plain call; once the response id is known for
         #: a background one (None until then, and when nothing of it is teed).
         self.request: TapRequest | None = (
@@ -412,16 +468,51 @@ class Tee:
         elif self.streaming:
             assert self.request is not None
             await self.request.feed(data)
-        elif not self._too_big:
-            self._body += data
-            if len(self._body) > MAX_BODY_BYTES:
-                self._too_big = True
-                self._body = bytearray()
-                log.warning("a body over %d bytes is not tapped", MAX_BODY_BYTES)
+        else:
+            self._spool_body(data)
+
+    def _spool_body(self, chunk: bytes) -> None:
+        """A piece of a non-streaming body: to the spool, or past the limit its head and
+        tail only (the class docstring)."""
+        before = self.size
+        self.size += len(chunk)
+        if self.oversize:
+            self._tail += chunk
+            del self._tail[: max(0, len(self._tail) - EDGE_BYTES)]
+            return
+        if self._spool is None:
+            # Kept open across `feed` calls; closed at `close`, once over the limit, or
+            # when the tee fails.
+            self._spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_MEMORY_BYTES)  # noqa: SIM115
+        if self.size <= self.max_body_bytes:
+            self._spool.write(chunk)
+            return
+        # Past the limit: keep the head and the tail, drop the spool.
+        spool, self._spool = self._spool, None
+        spool.seek(0)
+        self._head = spool.read(EDGE_BYTES)
+        spool.seek(max(0, before - EDGE_BYTES))
+        self._tail = bytearray(spool.read()) + chunk
+        del self._tail[: max(0, len(self._tail) - EDGE_BYTES)]
+        if len(self._head) < EDGE_BYTES:  # a limit below the head's size
+            self._head = bytes(self._head + chunk)[:EDGE_BYTES]
+        spool.close()
+        self.oversize = True
+
+    def _body_text(self) -> str | None:
+        """The whole non-streaming body, read back from its spool (closed); None: none."""
+        spool, self._spool = self._spool, None
+        if spool is None:
+            return None
+        with spool:
+            spool.seek(0)
+            return spool.read().decode("utf-8", errors="replace")
 
     def _fail(self, reason: str) -> None:
         self._failed = True
-        self._body = bytearray()
+        spool, self._spool = self._spool, None
+        if spool is not None:
+            spool.close()
         if self._owner is not None:
             self._owner.undecodable(self.call, reason)
         else:
@@ -442,15 +533,61 @@ class Tee:
             for event in self._sse.close():
                 await self._stream_event(event)
             return
-        if self.streaming or self._too_big or not self._body:
+        if self.streaming:
             return
-        text = self._body.decode("utf-8", errors="replace")
+        if self.oversize:
+            await self._tee_extracted()
+            return
+        text = self._body_text()
+        if not text:
+            return
         if self.background:
             await self._background_body(text)
             return
         assert self.request is not None
         for event in body_events(self.plan.source, text):
             await self.request.event(event)
+
+    async def _tee_extracted(self) -> None:
+        """A body over `max_body_bytes`: its usage, id and model, as a small body."""
+        source = self.plan.source
+        if self._owner is not None:
+            self._owner.stats.oversize += 1
+        found = extract(
+            source,
+            self._head.decode("utf-8", errors="replace"),
+            bytes(self._tail).decode("utf-8", errors="replace"),
+        )
+        if found.usage:
+            log.warning(
+                "%s: a %s body of %d bytes is over --max-body-bytes %d: teed as its usage, "
+                "id %s and model %s (its content is not kept)",
+                self.path,
+                source.value,
+                self.size,
+                self.max_body_bytes,
+                found.request_id,
+                found.model,
+            )
+        else:
+            log.error(
+                "%s: a %s body of %d bytes is over --max-body-bytes %d and its usage was not "
+                "found in its last %d bytes: request %s (model %s, tenant %s) teed without usage",
+                self.path,
+                source.value,
+                self.size,
+                self.max_body_bytes,
+                EDGE_BYTES,
+                found.request_id,
+                found.model,
+                self.tenant,
+            )
+        body = json.dumps(found.body, ensure_ascii=False)
+        if self.background:
+            await self._background_body(body)
+            return
+        assert self.request is not None
+        await self.request.event(SseEvent(body))
 
     def end(self, *, cancelled: bool = False) -> None:
         """The call is over (`cancelled`: its client went away): the END marker, if any.

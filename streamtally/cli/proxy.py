@@ -42,6 +42,11 @@ Secrets.  No log line or answer of the proxy quotes a credential: the HTTP
 client's exceptions are described by their message with credential headers,
 ``Bearer`` tokens and ``key=`` parameters hidden (`describe`), and a 502
 names only the kind of failure, never the upstream URL.
+
+Sizes.  A non-streaming body is teed whole (in part records when it is over
+512 KiB) up to ``--max-body-bytes`` (64 MiB by default; spooled to a
+temporary file while it arrives); a larger one is teed as the usage found in
+its first and last 64 KiB, with a warning, and counted.
 """
 
 from __future__ import annotations
@@ -66,7 +71,16 @@ from streamtally.cli._api_keys import ApiKeyTenants
 from streamtally.cli._args import bootstrap_servers, kafka_of, positive
 from streamtally.cli._output import redacted, say
 from streamtally.cli._proxy_metrics import ProxyCollector, metrics_app
-from streamtally.cli._tee import Call, Tee, Teeing, call_of, metered, source_of, upstream_headers
+from streamtally.cli._tee import (
+    DEFAULT_MAX_BODY_BYTES,
+    Call,
+    Tee,
+    Teeing,
+    call_of,
+    metered,
+    source_of,
+    upstream_headers,
+)
 from streamtally.cli._usage_ask import UsageStripper, ask_for_usage, asks_for_usage
 from streamtally.cli.produce import add_key_file_argument, producer_key
 from streamtally.connection import KafkaConnection
@@ -130,6 +144,16 @@ def listen_address(value: str) -> Listen:
     return Listen(host.strip("[]") or "127.0.0.1", int(port))
 
 
+def positive_int(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
+    return number
+
+
 def upstream_url(value: str) -> str:
     url = URL(value)
     if url.scheme not in ("http", "https") or not url.host:
@@ -161,6 +185,8 @@ class ProxyOptions:
     max_connections: int = DEFAULT_MAX_CONNECTIONS
     #: A call to a path the proxy does not meter: "forward" (counted) or "reject" (403).
     unmetered: str = "forward"
+    #: Largest non-streaming body teed whole; past it, its usage only (`Tee`).
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         if not self.tenant_header.strip():
@@ -176,6 +202,8 @@ class ProxyOptions:
                 raise ValueError(f"{name} must be a number of seconds in [{low:g}, {high:g}]")
         if not 1 <= self.max_request_bytes <= 1 << 40:
             raise ValueError("--max-request-bytes must be a whole number >= 1")
+        if not 1 <= self.max_body_bytes <= 1 << 40:
+            raise ValueError("--max-body-bytes must be a whole number >= 1")
         if self.unmetered not in UNMETERED:
             raise ValueError(f"--unmetered must be one of {', '.join(UNMETERED)}")
         if not 1 <= self.max_connections <= 1_000_000:
@@ -254,7 +282,7 @@ class ProxyServer:
         self.api_keys = api_keys
         self.stats = ProxyStats()
         #: The tee side: which responses are teed, how, and what it could not read.
-        self.tees = Teeing(tap)
+        self.tees = Teeing(tap, max_body_bytes=self.options.max_body_bytes)
         self._session: ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._active = 0
@@ -275,6 +303,11 @@ class ProxyServer:
     def in_flight(self) -> int:
         """Calls being served now."""
         return self._active
+
+    @property
+    def oversize(self) -> int:
+        """Tapped bodies over ``--max-body-bytes``, teed as the usage found in them."""
+        return self.tees.stats.oversize
 
     async def start(self, host: str, port: int) -> int:
         """Listen on `host`:`port` (0: any free port); returns the port."""
@@ -691,6 +724,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help="longest wait of one event for room in the tap's buffer (default: 5)",
     )
     parser.add_argument(
+        "--max-body-bytes",
+        type=positive_int,
+        default=DEFAULT_MAX_BODY_BYTES,
+        metavar="N",
+        help="largest non-streaming body tapped whole, spooled to a temporary file "
+        f"(default: {DEFAULT_MAX_BODY_BYTES}); a larger one is tapped as the usage, id and "
+        "model found in its first and last 64 KiB, with a warning",
+    )
+    parser.add_argument(
         "--bootstrap-servers", type=bootstrap_servers, metavar="HOST:PORT", help="Kafka to use"
     )
     add_key_file_argument(parser)
@@ -734,7 +776,8 @@ async def _serve(
         f"proxy: {done.forwarded} calls forwarded, {done.tapped} tapped "
         f"({done.usage_asked} asked for usage; {done.clients_gone} clients gone, "
         f"{done.drains_cut} of them cut at --drain-seconds; {done.upstream_broke} upstreams "
-        f"broke off); refused: {refused}; unmetered {sum(done.unmetered.values())}; not "
+        f"broke off); refused: {refused}; {proxy.oversize} bodies over --max-body-bytes "
+        f"teed as their usage; unmetered {sum(done.unmetered.values())}; not "
         f"tapped for their encoding {sum(proxy.tees.stats.undecodable.values())}; records "
         f"sent {stats.sent}, dropped over budget {stats.dropped_over_budget}, failed "
         f"{stats.failed}"
@@ -786,6 +829,7 @@ def options(args: argparse.Namespace) -> ProxyOptions:
             body_timeout_s=args.body_timeout,
             max_connections=args.max_connections,
             unmetered=args.unmetered,
+            max_body_bytes=args.max_body_bytes,
         )
     except ValueError as exc:
         raise InputError(str(exc)) from exc

@@ -55,6 +55,7 @@ __all__ = [
     "REMOVED_PREFIX",
     "Content",
     "ContentPolicy",
+    "capped_chunk",
     "marked_size",
 ]
 
@@ -175,6 +176,50 @@ class ContentPolicy:
             _with(d, arguments_delta=self.text(d.arguments_delta)) for d in chunk.tool_call_deltas
         )
         return chunk_of(fields)
+
+
+def _prefix(text: str, budget: int) -> str:
+    """The longest prefix of `text` of at most `budget` UTF-8 bytes (whole characters)."""
+    if len(text) * 4 <= budget:
+        return text
+    return text.encode("utf-8", "surrogatepass")[:budget].decode("utf-8", "ignore")
+
+
+def capped_chunk(chunk: Chunk, limit: int) -> Chunk:
+    """The chunk as written to the chunks topic: its text, reasoning and tool arguments
+    together at most `limit` UTF-8 bytes (a prefix of each, in that order); the same
+    object when they fit.  One event of many MB (a whole body, joined from part records)
+    makes one chunk, which must still fit its topic; its Tokens keeps a prefix too
+    (`STREAMTALLY_MAX_TEXT_BYTES`), and its usage counts in full.
+    """
+    text, reasoning = chunk.text_delta, chunk.reasoning_delta
+    chars = len(text) + len(reasoning) + sum(len(d.arguments_delta) for d in chunk.tool_call_deltas)
+    if chars * 4 <= limit:  # at most 4 UTF-8 bytes a character: it fits
+        return chunk
+    budget = limit
+    kept_text = _prefix(text, budget)
+    budget -= len(kept_text.encode("utf-8", "surrogatepass"))
+    kept_reasoning = _prefix(reasoning, budget)
+    budget -= len(kept_reasoning.encode("utf-8", "surrogatepass"))
+    deltas = []
+    for delta in chunk.tool_call_deltas:
+        kept = _prefix(delta.arguments_delta, budget)
+        budget -= len(kept.encode("utf-8", "surrogatepass"))
+        deltas.append(
+            delta if kept == delta.arguments_delta else _with(delta, arguments_delta=kept)
+        )
+    if (
+        kept_text == text
+        and kept_reasoning == reasoning
+        and budget >= 0
+        and all(d is o for d, o in zip(deltas, chunk.tool_call_deltas, strict=True))
+    ):
+        return chunk
+    fields = dict(chunk.__dict__)  # in field order, as `chunk_of` needs
+    fields["text_delta"] = kept_text
+    fields["reasoning_delta"] = kept_reasoning
+    fields["tool_call_deltas"] = tuple(deltas)
+    return chunk_of(fields)
 
 
 def _with(model: _M, **changes: Any) -> _M:

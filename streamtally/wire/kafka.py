@@ -1,7 +1,8 @@
 """Kafka plumbing shared by producers, the worker and the read commands.
 
 `idempotent_producer` is the one producer configuration every writer uses;
-`ensure_topics` creates the declared topics; `read_topic` reads one topic
+`ensure_topics` creates the declared topics (and raises the
+``max.message.bytes`` of existing ones declared higher); `read_topic` reads one topic
 from its beginning to its current end, which is what the read commands
 (`billing export`, `deadletter`, `rebuild`) do, or a given range of offsets
 of it; `read_decoded` does the same and decodes each value.
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from typing import Any, Final, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
     KafkaConnectionError,
     NodeNotReadyError,
@@ -39,12 +42,23 @@ __all__ = [
     "TopicRecord",
     "ensure_topics",
     "idempotent_producer",
+    "raise_limit_configs",
     "read_decoded",
     "read_topic",
 ]
 
-#: Largest produce request a streamtally producer sends (the Tokens topic takes 8 MiB records).
+log = logging.getLogger(__name__)
+
+#: Largest produce request a streamtally producer sends: above every topic's
+#: ``max.message.bytes`` but the dead-letter topic's (the Tokens topic takes 8 MiB records,
+#: the raw topics `RAW_MAX_MESSAGE_BYTES`).
 MAX_REQUEST_BYTES: Final = 8 << 20
+#: `DescribeConfigs` v1+: where a config's value comes from; this one is set on the topic.
+_DYNAMIC_TOPIC_CONFIG: Final = 1
+#: A resource's error code when its topic is not (yet) known to the broker asked.
+_UNKNOWN_TOPIC: Final = 3
+#: A resource's error code when the principal may not describe or alter its configs.
+_AUTHORIZATION_FAILED: Final = frozenset({29, 31})  # TOPIC_, CLUSTER_AUTHORIZATION_FAILED
 
 #: `read_topic` gives up when no partition has moved for this long while records remain.
 STALL_TIMEOUT_S: Final = 30.0
@@ -87,7 +101,9 @@ async def ensure_topics(
     Each is created as `Topic.on_cluster` of `brokers` (default: the brokers the
     cluster lists now): one copy per broker up to three, and on the topics the
     worker writes ``min.insync.replicas`` 2 once there are three.  Topics that
-    exist already are left as they are.
+    exist already are left as they are, but for their ``max.message.bytes``: one
+    lower than declared (a raw topic created before the raw topics declared theirs
+    has the broker's 1 MiB) is raised to it (`raise_limit_configs`), never lowered.
     """
     conn = as_connection(kafka)
     deadline = time.monotonic() + BROKER_DOWN_WAIT_S
@@ -138,9 +154,95 @@ async def _ensure_once(
                     ]
                 )
                 _raise_creation_errors(str(conn), brokers, response)
+        present = [t for t in wanted if t.name in existing]
+        if present:
+            await raise_limit_configs(admin, present)
         return [t.name for t in missing]
     finally:
         await admin.close()
+
+
+async def raise_limit_configs(admin: AIOKafkaAdminClient, topics: list[Topic]) -> list[str]:
+    """Raise ``max.message.bytes`` of existing `topics` to what they declare, where it is
+    lower; return the names of those raised.  Never lowers it.
+
+    The broker's AlterConfigs sets a topic's whole configuration, so every config set on
+    the topic is sent again with the new value.  A principal that may not describe or
+    alter topic configs (DESCRIBE_CONFIGS, ALTER_CONFIGS) changes nothing: a warning
+    names the command an operator runs instead.
+    """
+    declared = {t.name: t.max_message_bytes for t in topics if t.max_message_bytes is not None}
+    if not declared:
+        return []
+    resources = [ConfigResource(ConfigResourceType.TOPIC, name) for name in declared]
+    alters = []
+    for response in await admin.describe_configs(resources):
+        for resource in response.resources:
+            code, message, _type, name, entries = resource[:5]
+            if code in _AUTHORIZATION_FAILED:
+                _cannot_raise(name, declared[name], f"not authorized ({message or code})")
+                continue
+            if code == _UNKNOWN_TOPIC:  # listed, not yet known to this broker: just created
+                continue
+            if code:
+                raise StackError(f"describing the configs of topic {name} failed: {code} {message}")
+            current, configs = _topic_configs(entries)
+            wanted = declared[name]
+            if current is not None and current >= wanted:
+                continue
+            configs["max.message.bytes"] = str(wanted)
+            alters.append((name, current, ConfigResource(ConfigResourceType.TOPIC, name, configs)))
+    if not alters:
+        return []
+    raised = []
+    responses = await admin.alter_configs([resource for _, _, resource in alters])
+    results = {row[3]: (row[0], row[1]) for r in responses for row in r.resources}
+    for name, current, _ in alters:
+        code, message = results.get(name, (0, None))
+        if code in _AUTHORIZATION_FAILED:
+            _cannot_raise(name, declared[name], f"not authorized ({message or code})")
+        elif code:
+            raise StackError(f"altering the configs of topic {name} failed: {code} {message}")
+        else:
+            log.warning(
+                "topic %s: max.message.bytes raised from %s to %d (declared in streamtally.topics)",
+                name,
+                "the broker default" if current is None else current,
+                declared[name],
+            )
+            raised.append(name)
+    return raised
+
+
+def _topic_configs(entries: list[Any]) -> tuple[int | None, dict[str, str]]:
+    """A topic's ``max.message.bytes`` (None: not set on the topic) and every config set on
+    it, from a DescribeConfigs answer (v0 says `is_default`, later versions the source)."""
+    configs: dict[str, str] = {}
+    for entry in entries:
+        name, value, _read_only, default_or_source = entry[:4]
+        if isinstance(default_or_source, bool):
+            dynamic = not default_or_source
+        else:
+            dynamic = default_or_source == _DYNAMIC_TOPIC_CONFIG
+        if dynamic and value is not None:
+            configs[name] = value
+        elif dynamic:  # a sensitive value is not shown: it could not be set again
+            raise StackError(f"topic config {name} is hidden: set max.message.bytes by hand")
+    current = configs.get("max.message.bytes")
+    return (None if current is None else int(current)), configs
+
+
+def _cannot_raise(name: str, wanted: int, why: str) -> None:
+    log.warning(
+        "topic %s: cannot check or raise its max.message.bytes to %d: %s; an operator runs "
+        "kafka-configs.sh --bootstrap-server B --alter --entity-type topics --entity-name %s "
+        "--add-config max.message.bytes=%d",
+        name,
+        wanted,
+        why,
+        name,
+        wanted,
+    )
 
 
 def _raise_creation_errors(servers: str, brokers: int, response: object) -> None:
@@ -241,6 +343,7 @@ async def read_topic(
         auto_offset_reset="earliest",
         isolation_level="read_committed",
         request_timeout_ms=15000,
+        max_partition_fetch_bytes=MAX_REQUEST_BYTES,  # above every topic's max.message.bytes
     )
     try:
         await consumer.start()

@@ -22,6 +22,8 @@ __all__ = [
     "COST_PRECISION",
     "COST_SCALE",
     "ENGINE_PAYLOAD_TYPES",
+    "PART_BYTES",
+    "PART_EVENT",
     "BillingEvent",
     "DeadLetter",
     "EventKind",
@@ -95,6 +97,16 @@ class Provenance:
 #: away mid-stream): the worker closes it `cancelled` with the usage seen so far.  Plain END
 #: markers carry "message".  No schema change: a reader that does not know it sees an END.
 CANCELLED_END: Final = "cancelled"
+
+#: The `event` of a part record: an SSE event too large for one raw record is sent as
+#: several records with consecutive sequence numbers, each but the last one a part whose
+#: `data` is the next slice of the event's data; the last one carries the event's own
+#: name, id and its final slice.  The worker joins them into the one event (no schema
+#: change: the name is reserved, no provider sends it).
+PART_EVENT: Final = "streamtally.part"
+#: UTF-8 bytes of data a part record carries at most (the tap's slice size): far below the
+#: raw topics' ``max.message.bytes`` (`streamtally.topics`), so that a part always fits.
+PART_BYTES: Final = 512 << 10
 
 
 def _check_common(request_id: str, seq: int, received_at: datetime) -> None:

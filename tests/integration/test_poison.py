@@ -1,8 +1,10 @@
 """Fault injection: poison records among good ones, through the real stack.
 
-(A record over the worker's 4 MiB raw-record limit cannot be produced to a
-raw topic at the broker's default `max.message.bytes`; the processor's own
-check is covered by the unit tier.)
+(A record over the worker's 4 MiB raw-record limit: the raw topics take up
+to 64 KiB more (their declared `max.message.bytes`, for the framing), and
+the processor's own check is covered by the unit tier;
+tests/integration/test_record_sizes.py puts a record at the topic's limit
+through the broker.)
 
 Each poison record is dead-lettered with its reason; every good request sent
 in the same batches reaches Redis exactly as `fold` prints it; the counts

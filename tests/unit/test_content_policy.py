@@ -318,3 +318,33 @@ def test_the_key_file_holds_hex_or_base64_and_is_never_quoted(tmp_path: Path) ->
     assert short not in str(refused.value)
     with pytest.raises(InputError, match="cannot read the content key file"):
         content_policy(Settings(content="redacted", content_key_path=tmp_path / "missing"))
+
+
+def test_a_chunk_is_capped_to_a_prefix_of_whole_characters() -> None:
+    from streamtally.core.content import capped_chunk
+    from streamtally.core.models import ToolCallDelta
+
+    at = datetime(2026, 3, 1, tzinfo=UTC)
+    chunk = Chunk(
+        request_id="r",
+        seq=0,
+        source=Source.OPENAI,
+        text_delta="€" * 5,  # 15 bytes
+        reasoning_delta="ab",
+        tool_call_deltas=(ToolCallDelta(index=0, arguments_delta="xyz"),),
+        event_time=at,
+    )
+    assert capped_chunk(chunk, 100) is chunk
+    assert capped_chunk(chunk, 20) is chunk  # 15 + 2 + 3 bytes: fits exactly
+    cut = capped_chunk(chunk, 19)
+    assert (cut.text_delta, cut.reasoning_delta) == ("€" * 5, "ab")
+    assert cut.tool_call_deltas[0].arguments_delta == "xy"
+    cut = capped_chunk(chunk, 8)
+    assert (cut.text_delta, cut.reasoning_delta, cut.tool_call_deltas[0].arguments_delta) == (
+        "€€",
+        "ab",
+        "",
+    )
+    assert cut.model_dump(exclude={"text_delta", "reasoning_delta", "tool_call_deltas"}) == (
+        chunk.model_dump(exclude={"text_delta", "reasoning_delta", "tool_call_deltas"})
+    )

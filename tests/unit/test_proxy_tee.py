@@ -15,8 +15,9 @@ from pathlib import Path
 import pytest
 
 from streamtally.cli._tee import (
-    MAX_BODY_BYTES,
+    DEFAULT_MAX_BODY_BYTES,
     Tee,
+    Teeing,
     TeePlan,
     body_events,
     call_of,
@@ -27,6 +28,8 @@ from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream
 from streamtally.core.sse import SseEvent
 from streamtally.producers import Tap
+from streamtally.producers.tap import utf8_slices
+from streamtally.wire.records import PART_BYTES
 from tests.bodies import body_of
 from tests.unit.test_tap import FakeSender, worker_tokens
 
@@ -142,15 +145,120 @@ async def test_a_compressed_body_in_pieces_reaches_the_worker_as_its_fold(source
     assert tokens.usage.input_tokens > 0
 
 
-async def test_a_body_over_the_limit_is_forwarded_only() -> None:
+async def test_a_body_over_the_limit_is_teed_as_its_usage(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Never a silent drop: the usage, id and model of its edges, counted and logged."""
+    body = body_of(Source.ANTHROPIC, SAMPLES / _SAMPLE[Source.ANTHROPIC])
+    text = json.dumps(body, ensure_ascii=False)
+    padded = text.replace('"content": [', '"content": [' + " " * (3 << 20), 1)
+    assert len(padded) > 3 << 20
     sender = FakeSender()
     async with Tap(sender=sender) as tap:
-        tee = Tee(tap, "acme", TeePlan(Source.ANTHROPIC, streaming=False, encoding="identity"))
-        piece = b" " * (1 << 20)
-        for _ in range(MAX_BODY_BYTES // len(piece) + 1):
-            await tee.feed(piece)
-        await tee.feed(b'{"type": "message"}')
+        teeing = Teeing(tap, max_body_bytes=1 << 20)
+        call = call_of("POST", "/v1/messages")
+        assert call is not None
+        tee = teeing.tee(call, "acme", 200, {"Content-Type": "application/json"})
+        assert tee is not None
+        data = padded.encode()
+        for start in range(0, len(data), 65536):
+            await tee.feed(data[start : start + 65536])
+        assert tee.oversize
         await tee.close()
         tee.end()
-    assert sender.records == []
-    assert tap.stats.requests == 0
+    assert teeing.stats.oversize == 1
+    [event, _end] = sender.decoded()
+    assert len(event.data) < 2000
+    (tokens,), _ = worker_tokens(sender)
+    want = fold_stream(Source.ANTHROPIC, [SseEvent(text)])
+    assert tokens.usage == want.usage
+    assert tokens.usage.input_tokens > 0
+    assert (tokens.request_id, tokens.model) == (want.request_id, want.model)
+    assert tokens.finish_reason == want.finish_reason
+    assert tokens.text == ""
+    assert "over --max-body-bytes 1048576: teed as its usage" in caplog.text
+    assert tee.size == len(data)
+
+
+async def test_a_body_whose_usage_is_not_found_is_teed_with_an_error(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    data = b'{"id": "chatcmpl-cut", "model": "gpt-4o-mini", "choices": [' + b" " * 300_000
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap:
+        plan_ = TeePlan(
+            Source.OPENAI,
+            streaming=False,
+            encoding="identity",
+            max_body_bytes=100_000,
+            path="/v1/x",
+        )
+        tee = Tee(tap, "acme", plan_)
+        await tee.feed(data)
+        await tee.close()
+        tee.end()
+    [event, _end] = sender.decoded()
+    assert json.loads(event.data) == {
+        "id": "chatcmpl-cut",
+        "object": "chat.completion",
+        "model": "gpt-4o-mini",
+        "choices": [],
+    }
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens.request_id == "chatcmpl-cut"
+    assert tokens.usage.input_tokens == 0
+    errors = [r for r in caplog.records if r.levelname == "ERROR"]
+    assert len(errors) == 1
+    assert "request chatcmpl-cut" in errors[0].getMessage()
+    assert "tenant acme" in errors[0].getMessage()
+
+
+async def test_a_body_under_the_limit_is_spooled_and_teed_whole_in_parts() -> None:
+    body = body_of(Source.OPENAI, SAMPLES / _SAMPLE[Source.OPENAI])
+    body["choices"][0]["message"]["content"] = "é€😀 " * 300_000  # 3.3 MB
+    text = json.dumps(body, ensure_ascii=False)
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap:
+        tee = Tee(tap, "acme", TeePlan(Source.OPENAI, streaming=False, encoding="identity"))
+        data = text.encode()
+        for start in range(0, len(data), 10_000):
+            await tee.feed(data[start : start + 10_000])
+        assert tee._spool is not None
+        assert tee._spool._rolled  # type: ignore[attr-defined]  # on disk past 1 MiB
+        await tee.close()
+        tee.end()
+    assert not tee.oversize
+    records = sender.decoded()
+    assert len(records) == len(utf8_slices(text, PART_BYTES)) + 1 == 7  # the body, the END
+    assert "".join(r.data for r in records[:-1]) == text
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens == fold_stream(Source.OPENAI, [SseEvent(text)])
+
+
+async def test_the_body_limit_must_be_positive() -> None:
+    async with Tap(sender=FakeSender()) as tap:
+        with pytest.raises(ValueError, match="max_body_bytes must be >= 1"):
+            Tee(tap, "acme", TeePlan(Source.OPENAI, False, "identity", max_body_bytes=0))
+        with pytest.raises(ValueError, match="max_body_bytes must be >= 1"):
+            Teeing(tap, max_body_bytes=0)
+    call = call_of("POST", "/v1/messages")
+    assert call is not None
+    planned = plan(call, 200, "application/json", "", max_body_bytes=5)
+    assert planned == TeePlan(Source.ANTHROPIC, False, "identity", call, 5, "/v1/messages")
+    default = plan(call, 200, "application/json", "")
+    assert default is not None
+    assert default.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 64 << 20
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "1.5", "64MiB", "nan"])
+def test_the_command_refuses_a_body_limit_that_is_not_a_positive_integer(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from streamtally.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["proxy", "--upstream", "http://127.0.0.1:9", "--max-body-bytes", value])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "--max-body-bytes" in err
+    assert repr(value) in err

@@ -63,6 +63,13 @@ class FakeAdmin:
     async def describe_cluster(self) -> dict[str, Any]:
         return {"brokers": [{"node_id": i} for i in range(self.brokers)], "cluster_id": "x"}
 
+    async def describe_configs(self, resources: list[Any]) -> list[Any]:
+        """The existing raw topic, created with its declared size (nothing to raise)."""
+        size = str(T.raw_sse.max_message_bytes)
+        entry = ("max.message.bytes", size, False, 1, False, [])
+        rows = [(0, None, 2, r.name, [entry]) for r in resources]
+        return [type("Response", (), {"resources": rows})()]
+
     async def create_topics(self, new_topics: list[NewTopic]) -> Any:
         FakeAdmin.created = new_topics
 

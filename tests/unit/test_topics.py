@@ -73,6 +73,7 @@ def test_layout_and_retention() -> None:
             "retention.ms": "604800000",
             "message.timestamp.type": "LogAppendTime",
             "segment.ms": "86400000",  # daily: a record is readable at most 7 + 1 days
+            "max.message.bytes": str(4 * 1024 * 1024 + 64 * 1024),  # a 4 MiB record, framed
         }
     # no replay of the raw topics outlives the state Redis keeps for it (the state TTL)
     readable_s = max((t.retention_ms + (t.segment_ms or 0)) // 1000 for t in T.raw)
@@ -148,3 +149,24 @@ def test_bad_keys() -> None:
     for key in (None, b"", b"\xff\xfe"):
         with pytest.raises(InputError):
             topics.decode_key(key)
+
+
+def test_the_record_sizes_agree() -> None:
+    """Every writer, topic and reader agrees on how large a record can be (issue 22)."""
+    from streamtally.processors.limits import MAX_RECORD_BYTES
+    from streamtally.processors.source import FETCH_BYTES, PARTITION_FETCH_BYTES
+    from streamtally.wire.kafka import MAX_REQUEST_BYTES
+    from streamtally.wire.records import PART_BYTES
+
+    framing = 64 * 1024  # key, st-auth header, batch and record headers: far less
+    for raw in T.raw:
+        # the worker takes any record the topic takes, but those it dead-letters as too big
+        assert raw.max_message_bytes == MAX_RECORD_BYTES + framing
+        # the worker fetches the largest at once
+        assert raw.max_message_bytes <= PARTITION_FETCH_BYTES <= FETCH_BYTES
+        # a part record (512 KiB of data, its Avro framing) is far below
+        assert 4 * PART_BYTES + framing <= raw.max_message_bytes
+    # the producer's request takes the largest record of every topic the producers write
+    for topic in (*T.raw, T.chunks, T.tokens):
+        assert topic.max_message_bytes is not None
+        assert topic.max_message_bytes <= MAX_REQUEST_BYTES

@@ -150,6 +150,7 @@ async def run_audit(
             open_requests=sys.maxsize,
             open_per_tenant=sys.maxsize,
             text_bytes=settings.max_text_bytes,
+            event_bytes=settings.max_event_bytes,
         ),
     )
 
