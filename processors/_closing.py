@@ -133,6 +133,7 @@ class _Closing(_Refusals):
         shown, values = self._written(chunks)
         for chunk in chunks:
             state.fold.add(chunk)
+        state.fold.provider_request_id = state.normalizer.provider_request_id
         tokens = state.fold.result(ended=True, reason=reason)
         # Stored (Redis, the tokens topic) under the content policy; billed from the fold.
         policy = self.content
@@ -190,11 +191,13 @@ def _provenance(state: _Open) -> Provenance:
     """What the request's billing event was folded from, and where its usage came from.
 
     MISSING when no chunk of the stream carried usage (the fold's usage is None: its
-    Tokens says 0), else ENGINE_COUNTED or PROVIDER_REPORTED after the adapter's
-    `counted` at the last usage (`Normalizer.usage_counted`).
+    Tokens says 0), or ABORTED when, moreover, its END marker said cancelled (the client
+    went away, the upstream was aborted before its usage); else ENGINE_COUNTED or
+    PROVIDER_REPORTED after the adapter's `counted` at the last usage
+    (`Normalizer.usage_counted`).
     """
     if state.fold.usage is None:
-        usage_source = UsageSource.MISSING
+        usage_source = UsageSource.ABORTED if state.fold.cancelled else UsageSource.MISSING
     elif state.normalizer.usage_counted:
         usage_source = UsageSource.ENGINE_COUNTED
     else:
