@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from streamtally.core.fold import NO_FINISH
-from streamtally.core.identity import RequestRef
+from streamtally.core.identity import RequestRef, epoch_micros
 from streamtally.core.models import Chunk, Tokens
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
@@ -123,7 +123,8 @@ class _Closing(_Refusals):
                 source=state.source,
                 request_id=ref.request_id,
             )
-        self._close(out, ref, state, message, Closed(state.max_offset, reason, False))
+        closed = Closed(state.max_offset, reason, False, epoch_micros(state.latest))
+        self._close(out, ref, state, message, closed)
 
     def _close(
         self, out: Outputs, ref: RequestRef, state: _Open, reason: str, closed: Closed
@@ -140,7 +141,7 @@ class _Closing(_Refusals):
         stored = tokens if policy.keeps_content else policy.tokens(tokens)
         tokens_value = avro.encode_tokens(stored)
         billing, billing_value = self._bill(tokens, state.tenant, when, _provenance(state))
-        self._remember(ref, Closed(closed.offset, closed.reason, applied=True))
+        self._remember(ref, Closed(closed.offset, closed.reason, True, closed.last_received))
         self.counters.requests_completed += 1
         if values is not None:
             out.chunks.extend(shown)
