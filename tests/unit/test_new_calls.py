@@ -271,3 +271,21 @@ def test_a_crash_anywhere_replays_to_the_same_bills_and_no_false_late(crash: int
     assert got == expected
     assert {d.offset for d in after.out.dead_letters} <= late
     assert after.processor.counters.received == len(traffic) - start
+
+
+def test_aborted_closes_are_counted_by_source_in_the_metrics() -> None:
+    from streamtally.processors.metrics import WorkerMetrics
+
+    s = sample("openai/named_tool_choice_stop.sse")  # reports no usage
+    run = Run()
+    run.send_all(s, [0, 1])
+    run.feed(s.source, _cancelled_end(s, seq=2), 2, key=s.key)
+    other = sample("openai/text_usage.sse")  # cancelled too, but its usage was reported
+    run.send_all(other, list(range(len(other.records) - 1)), first=3)
+    run.feed(other.source, _cancelled_end(other, seq=len(other.records) - 1), 99, key=other.key)
+    sources = [d.billing.usage_source for d in run.out.completed]
+    assert sources == [UsageSource.ABORTED, UsageSource.PROVIDER_REPORTED]
+    metrics = WorkerMetrics()
+    metrics.written(run.out)
+    text = metrics.exposition().decode()
+    assert 'streamtally_requests_aborted_total{source="openai"} 1.0' in text
