@@ -15,7 +15,7 @@ from typing import Any
 
 from streamtally.core.content import capped_chunk
 from streamtally.core.fold import NO_FINISH
-from streamtally.core.identity import RequestRef
+from streamtally.core.identity import RequestRef, epoch_micros
 from streamtally.core.models import Chunk, Tokens
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
@@ -204,7 +204,8 @@ class _Closing(_Refusals):
                 source=state.source,
                 request_id=ref.request_id,
             )
-        self._close(out, ref, state, message, Closed(state.max_offset, reason, False))
+        closed = Closed(state.max_offset, reason, False, epoch_micros(state.latest))
+        self._close(out, ref, state, message, closed)
 
     def _close(
         self, out: Outputs, ref: RequestRef, state: _Open, reason: str, closed: Closed
@@ -214,13 +215,14 @@ class _Closing(_Refusals):
         shown, values = self._written(chunks)
         for chunk in chunks:
             state.fold.add(chunk)
+        state.fold.provider_request_id = state.normalizer.provider_request_id
         tokens = state.fold.result(ended=True, reason=reason)
         # Stored (Redis, the tokens topic) under the content policy; billed from the fold.
         policy = self.content
         stored = tokens if policy.keeps_content else policy.tokens(tokens)
         tokens_value = avro.encode_tokens(stored)
         billing, billing_value = self._bill(tokens, state.tenant, when, _provenance(state))
-        self._remember(ref, Closed(closed.offset, closed.reason, applied=True))
+        self._remember(ref, Closed(closed.offset, closed.reason, True, closed.last_received))
         self.counters.requests_completed += 1
         if values is not None:
             out.chunks.extend(shown)
@@ -271,11 +273,13 @@ def _provenance(state: _Open) -> Provenance:
     """What the request's billing event was folded from, and where its usage came from.
 
     MISSING when no chunk of the stream carried usage (the fold's usage is None: its
-    Tokens says 0), else ENGINE_COUNTED or PROVIDER_REPORTED after the adapter's
-    `counted` at the last usage (`Normalizer.usage_counted`).
+    Tokens says 0), or ABORTED when, moreover, its END marker said cancelled (the client
+    went away, the upstream was aborted before its usage); else ENGINE_COUNTED or
+    PROVIDER_REPORTED after the adapter's `counted` at the last usage
+    (`Normalizer.usage_counted`).
     """
     if state.fold.usage is None:
-        usage_source = UsageSource.MISSING
+        usage_source = UsageSource.ABORTED if state.fold.cancelled else UsageSource.MISSING
     elif state.normalizer.usage_counted:
         usage_source = UsageSource.ENGINE_COUNTED
     else:

@@ -39,6 +39,9 @@ class _Open:
     source: str
     next_seq: int
     last_time: datetime
+    #: The latest receive time of any record that arrived for it (applied, re-sent or
+    #: waiting): a new call of its id must be received after it (`Closed.last_received`).
+    latest: datetime
     #: Its partition's input clock at its last record (`processors.clock`).
     last_input: float
     #: The highest offset of any record of this request seen so far: where it closes.

@@ -15,9 +15,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
 
 from streamtally.core.content import FULL, ContentPolicy
-from streamtally.core.identity import RequestRef
+from streamtally.core.identity import RequestRef, call_request_id
 from streamtally.core.pricing import PriceTable
-from streamtally.processors._records import _Open
+from streamtally.processors._records import _Open, _Raw
 from streamtally.processors.clock import InputClock
 from streamtally.processors.limits import Limits
 from streamtally.processors.outputs import Closed, Counters
@@ -81,6 +81,9 @@ class _ProcessorState:
         self._open: dict[RequestRef, _Open] = {}
         self._closed: OrderedDict[RequestRef, Closed] = OrderedDict()
         self._pending_close: dict[RequestRef, Closed] = {}
+        #: A request id's latest call, when it is not the request of that id itself (a new
+        #: call of a closed request's id: `RequestProcessor.arrive`), by the id's request.
+        self._calls: OrderedDict[RequestRef, RequestRef] = OrderedDict()
 
     @property
     def open_requests(self) -> int:
@@ -98,6 +101,29 @@ class _ProcessorState:
 
     def is_open(self, ref: RequestRef) -> bool:
         return ref in self._open
+
+    def to_learn(self, raws: Iterable[_Raw | None]) -> set[RequestRef]:
+        """The requests the records `raws` may belong to: their own (tenant, request id),
+        the latest call of that id this process knows of, and for a record of seq 0 the
+        new call it would start (`call_request_id`).  Ask Redis about the `unknown` ones
+        before they `arrive`: which of them an earlier run closed."""
+        calls = self._calls
+        refs: set[RequestRef] = set()
+        for raw in raws:
+            if raw is None:
+                continue
+            ref = raw.ref
+            refs.add(ref)
+            if calls:
+                current = calls.get(ref)
+                if current is not None:
+                    refs.add(current)
+            record = raw.record
+            if record.seq == 0 and ref not in self._open:
+                refs.add(
+                    RequestRef(ref.tenant, call_request_id(ref.request_id, record.received_at))
+                )
+        return refs
 
     def learn_closed(self, ref: RequestRef, closed: Closed) -> None:
         """An earlier run closed `ref` (applied) or decided to (not yet applied)."""
@@ -124,8 +150,20 @@ class _ProcessorState:
             state = self._open.pop(ref)
             self._release(state.tenant)
             self.counters.revoked += len(state.waiting)
+        if self._calls and dropped:
+            gone = set(dropped)
+            for first in [r for r, call in self._calls.items() if call in gone]:
+                del self._calls[first]
         self.input_clock.forget(topic_partitions)
         return dropped
+
+    def _remember_call(self, ref: RequestRef, call: RequestRef) -> None:
+        """`call` is the latest call of `ref`'s request id (bounded as closed requests are)."""
+        calls = self._calls
+        calls[ref] = call
+        calls.move_to_end(ref)
+        if len(calls) > CLOSED_MEMORY:
+            calls.popitem(last=False)
 
     def _remember(self, ref: RequestRef, closed: Closed) -> None:
         self._closed[ref] = closed

@@ -200,11 +200,14 @@ def create_app(
         written = await sinks().write(outputs)
         metrics.written(written)
         # Only now, with the batch's outputs durable, may its records be released.
-        for tp, offset, ref in holds:
-            gate.hold(tp, offset, ref)
+        for tp, offset, ref, span in holds:
+            gate.hold(tp, offset, ref, span)
         # A request whose close another owner decided first keeps its records held:
         # they are not committed here (that owner, or the next, accounts for them).
-        gate.finished(done.ref for done in written.completed)
+        gate.finished(
+            [done.ref for done in written.completed],
+            {done.ref: done.closed.offset for done in written.completed},
+        )
         if gate.release() and pipeline.source is not None and pipeline.broken is None:
             await pipeline.source.commit(gate.committable())
 
@@ -226,6 +229,7 @@ def create_app(
     writes = pipeline.writes = WriteBehind(finish, fail)
 
     async def learn(refs: set[RequestRef]) -> None:
+        """Ask Redis which of the batch's requests (and new calls) an earlier run closed."""
         unknown = sorted(processor.unknown(refs))
         if unknown:
             found = await sinks().find_closed(unknown)
@@ -281,7 +285,7 @@ def create_app(
         outputs = Outputs()
         # A record's request is (tenant, request id), known only from its body.
         raws = processor.take_batch(messages, examined, outputs)
-        await learn({raw.ref for raw in raws if raw is not None})
+        await learn(processor.to_learn(raws))
         holds = processor.arrive_batch(outputs, messages, raws, tps, TopicPartition)
         # Written while the next batch is applied; its records are held once it is durable.
         await writes.submit(outputs, holds)

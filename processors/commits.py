@@ -7,12 +7,20 @@ too.  `CommitGate` holds every record (just its offset) in partition order and
 hands out, per partition, the offset up to which everything is done.  A record
 waits on its request by the request's identity (`RequestRef`: tenant and
 request id), the same key the processor folds it under.
+
+New calls of a reused request id (`RequestProcessor.span_of`): the first record
+of such a call is held until every record of its partition up to the call's
+closing offset is done, so the committed offset never lies inside a new call's
+offsets.  A reader that starts from the committed offset (a restarted worker,
+the partition's next owner) then always meets a new call's first record before
+its later ones, which belong to it only through that first record.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable, Iterable, Mapping
+from itertools import islice
 
 from streamtally.core.identity import RequestRef
 
@@ -27,11 +35,14 @@ class CommitOrderError(RuntimeError):
 
 
 class _Held:
-    __slots__ = ("done", "offset")
+    __slots__ = ("done", "offset", "until")
 
-    def __init__(self, offset: int, done: bool) -> None:
+    def __init__(self, offset: int, done: bool, until: int = -1) -> None:
         self.offset = offset
         self.done = done
+        #: The first record of a new call: committed past only once every record up to
+        #: this offset (its call's close) is done too; -1: no such wait (yet).
+        self.until = until
 
 
 class CommitGate:
@@ -40,6 +51,8 @@ class CommitGate:
     def __init__(self) -> None:
         self._queues: defaultdict[Hashable, deque[_Held]] = defaultdict(deque)
         self._open: defaultdict[RequestRef, list[_Held]] = defaultdict(list)
+        #: The first record of each open new call (its `until` is set when it finishes).
+        self._spans: dict[RequestRef, _Held] = {}
         self._ready: dict[Hashable, int] = {}
         #: The last offset held per partition since it was (re)assigned.
         self._last: dict[Hashable, int] = {}
@@ -48,8 +61,14 @@ class CommitGate:
         """Records held, done or not."""
         return sum(len(q) for q in self._queues.values())
 
-    def hold(self, tp: Hashable, offset: int, request: RequestRef | None) -> None:
+    def hold(
+        self, tp: Hashable, offset: int, request: RequestRef | None, span: int | None = None
+    ) -> None:
         """Hold the record at `offset`; it is done now unless `request` is still open.
+
+        `span` (`RequestProcessor.span_of`): the record is the first of a new call, which
+        ends at offset `span` (a replay of a call closed before), or is still open (-1:
+        `request`, whose closing offset `finished` is told).
 
         Offsets of a partition come in increasing order between two `drop`s of it (one
         assignment, read from the committed offset on); `CommitOrderError` otherwise.
@@ -62,15 +81,29 @@ class CommitGate:
             )
         self._last[tp] = offset
         held = _Held(offset, done=request is None)
+        if span is not None and span > offset:
+            held.until = span
         self._queues[tp].append(held)
         if request is not None:
             self._open[request].append(held)
+            if span is not None and span < 0:
+                self._spans[request] = held
 
-    def finished(self, requests: Iterable[RequestRef]) -> None:
-        """These requests are closed and their outputs durable: their records are done."""
+    def finished(
+        self, requests: Iterable[RequestRef], closed_at: Mapping[RequestRef, int] | None = None
+    ) -> None:
+        """These requests are closed and their outputs durable: their records are done.
+
+        `closed_at`: each request's closing offset, for the new calls among them.
+        """
         for request in requests:
             for held in self._open.pop(request, ()):
                 held.done = True
+            first = self._spans.pop(request, None)
+            if first is not None and closed_at is not None:
+                end = closed_at.get(request, -1)
+                if end > first.offset:
+                    first.until = end
 
     def release(self) -> dict[Hashable, int]:
         """Per partition, the offset to commit (all records below it done), when it moved."""
@@ -78,6 +111,8 @@ class CommitGate:
         for tp, queue in self._queues.items():
             last = None
             while queue and queue[0].done:
+                if queue[0].until > queue[0].offset and not _span_done(queue):
+                    break
                 last = queue.popleft().offset
             if last is not None:
                 moved[tp] = self._ready[tp] = last + 1
@@ -95,3 +130,18 @@ class CommitGate:
             self._last.pop(tp, None)
         for request in requests:
             self._open.pop(request, None)
+            self._spans.pop(request, None)
+
+
+def _span_done(queue: deque[_Held]) -> bool:
+    """Whether every record after the head up to its `until` is done, and, for a new call
+    among them, every record up to that one's `until` too (so the gate never stops
+    inside a call's span after passing the head)."""
+    horizon = queue[0].until
+    for held in islice(queue, 1, None):
+        if held.offset > horizon:
+            return True
+        if not held.done:
+            return False
+        horizon = max(horizon, held.until)
+    return True

@@ -5,8 +5,10 @@ own, names prefixed ``streamtally_``).  The hot path stays cheap: the record
 counts are not counted twice but read from the processor's own `Counters` at
 scrape time, and the rest is updated once per written batch (`written`: dead
 letters by reason, closed requests by finish reason, billing events), per
-timer pass, per rebalance, per sink error.  Consumer lag per partition
-(highwater minus position) is read from the consumer when scraped.
+timer pass, per rebalance, per sink error (requests closed cancelled before any usage,
+`usage_source` aborted, are counted by source in ``streamtally_requests_aborted_total``).
+Consumer lag per partition (highwater minus position) is read from the consumer when
+scraped.
 
 `serve` runs an aiohttp server inside the worker's event loop on
 ``STREAMTALLY_WEB_HOST:STREAMTALLY_WEB_PORT`` (127.0.0.1:6066 by default;
@@ -38,7 +40,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from streamtally.processors.outputs import Counters, Outputs
-from streamtally.wire.records import DeadLetter
+from streamtally.wire.records import DeadLetter, UsageSource
 
 __all__ = [
     "READY_WINDOW_S",
@@ -189,6 +191,13 @@ class WorkerMetrics:
             ["finish_reason", "closed_by"],
             registry=r,
         )
+        self.requests_aborted = Counter(
+            "streamtally_requests_aborted",
+            "Requests closed cancelled before the provider reported usage (billing events "
+            "with usage_source aborted: billed with the counts they had), by source.",
+            ["source"],
+            registry=r,
+        )
         self.billing_events = Counter(
             "streamtally_billing_events",
             "Billing events written to the billing topic.",
@@ -244,8 +253,12 @@ class WorkerMetrics:
             self.dead_lettered.labels(dead_letter_reason(letter)).inc()
         if outputs.completed:
             closed: dict[tuple[str, str], int] = {}
+            aborted: dict[str, int] = {}
             priced = unpriced = 0
             for done in outputs.completed:
+                if done.billing.usage_source is UsageSource.ABORTED:
+                    source = done.billing.source.value
+                    aborted[source] = aborted.get(source, 0) + 1
                 finish = done.tokens.finish_reason
                 key = (finish.value if finish is not None else "none", done.closed.reason.value)
                 closed[key] = closed.get(key, 0) + 1
@@ -255,6 +268,8 @@ class WorkerMetrics:
                     unpriced += 1
             for (finish_reason, by), n in closed.items():
                 self.requests_closed.labels(finish_reason, by).inc(n)
+            for source, n in aborted.items():
+                self.requests_aborted.labels(source).inc(n)
             if priced:
                 self.billing_events.labels("true").inc(priced)
             if unpriced:

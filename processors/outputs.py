@@ -41,19 +41,36 @@ class Position(NamedTuple):
 
 @dataclass(frozen=True, slots=True)
 class Closed:
-    """What is known of a closed request: where and why it closed, and if it was applied."""
+    """What is known of a closed request: where and why it closed, and if it was applied.
+
+    `last_received` is the latest receive time (microseconds since the epoch) of the
+    records that arrived for the request until it closed: a record that starts a new
+    call of the same id is received after it (`RequestProcessor.arrive`).  None in a
+    marker written before it existed (or by `streamtally rebuild`): no new call of that
+    id is then recognised (its records are late, as before).
+    """
 
     offset: int
     reason: CloseReason
     applied: bool = True
+    last_received: int | None = None
 
     def marker(self) -> str:
-        return f"{self.offset} {self.reason.value}"
+        """``"offset reason"``, and `` last_received`` when known (the Redis close marker)."""
+        if self.last_received is None:
+            return f"{self.offset} {self.reason.value}"
+        return f"{self.offset} {self.reason.value} {self.last_received}"
 
     @classmethod
     def from_marker(cls, text: str, *, applied: bool) -> Closed:
-        offset, _, reason = text.partition(" ")
-        return cls(int(offset), CloseReason(reason or "end"), applied)
+        offset, _, rest = text.partition(" ")
+        reason, _, received = rest.partition(" ")
+        return cls(
+            int(offset),
+            CloseReason(reason or "end"),
+            applied,
+            int(received) if received else None,
+        )
 
 
 @dataclass(frozen=True, slots=True)

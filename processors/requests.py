@@ -33,6 +33,19 @@ and the request closed at it with what it had (`CloseReason.LIMIT`), as at its
 record limit: a replay closes it there again.  Parts without their last record
 at the close are not billed, and the request's Tokens says so.
 
+New calls.  A producer keyed by the provider's id can send two calls with one id
+(Ollama's ids repeat).  A record of seq 0 of an id whose request closed, after its
+closing offset and received after every record of it (`Closed.last_received`, kept in
+the close marker), starts a new call: the request ``call_request_id(id, received_at)``
+(`call_of`), with its own Tokens, close marker and billing `event_id`; later records of
+the id belong to it.  A re-sent record keeps its receive time, so it never starts one.
+The id is a function of the record, so a replay derives it again: the agent asks Redis
+about the new calls a batch may start too (`to_learn`), and the commit gate never
+stops inside a new call's offsets (`span_of`), so a replay always meets its first
+record before its later ones.  Calls of one id that overlap still merge (the second's
+records are duplicates), and a new call's later record that arrives before its first
+is late: producers that know their calls give each its own id (`new_call_id`).
+
 Every raw record ends in exactly one of: applied, duplicate (a re-sent
 sequence number, dropped), dead-lettered (with the reason), or replayed
 (counted by the run that closed its request).  Per closed request the
@@ -57,7 +70,7 @@ from collections.abc import Callable, Hashable, Sequence
 from typing import Protocol
 
 from streamtally.core.fold import Fold
-from streamtally.core.identity import RequestRef
+from streamtally.core.identity import RequestRef, call_request_id, epoch_micros
 from streamtally.core.normalize import Normalizer
 from streamtally.errors import InputError
 from streamtally.processors._closing import _Closing
@@ -189,22 +202,46 @@ class RequestProcessor(_Closing):
         raws: Sequence[_Raw | None],
         partitions: dict[tuple[str, int], Hashable],
         partition: Callable[[str, int], Hashable],
-    ) -> list[tuple[Hashable, int, RequestRef | None]]:
+    ) -> list[tuple[Hashable, int, RequestRef | None, int | None]]:
         """`arrive` every record `take_batch` returned; per message, what the commit gate
         holds: (its partition, named by `partitions` or else `partition(topic, number)`,
-        its offset, and its request while that is open)."""
-        holds: list[tuple[Hashable, int, RequestRef | None]] = []
+        its offset, its request while that is open, and `span`): see `span_of`."""
+        holds: list[tuple[Hashable, int, RequestRef | None, int | None]] = []
         for m, raw in zip(messages, raws, strict=True):
             ref = None
+            span = None
             if raw is not None:
-                self.arrive(out, raw)
-                ref = raw.ref if self.is_open(raw.ref) else None
+                call = self.call_of(raw)
+                was_open = call in self._open
+                self.arrive_as(out, raw, call)
+                if call in self._open:
+                    ref = call
+                if raw.record.seq == 0 and call != raw.ref:
+                    span = self.span_of(call, m.offset, was_open)
             key = (m.topic, m.partition)
             tp = partitions.get(key)
             if tp is None:
                 tp = partitions[key] = partition(m.topic, m.partition)
-            holds.append((tp, m.offset, ref))
+            holds.append((tp, m.offset, ref, span))
         return holds
+
+    def span_of(self, call: RequestRef, offset: int, was_open: bool) -> int | None:
+        """For the first record of a new call (`call` is not its id's own request), the end
+        of the offsets the commit gate may not stop inside: -1 while the call is open (the
+        gate learns its closing offset when it finishes), its closing offset when an
+        earlier run closed it (the record is a replay), None for any other record.
+
+        A restarted worker, or a partition's next owner, that read from inside a new
+        call's offsets would meet its later records without its first one, and could not
+        tell which call they belong to: so the committed offset stays at the call's first
+        record until every record up to its close is done (`CommitGate`).
+        """
+        if not was_open and call in self._open:
+            return -1
+        closed = self._closed.get(call)
+        if closed is not None and offset <= closed.offset:
+            return closed.offset
+        return None
 
     def handle_sse(
         self,
@@ -254,9 +291,48 @@ class RequestProcessor(_Closing):
             self.counters.requests_timed_out += 1
         return out
 
-    def arrive(self, out: Outputs, raw: _Raw) -> None:
-        """Apply a record `read` returned (in partition order), adding its outputs to `out`."""
-        record, key, value, position, ref = raw.record, raw.key, raw.value, raw.position, raw.ref
+    def arrive(self, out: Outputs, raw: _Raw) -> RequestRef:
+        """Apply a record `read` returned (in partition order), adding its outputs to `out`;
+        returns the request it was a record of (its own, or a new call of its id)."""
+        call = self.call_of(raw)
+        self.arrive_as(out, raw, call)
+        return call
+
+    def call_of(self, raw: _Raw) -> RequestRef:
+        """The request a record belongs to: its (tenant, request id), or a new call of it.
+
+        The rule (any producer): a record of seq 0 of a request id whose request is
+        closed starts a new call when it comes after the close (a higher offset) and was
+        received after every record of the closed request (`Closed.last_received`).  The
+        new call is the request ``call_request_id(id, received_at)``: a function of the
+        record, so every replay derives it again.  A re-sent record of the closed request
+        keeps its receive time, so it is no new call: it stays a replay or a late record.
+        Later records of the id (seq > 0) belong to its latest call (`_calls`), as does a
+        seq 0 while that call is open (a duplicate: overlapping calls of one id merge).
+        """
+        ref = raw.ref
+        calls = self._calls
+        current = calls.get(ref, ref) if calls else ref
+        if current in self._open:
+            return current
+        record = raw.record
+        if record.seq == 0:
+            first = self._closed.get(ref)
+            if (
+                first is not None
+                and first.last_received is not None
+                and raw.position.offset > first.offset
+                and epoch_micros(record.received_at) > first.last_received
+            ):
+                current = RequestRef(
+                    ref.tenant, call_request_id(ref.request_id, record.received_at)
+                )
+                self._remember_call(ref, current)
+        return current
+
+    def arrive_as(self, out: Outputs, raw: _Raw, ref: RequestRef) -> None:
+        """`arrive`, the record taken as one of the request `ref` (`call_of`)."""
+        record, key, value, position = raw.record, raw.key, raw.value, raw.position
         request_id = record.request_id
         source = record.source.value
         tp = (position.topic, position.partition)
@@ -268,7 +344,7 @@ class RequestProcessor(_Closing):
             if position.offset <= closed.offset:
                 self.counters.replayed += 1
                 return
-            late = InputError(f"event for request {ref}, which is already closed")
+            late = InputError(f"event for request {raw.ref}, which is already closed")
             self._dead(out, late, key, value, position, source=source, request_id=request_id)
             return
         state = self._open.get(ref)
@@ -287,14 +363,15 @@ class RequestProcessor(_Closing):
             state = self._open[ref] = _Open(
                 normalizer=Normalizer(
                     record.source,
-                    request_id,
+                    ref.request_id,
                     model=record.model if isinstance(record, RawEngineOutput) else None,
                 ),
-                fold=Fold(request_id, record.source, max_text_bytes=self.limits.text_bytes),
+                fold=Fold(ref.request_id, record.source, max_text_bytes=self.limits.text_bytes),
                 tenant=record.tenant,
                 source=source,
                 next_seq=0,
                 last_time=record.received_at,
+                latest=record.received_at,
                 last_input=0.0 if input_now is None else input_now,
                 max_offset=position.offset,
                 topic_partition=tp,
@@ -306,6 +383,7 @@ class RequestProcessor(_Closing):
             )
             self._dead(out, mixed, key, value, position, source=source, request_id=request_id)
             return
+        state.latest = max(state.latest, record.received_at)
         held = state.records + state.duplicates + len(state.waiting)
         if held >= self.limits.records_per_request and record.kind is not EventKind.END:
             # Closed here with what it has (deterministic: a replay closes it at this very

@@ -29,8 +29,9 @@ __all__ = ["Holds", "WriteBehind"]
 log = logging.getLogger(__name__)
 
 #: A batch's records for the commit gate, in partition order: (partition, offset, the
-#: request the record waits on, None when it waits on nothing).
-Holds = Sequence[tuple[Hashable, int, RequestRef | None]]
+#: request the record waits on, None when it waits on nothing, and the `span` of the first
+#: record of a new call, else None: `CommitGate.hold`).
+Holds = Sequence[tuple[Hashable, int, RequestRef | None, int | None]]
 
 
 class WriteBehind:

@@ -416,22 +416,35 @@ class TapRequest:
         for line in lines:
             await self._engine_line(bytes(line))
 
-    async def event(self, event: SseEvent | dict[str, Any], *, seq: int | None = None) -> None:
+    async def event(
+        self,
+        event: SseEvent | dict[str, Any],
+        *,
+        seq: int | None = None,
+        received_at: datetime | None = None,
+    ) -> None:
         """One raw event: an `SseEvent`, or an engine output (the dict its JSON line parses to).
 
-        `seq` numbers it explicitly (a request with a given id only; see the module docstring).
+        `seq` numbers it explicitly (a request with a given id only; see the module
+        docstring), and `received_at` (only with `seq`, aware) stamps it with a time the
+        caller derives from the event itself, so that two taps of the same event make the
+        same record: a copy the worker takes for a re-send, never for a new call.
         """
         self._raw = None
         if seq is None:
+            if received_at is not None:
+                raise ValueError("received_at is given only with an explicit seq")
             await self._event(event)
             return
         if self._request_id is None or self._finder is not None:
             raise ValueError("an explicit seq needs a request id given up front")
         if seq < 0:
             raise ValueError(f"seq must be >= 0, got {seq}")
+        if received_at is not None and received_at.utcoffset() is None:
+            raise ValueError("received_at must be an aware datetime")
         if self._ended:
             raise RuntimeError("the request has ended")
-        received = self.tap.clock()
+        received = self.tap.clock() if received_at is None else received_at
         if await self.tap._room(1):
             self._send([event], received, seq)
         else:

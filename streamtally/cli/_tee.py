@@ -88,6 +88,7 @@ import re
 import tempfile
 from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any, Final
 
 from streamtally.cli._encodings import (
@@ -647,7 +648,10 @@ class Tee:
         self.request = self.tap.request(
             self.plan.source, tenant=self.tenant, request_id=response_id
         )
-        await self.request.event(SseEvent(text), seq=0)
+        # Stamped with the provider's own time, so that every poll of it makes the same
+        # record: a copy, which the worker never takes for a new call of the same id.
+        when = _provider_time(value, "completed_at", "created_at")
+        await self.request.event(SseEvent(text), seq=0, received_at=when)
         self._terminal = True
 
     async def _stream_event(self, event: SseEvent) -> None:
@@ -696,7 +700,12 @@ class Tee:
             return
         seq = self._next if number is None else number
         self._next = max(self._next, seq + 1)
-        await self.request.event(event, seq=seq)
+        when = None
+        if seq == 0:  # the first record: stamped with the response's creation (see above)
+            response = _object(event.data).get("response")
+            if isinstance(response, dict):
+                when = _provider_time(response, "created_at")
+        await self.request.event(event, seq=seq, received_at=when)
 
     def _open_unnamed(self) -> None:
         """A background stream that never named its response: a call of its own, numbered
@@ -710,6 +719,20 @@ class Tee:
         held, self._held = self._held, []
         for event, _ in held:
             self.request._event_now(event)
+
+
+def _provider_time(value: dict[str, Any], *keys: str) -> datetime | None:
+    """The first of `keys` that holds a plausible Unix time (seconds), as an aware UTC
+    datetime; None when none does (the tap's clock is used then)."""
+    for key in keys:
+        seconds = value.get(key)
+        if (
+            isinstance(seconds, int | float)
+            and not isinstance(seconds, bool)
+            and 0 < seconds < 32_503_680_000  # before the year 3000
+        ):
+            return datetime.fromtimestamp(seconds, tz=UTC)
+    return None
 
 
 def _object(data: str) -> dict[str, Any]:

@@ -37,6 +37,8 @@ __all__ = ["add_parser", "format_report", "format_rerating", "rerate_prices"]
 
 #: Discrepancies the text output lists (``--json`` and ``--out`` list all).
 SHOWN: Final = 50
+#: Aborted requests the summary names (all of them with --json, up to the report's list).
+SHOWN_ABORTED: Final = 10
 
 _EPILOG = """\
 TIME is RFC 3339 with an offset (2026-11-23T10:00:00Z) or a UTC date (2026-11-23,
@@ -55,13 +57,17 @@ discrepancy kinds:
   provenance_mismatch  its one billing event differs in what it says it was folded
                        from: raw_topic, raw_partition, first_offset, last_offset,
                        raw_sha256 (the hash of the raw records applied) or
-                       usage_source (provider_reported, engine_counted, missing);
+                       usage_source (provider_reported, engine_counted, missing,
+                       aborted);
                        an event of before BillingEvent v3 carries none: not compared
   usage_row_mismatch   a Redis usage row (tenant, model, day) differs from the sum of
                        the replayed requests (field names it; request_id is null)
 partial requests (straddling the range, still open or not yet processed at the
 snapshot) are counted, never mismatches; usage rows are checked only for audited
 tenants, whole UTC days inside the range, and days no partial request ended on.
+aborted requests (closed cancelled before the provider reported usage, billed with
+what they had: usage_source aborted) are their own kind, no discrepancy: counted and
+named in the summary, under "aborted" with --json.
 
 --prices FILE re-rates the period: every request the replay closed is priced again
 at FILE's prices (a price table, with or without history), at its receive time, and
@@ -234,6 +240,17 @@ def format_report(report: Report) -> str:
         f"{rows['mismatched']:,} mismatched ({rows['skipped']:,} not checked: a partial "
         "request may be counted in them)",
     ]
+    aborted = doc["aborted"]
+    if aborted["count"]:
+        named = ", ".join(
+            f"{a['request_id']} ({a['tenant']})" for a in aborted["requests"][:SHOWN_ABORTED]
+        )
+        more = aborted["count"] - min(aborted["count"], SHOWN_ABORTED)
+        lines.append(
+            f"aborted: {aborted['count']:,} requests cancelled before the provider reported "
+            f"usage, billed with what they had (usage_source aborted): {named}"
+            + (f" and {more:,} more (--json lists them)" if more else "")
+        )
     corrections = doc["corrections"]
     if corrections is not None:
         lines.append(

@@ -117,7 +117,8 @@ def event_json(event: BillingEvent) -> dict[str, Any]:
     """A billing event as a JSON object: cost an exact decimal string, times ISO-8601.
 
     The provenance fields (BillingEvent v3) are null, and `usage_source` "unknown", for
-    an event written before them.
+    an event written before them; `provider_request_id` (v4) is null before v4, and when
+    the request's stream named no id of its own.
     """
     return {
         "event_id": event.event_id,
@@ -138,6 +139,7 @@ def event_json(event: BillingEvent) -> dict[str, Any]:
         "last_offset": event.last_offset,
         "raw_sha256": event.raw_sha256,
         "usage_source": event.usage_source.value,
+        "provider_request_id": event.provider_request_id,
     }
 
 

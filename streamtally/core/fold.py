@@ -90,6 +90,7 @@ class Fold:
         "chunks",
         "error",
         "model",
+        "provider_request_id",
         "request_id",
         "source",
         "truncated",
@@ -101,6 +102,9 @@ class Fold:
     ) -> None:
         self.request_id = request_id
         self.source = source
+        #: The provider's own id of the call, when its stream named one (the `Normalizer`'s
+        #: `provider_request_id`, set by whoever folds: chunks carry the request id only).
+        self.provider_request_id: str | None = None
         self.model: str | None = None
         self.usage: Usage | None = None
         self.error: str | None = None
@@ -196,6 +200,11 @@ class Fold:
                 choice.finish, choice.finish_raw = FinishReason.ERROR, None
                 choice.rank = PRECEDENCE[FinishReason.ERROR]
 
+    @property
+    def cancelled(self) -> bool:
+        """Whether `cancel` was called: the request's END marker said it was cancelled."""
+        return self._cancelled
+
     def cancel(self) -> None:
         """The request was cancelled mid-stream: a choice without a finish signal finishes
         `cancelled` (raw value null, no error) in `result`; finished choices keep theirs."""
@@ -245,6 +254,7 @@ class Fold:
             chunks=self.chunks,
             choices=tuple(results) if len(results) > 1 else (),
             truncated=self.truncated,
+            provider_request_id=self.provider_request_id,
         )
 
 

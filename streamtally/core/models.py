@@ -221,14 +221,26 @@ class Tokens(_Frozen):
     #: True when the text kept (text, reasoning, tool arguments) hit the request's limit:
     #: it is a prefix; the usage still counts in full.
     truncated: bool = False
+    #: The provider's own id of the call, as its stream named it (`chatcmpl-…`, `msg_…`,
+    #: `resp_…`, Gemini `responseId`, an engine's `request_id`): `request_id` itself when
+    #: the request is keyed by it; None when the stream named none.
+    provider_request_id: str | None = None
 
     def to_json_dict(self) -> dict[str, Any]:
-        """The public JSON shape printed by `streamtally fold` and `tokens get`."""
+        """The public JSON shape printed by `streamtally fold` and `tokens get`.
+
+        `provider_request_id` appears only when it differs from `request_id` (a request
+        keyed by an id of its own: a proxy's call id, a new call that reused a closed
+        request's id): absent, the request id is the provider's own, or the stream named
+        none.  So the spec's shape is unchanged for requests keyed by the provider's id.
+        """
         out = self.model_dump(mode="json")
         if not self.choices:
             del out["choices"]
         if not self.truncated:
             del out["truncated"]
+        if self.provider_request_id in (None, self.request_id):
+            del out["provider_request_id"]
         return out
 
 

@@ -92,6 +92,12 @@ class Normalizer:
         return self._request_id or self._adapter.provider_request_id
 
     @property
+    def provider_request_id(self) -> str | None:
+        """The provider's own id of the request, once its stream named one (whatever id the
+        request is keyed by)."""
+        return self._adapter.provider_request_id
+
+    @property
     def model(self) -> str | None:
         return self._adapter.model or self._model
 
@@ -285,6 +291,7 @@ def fold_stream(
         )
     for chunk in chunks:
         acc.add(chunk)
+    acc.provider_request_id = normalizer.provider_request_id
     return acc.result()
 
 

@@ -5,7 +5,8 @@ reason: requests that ended in an error or were cancelled are billed for
 the usage the provider reported (often 0 tokens, so a cost of 0).
 
 `event_id` is the idempotency key of the event: a function of the request's
-identity (tenant and request id) alone, so replaying a request (after a crash,
+identity (tenant and request id) alone (not of `provider_request_id`, which the
+event carries beside it), so replaying a request (after a crash,
 or a re-run of the pipeline) produces the same id and downstream consumers
 drop the duplicate, while two tenants that reuse one provider id get two ids.
 
@@ -214,6 +215,7 @@ def price_request(
         last_offset=None if provenance is None else provenance.last_offset,
         raw_sha256=None if provenance is None else provenance.raw_sha256,
         usage_source=UsageSource.UNKNOWN if provenance is None else provenance.usage_source,
+        provider_request_id=tokens.provider_request_id,
     )
     return Billed(event=event, quote=quote)
 

@@ -71,6 +71,11 @@ class UsageSource(StrEnum):
     ENGINE_COUNTED = "engine_counted"
     #: No usage at all in the stream: the counts are 0 by absence.
     MISSING = "missing"
+    #: Cancelled (its END marker says so: the client went away, the upstream was aborted)
+    #: before the provider reported usage: billed with the counts it had, which are 0 for
+    #: a provider stream and what the engine emitted for an engine stream (BillingEvent
+    #: v4; a reader of an earlier version resolves it to UNKNOWN).
+    ABORTED = "aborted"
 
 
 _HEX: Final = frozenset("0123456789abcdef")
@@ -283,12 +288,20 @@ class BillingEvent:
     raw_sha256: str | None = None
     #: Where the usage came from; UNKNOWN: an event with no provenance (before v3).
     usage_source: UsageSource = UsageSource.UNKNOWN
+    #: The provider's own id of the call, as its stream named it (BillingEvent v4): the
+    #: same as `request_id` when the producer keyed the request by it; None when the
+    #: stream named none, and in events written before v4.  Not part of `event_id`.
+    provider_request_id: str | None = None
 
     def __post_init__(self) -> None:
         if not self.event_id:
             raise ValueError("event_id must not be empty")
         if not self.request_id:
             raise ValueError("request_id must not be empty")
+        if self.provider_request_id is not None and not isinstance(self.provider_request_id, str):
+            raise ValueError(
+                f"provider_request_id must be None or a str, got {self.provider_request_id!r}"
+            )
         for name in USAGE_FIELDS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:

@@ -114,11 +114,13 @@ def test_the_json_report_has_the_documented_shape() -> None:
         "requests",
         "usage_rows",
         "discrepancies",
+        "aborted",
         "totals",
         "rerating",
         "corrections",
         "snapshot",
     }
+    assert doc["aborted"] == {"count": 0, "requests": [], "listed": 0}
     assert doc["rerating"] is None  # without --prices
     assert doc["corrections"] is None  # without --correct
     assert set(doc["requests"]) == {
@@ -252,3 +254,28 @@ def test_the_text_report_shows_the_rerating_as_a_short_table() -> None:
     assert "re-rated" not in format_report(report())
     doc = json.loads(json.dumps(dataclasses.replace(report(), rerating=RERATING).to_json()))
     assert doc["rerating"] == RERATING
+
+
+ABORTED = {
+    "count": 12,
+    "requests": [
+        {"tenant": HOSTILE if i == 0 else "acme", "request_id": f"call-{i}"} for i in range(12)
+    ],
+    "listed": 12,
+}
+
+
+def test_aborted_requests_are_their_own_kind_not_a_discrepancy() -> None:
+    """Named in the summary (escaped, the first ten) and in the JSON; the audit is clean."""
+    done = dataclasses.replace(report(), aborted=ABORTED)
+    assert done.clean
+    assert done.to_json()["aborted"] == ABORTED
+    text = format_report(done)
+    line = next(x for x in text.splitlines() if x.startswith("aborted: "))
+    assert "12 requests cancelled before the provider reported usage" in line
+    assert "call-0 (evil\\n\\x1b[2Jtenant\\u202e)" in line
+    assert "call-9 (acme)" in line
+    assert "call-10" not in line
+    assert "and 2 more (--json lists them)" in line
+    assert text.endswith("no discrepancies\n")
+    assert "aborted: " not in format_report(report())  # none: no line

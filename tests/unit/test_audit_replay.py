@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from streamtally.core.identity import RequestRef
+from streamtally.core.identity import RequestRef, call_request_id
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.core.pricing import PriceTable
@@ -27,7 +27,7 @@ from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.producers import raw_records
 from streamtally.topics import Topics
 from streamtally.wire import avro
-from streamtally.wire.billing import bill
+from streamtally.wire.billing import bill, event_id
 from streamtally.wire.kafka import TopicRecord
 from streamtally.wire.records import BillingEvent, Provenance, RawSseEvent, UsageSource
 from streamtally.wire.tenant_keys import HEADER, ProducerKey, TenantTrust
@@ -401,3 +401,38 @@ def test_with_a_trust_file_the_replay_refuses_what_the_worker_refused() -> None:
     assert [bill.request_id for bill in outcomes.bills] == ["signed-1"]
     outcomes, _ = replay(batch)  # without the trust file both are billed, as by the worker
     assert sorted(bill.request_id for bill in outcomes.bills) == ["signed-1", "unsigned-1"]
+
+
+def test_a_new_call_of_a_closed_id_is_replayed_as_its_own_request() -> None:
+    """The worker's rule (`RequestProcessor.call_of`): the same provider id an hour later is
+    another request, billed under its own id; the audit finds the bill the worker wrote."""
+    log = Log()
+    first = request("openai/text_usage.sse", "chatcmpl-x")
+    second = request("openai/text_usage.sse", "chatcmpl-x", start=T0 + timedelta(hours=1))
+    records = log.put(first) + log.put(second)
+    outcomes, _ = replay(*(records[i : i + 5] for i in range(0, len(records), 5)))
+    new_id = call_request_id("chatcmpl-x", second.times[0])
+    assert [b.request_id for b in outcomes.bills] == ["chatcmpl-x", new_id]
+    assert outcomes.bills[1].event_id == event_id("acme", new_id)
+    assert outcomes.bills[1].usage == outcomes.bills[0].usage
+    assert (outcomes.partials, outcomes.dead) == ([], [])
+
+
+def test_a_new_call_is_closed_where_the_worker_decided() -> None:
+    """The worker closed the new call by timeout (its marker names the offset): the replay
+    asks for the new call's marker too, and closes it there, as the worker did."""
+    log = Log()
+    first = request("openai/text_usage.sse", "chatcmpl-y")
+    second = request("openai/text_usage.sse", "chatcmpl-y", start=T0 + timedelta(hours=1))
+    records = log.put(first) + log.put(second, range(4))  # the second never ends
+    new_ref = RequestRef("acme", call_request_id("chatcmpl-y", second.times[0]))
+    closed_at = records[-2].offset  # where the worker's timer closed it
+
+    def markers(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
+        return {new_ref: (f"{closed_at} timeout", True)} if new_ref in refs else {}
+
+    outcomes, _ = replay(records, markers=markers)
+    new = next(b for b in outcomes.bills if b.request_id == new_ref.request_id)
+    assert new.last_offset == closed_at
+    assert new.finish_reason.value == "error"
+    assert outcomes.partials == []

@@ -888,9 +888,8 @@ _PROVENANCE_V3 = [
 
 def test_billing_event_version_3_only_appends_provenance_with_defaults() -> None:
     v2, v3 = (v.schema for v in avro.history("BillingEvent")[1:3])
-    assert [v.version for v in avro.history("BillingEvent")] == [1, 2, 3]
-    assert avro.current("BillingEvent").version == 3
-    assert avro.current("BillingEvent").fingerprint.hex() == "af3f0820356351b9"
+    assert [v.version for v in avro.history("BillingEvent")][:3] == [1, 2, 3]
+    assert avro.history("BillingEvent")[2].fingerprint.hex() == "af3f0820356351b9"
     names_v2 = [f["name"] for f in v2["fields"]]
     names_v3 = [f["name"] for f in v3["fields"]]
     added = [name for name, _, _ in _PROVENANCE_V3] + ["usage_source"]
@@ -907,7 +906,7 @@ def test_billing_event_version_3_only_appends_provenance_with_defaults() -> None
         "MISSING",
     ]
     assert usage_source["type"]["default"] == "UNKNOWN"  # a symbol added later reads UNKNOWN
-    assert [s.name for s in UsageSource] == usage_source["type"]["symbols"]
+    assert [s.name for s in UsageSource][:4] == usage_source["type"]["symbols"]
     for old in (v.schema for v in avro.history("BillingEvent")[:2]):
         assert avro.compatibility_errors(old, v3) == []  # backward: old events read
         assert avro.compatibility_errors(v3, old) == []  # forward: old readers read v3
@@ -928,7 +927,7 @@ PROVEN = BillingEvent(
 
 def test_billing_provenance_round_trips() -> None:
     data = avro.encode_billing_event(PROVEN)
-    assert avro.writer_of(data).version == 3
+    assert avro.writer_of(data).version == 4
     assert avro.decode_billing_event(data) == PROVEN
     record = avro.decode("BillingEvent", data)
     assert (record["raw_partition"], record["usage_source"]) == (5, "ENGINE_COUNTED")
@@ -982,6 +981,100 @@ def test_a_version_2_reader_reads_a_version_3_event() -> None:
 def test_billing_provenance_is_checked(changes: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         BillingEvent(**{**_fields(PROVEN), **changes})
+
+
+# ------------------------------------------------ BillingEvent v4 and Tokens v3 (one call)
+
+
+def test_billing_event_version_4_adds_provider_request_id_and_the_aborted_source() -> None:
+    """v4 appends `provider_request_id` (null by default) and the UsageSource symbol
+    ABORTED, in one version; old readers resolve ABORTED to the enum's default."""
+    history = avro.history("BillingEvent")
+    assert [v.version for v in history] == [1, 2, 3, 4]
+    assert avro.current("BillingEvent").version == 4
+    assert avro.current("BillingEvent").fingerprint.hex() == "35e143f773117ac3"
+    v3, v4 = history[2].schema, history[3].schema
+    names_v3 = [f["name"] for f in v3["fields"]]
+    assert [f["name"] for f in v4["fields"]] == [*names_v3, "provider_request_id"]
+    added = _field(v4, "provider_request_id")
+    assert (added["type"], added["default"]) == (["null", "string"], None)
+    symbols = _field(v4, "usage_source")["type"]["symbols"]
+    assert symbols == [*_field(v3, "usage_source")["type"]["symbols"], "ABORTED"]
+    assert [s.name for s in UsageSource] == symbols
+    assert UsageSource.ABORTED.value == "aborted"
+    for old in (v.schema for v in history[:3]):
+        assert avro.compatibility_errors(old, v4) == []  # backward: old events read
+        assert avro.compatibility_errors(v4, old) == []  # forward: old readers read v4
+
+
+ABORTED = BillingEvent(
+    **{
+        **_fields(PROVEN),
+        "usage_source": UsageSource.ABORTED,
+        "provider_request_id": "chatcmpl-42",
+        "request_id": "call-0190a1b2c3d4e5f60718293a4b5c6d7e",
+    }
+)
+
+
+def test_provider_request_id_round_trips_on_billing_events_and_corrections() -> None:
+    data = avro.encode_billing_event(ABORTED)
+    assert avro.decode_billing_event(data) == ABORTED
+    record = avro.decode("BillingEvent", data)
+    assert (record["provider_request_id"], record["usage_source"]) == ("chatcmpl-42", "ABORTED")
+    assert avro.decode_billing_event(avro.encode_billing_event(PROVEN)).provider_request_id is None
+
+
+@pytest.mark.parametrize("version", [1, 2, 3])
+def test_a_billing_event_of_before_version_4_reads_without_provider_request_id(
+    version: int,
+) -> None:
+    record = avro.decode("BillingEvent", avro.encode_billing_event(ABORTED))
+    record["usage_source"] = "MISSING"  # a symbol every version knows (v3 and later)
+    old = avro.encode("BillingEvent", record, version=version)
+    back = avro.decode_billing_event(old)
+    assert back.provider_request_id is None
+    assert back.request_id == ABORTED.request_id
+    assert back.event_id == ABORTED.event_id
+
+
+def test_a_version_3_reader_resolves_aborted_to_unknown() -> None:
+    """Forward: a consumer built before v4 reads a v4 event; ABORTED, a symbol it does not
+    know, resolves to the enum's default UNKNOWN, and provider_request_id is ignored."""
+    data = avro.encode_billing_event(ABORTED)
+    v3 = avro.history("BillingEvent")[2]
+    out = fastavro.schemaless_reader(
+        io.BytesIO(data[10:]), avro.current("BillingEvent").parsed, v3.parsed
+    )
+    assert out["usage_source"] == "UNKNOWN"
+    assert "provider_request_id" not in out
+    assert out["output_tokens"] == ABORTED.output_tokens
+
+
+def test_tokens_version_3_adds_provider_request_id() -> None:
+    history = avro.history("Tokens")
+    assert [v.version for v in history] == [1, 2, 3]
+    assert avro.current("Tokens").fingerprint.hex() == "10c12ff57095f7b9"
+    v2, v3 = history[1].schema, history[2].schema
+    assert [f["name"] for f in v3["fields"]] == [
+        *(f["name"] for f in v2["fields"]),
+        "provider_request_id",
+    ]
+    added = _field(v3, "provider_request_id")
+    assert (added["type"], added["default"]) == (["null", "string"], None)
+    for old in (v.schema for v in history[:2]):
+        assert avro.compatibility_errors(old, v3) == []
+        assert avro.compatibility_errors(v3, old) == []
+    tokens = TOKENS[1].model_copy(
+        update={"request_id": "chatcmpl-n3~1767225600000000", "provider_request_id": "chatcmpl-n3"}
+    )
+    data = avro.encode_tokens(tokens)
+    back = avro.decode_tokens(data)
+    assert back == tokens
+    assert back.to_json_dict()["provider_request_id"] == "chatcmpl-n3"
+    old = avro.encode("Tokens", avro.decode("Tokens", data), version=2)
+    assert avro.decode_tokens(old).provider_request_id is None
+    assert "provider_request_id" not in avro.decode_tokens(old).to_json_dict()
 
 
 # --------------------------------------------------------------------------- dead letters

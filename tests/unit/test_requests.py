@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from streamtally.core.fold import NO_FINISH
-from streamtally.core.identity import RequestRef
+from streamtally.core.identity import RequestRef, epoch_micros
 from streamtally.core.models import FinishReason, Source, Tokens
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.core.pricing import PriceTable
@@ -309,7 +309,8 @@ def test_a_whole_request_completes_once_with_the_fold_of_its_transcript(file: st
     done = at_end.completed[0]
     expected = s.expected()
     assert done.tokens == expected
-    assert done.closed == Closed(last, CloseReason.END, applied=False)
+    latest = epoch_micros(s.received_at(last))  # its records' latest receive time
+    assert done.closed == Closed(last, CloseReason.END, applied=False, last_received=latest)
     assert done.records == len(s.records)
     assert done.duplicates == 0
     end_time = s.received_at(last)
@@ -522,7 +523,8 @@ def test_a_missing_seq_without_end_closes_with_the_gap_at_the_timeout() -> None:
     out = run.expire()
     assert len(out.completed) == 1
     done = out.completed[0]
-    assert done.closed == Closed(len(seqs) - 1, CloseReason.GAP, applied=False)
+    latest = epoch_micros(s.received_at(7))
+    assert done.closed == Closed(len(seqs) - 1, CloseReason.GAP, False, latest)
     assert done.tokens.text == s.expected(lambda i: i in seqs).text
     assert "Kafka keeps in ordered partitions" in done.tokens.text
     assert done.tokens.finish_reason is FinishReason.ERROR
@@ -551,7 +553,8 @@ def test_a_quiet_request_without_end_closes_at_the_timeout(file: str) -> None:
     assert len(out.completed) == 1
     done = out.completed[0]
     # it closes at the highest offset it counted: the duplicate's, after the prefix
-    assert done.closed == Closed(len(prefix), CloseReason.TIMEOUT, applied=False)
+    latest = epoch_micros(s.received_at(prefix[-1]))
+    assert done.closed == Closed(len(prefix), CloseReason.TIMEOUT, False, latest)
     assert done.closed.reason is CloseReason.TIMEOUT
     assert done.tokens.finish_reason is FinishReason.ERROR
     assert done.tokens.error == TIMED_OUT
@@ -642,7 +645,8 @@ def _timed_out_then_replayed(s: Sample, prefix: int) -> tuple[Run, Run]:
     timed_out = original.expire()
     assert len(timed_out.completed) == 1
     closed = timed_out.completed[0].closed
-    assert closed == Closed(prefix - 1, CloseReason.TIMEOUT, applied=False)
+    latest = epoch_micros(s.received_at(prefix - 1))
+    assert closed == Closed(prefix - 1, CloseReason.TIMEOUT, False, latest)
     original.send_all(s, list(range(prefix, len(s.records))), first=prefix)
 
     replay = Run()
@@ -1076,6 +1080,12 @@ def test_close_markers_round_trip() -> None:
         closed = Closed(42, reason, applied=False)
         assert Closed.from_marker(closed.marker(), applied=False) == closed
     assert Closed.from_marker("17", applied=True) == Closed(17, CloseReason.END, True)
+    # Since new calls of a reused id are recognised, the marker carries the latest
+    # receive time of the request's records; a marker without it still reads.
+    timed = Closed(42, CloseReason.GAP, False, 1_772_366_400_250_001)
+    assert timed.marker() == "42 gap 1772366400250001"
+    assert Closed.from_marker(timed.marker(), applied=False) == timed
+    assert Closed.from_marker("42 gap", applied=False).last_received is None
 
 
 # --------------------------------------------------------------------------- provenance

@@ -36,9 +36,12 @@ from streamtally.ops.audit._rows import (
     stored_row,
 )
 from streamtally.wire.billing import event_id
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingEvent, UsageSource
 
-__all__ = ["Ledger", "RequestCounts", "Scope"]
+__all__ = ["ABORTED_LISTED", "Aborted", "Ledger", "RequestCounts", "Scope"]
+
+#: How many aborted requests the report names (all are counted).
+ABORTED_LISTED = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,30 @@ class RequestCounts:
 
 
 @dataclass(slots=True)
+class Aborted:
+    """Requests the replay billed with `usage_source` aborted: cancelled (their END marker
+    said so) before the provider reported any usage, billed with the counts they had.
+    Their own kind in the report, not a discrepancy: the bill is what the raw records
+    say (its events are checked like any other's)."""
+
+    count: int = 0
+    #: (tenant, request id) of the first `ABORTED_LISTED`, in the replay's order.
+    requests: list[RequestRef] = field(default_factory=list)
+
+    def add(self, event: BillingEvent) -> None:
+        self.count += 1
+        if len(self.requests) < ABORTED_LISTED:
+            self.requests.append(RequestRef(event.tenant, event.request_id))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "count": self.count,
+            "requests": [{"tenant": r.tenant, "request_id": r.request_id} for r in self.requests],
+            "listed": len(self.requests),
+        }
+
+
+@dataclass(slots=True)
 class Ledger:
     index: BillingIndex
     scope: Scope
@@ -85,6 +112,8 @@ class Ledger:
     #: ``--prices``: every request closed is also priced at other prices (None: not asked).
     rerating: Rerating | None = None
     discrepancies: list[Discrepancy] = field(default_factory=list)
+    #: The requests billed as aborted (`UsageSource.ABORTED`).
+    aborted: Aborted = field(default_factory=Aborted)
     #: Why requests were partial (straddling the start, open at the end, not yet processed).
     partial_reasons: Counter[str] = field(default_factory=Counter)
     _rows: dict[RowKey, RowSum] = field(default_factory=dict)
@@ -105,6 +134,8 @@ class Ledger:
         """A request the replay closed and priced: `expected` is its billing event."""
         counts = self.counts
         counts.replayed += 1
+        if expected.usage_source is UsageSource.ABORTED:
+            self.aborted.add(expected)
         self._rows.setdefault(row_key(expected), RowSum()).add(expected)
         self._totals.setdefault(expected.tenant, RowSum()).add(expected)
         if self.rerating is not None:

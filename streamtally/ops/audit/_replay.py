@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
-from streamtally.core.identity import RequestRef
+from streamtally.core.identity import RequestRef, call_request_id
 from streamtally.ops.audit._range import TimeRange
 from streamtally.ops.rebuild import CLOSED_MARKER
 from streamtally.processors.clock import input_time
@@ -123,18 +123,37 @@ class Replay:
             raw.ref: raw for raw, mine in reversed(kept) if mine and raw.ref not in straddling
         }
         unknown = processor.unknown(firsts)
-        markers = await self._lookup(sorted(unknown)) if unknown else {}
+        # New calls of a reused id (`RequestProcessor.call_of`): the first record of each,
+        # by the request it would be; their close decisions are looked up with the rest.
+        starts = {
+            RequestRef(
+                raw.ref.tenant, call_request_id(raw.ref.request_id, raw.record.received_at)
+            ): raw
+            for raw, mine in kept
+            if mine and raw.record.seq == 0
+        }
+        calls = processor.unknown(processor.to_learn(raw for raw, mine in kept if mine))
+        calls = {call for call in calls if call in starts and call not in firsts}
+        asked = unknown | calls
+        markers = await self._lookup(sorted(asked)) if asked else {}
+        for call in calls:
+            known = markers.get(call)
+            marker = _marker(known)
+            if marker is None:
+                continue
+            if marker.offset < starts[call].position.offset:
+                processor.learn_closed(
+                    call, Closed(marker.offset, marker.reason, True, marker.last_received)
+                )
+            else:
+                processor.learn_closed(call, marker)
         for ref in unknown:
             first = firsts[ref]
-            known = markers.get(ref)
-            marker = None
-            if known is not None and known[0] != CLOSED_MARKER:
-                try:
-                    marker = Closed.from_marker(known[0], applied=False)
-                except ValueError:  # not a marker a worker writes: decide by the records
-                    marker = None
+            marker = _marker(markers.get(ref))
             if marker is not None and marker.offset < first.position.offset:
-                processor.learn_closed(ref, Closed(marker.offset, marker.reason, applied=True))
+                processor.learn_closed(
+                    ref, Closed(marker.offset, marker.reason, True, marker.last_received)
+                )
             elif first.record.seq > 0:
                 straddling[ref] = first.record.received_at
             elif marker is not None:
@@ -151,19 +170,20 @@ class Replay:
                     del straddling[ref]
                     self._outcomes.partial(ref, day_of(record.received_at), "straddles the start")
                 continue
-            was_open, done = processor.is_open(ref), len(out.completed)
-            processor.arrive(out, raw)
+            call = processor.call_of(raw)  # the record's request, or a new call of its id
+            was_open, done = processor.is_open(call), len(out.completed)
+            processor.arrive_as(out, raw, call)
             tp = (raw.position.topic, raw.position.partition)
             for completed in out.completed[done:]:
                 self._closed(completed, tp)
-            if processor.is_open(ref):
-                track = self._open.get(ref)
+            if processor.is_open(call):
+                track = self._open.get(call)
                 if track is None:
-                    self._open[ref] = _Track(tp, record.received_at)
+                    self._open[call] = _Track(tp, record.received_at)
                 else:
                     track.last = record.received_at
-            elif not was_open and len(out.completed) == done and processor.unknown([ref]):
-                self._outcomes.dead_lettered(ref)  # refused as it would open
+            elif not was_open and len(out.completed) == done and processor.unknown([call]):
+                self._outcomes.dead_lettered(call)  # refused as it would open
         for completed in processor.expire().completed:
             track = self._open.get(completed.ref)
             self._closed(completed, None if track is None else track.tp)
@@ -190,3 +210,15 @@ class Replay:
             self._outcomes.partial(completed.ref, day, "not yet processed")
         else:
             self._outcomes.closed(billing)
+
+
+def _marker(known: tuple[str, bool] | None) -> Closed | None:
+    """The close decision a looked-up marker states (as not yet applied), or None: no
+    marker, the one `streamtally rebuild` writes (no offset), or not a worker's marker
+    (the records decide)."""
+    if known is None or known[0] == CLOSED_MARKER:
+        return None
+    try:
+        return Closed.from_marker(known[0], applied=False)
+    except ValueError:
+        return None

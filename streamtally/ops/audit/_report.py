@@ -1,7 +1,9 @@
 """The audit's report: one JSON document, or the discrepancies as CSV.
 
 `Report.to_json` is the document ``streamtally audit --json`` prints: `requests` (counts),
-`usage_rows` (counts), `discrepancies`, `totals` (per tenant, from the replay),
+`usage_rows` (counts), `discrepancies`, `aborted` (requests the replay billed as
+cancelled before any usage: a count and their tenant and request id; no discrepancy),
+`totals` (per tenant, from the replay),
 `rerating` (``--prices``: per tenant, billed, at the other prices and the difference; null
 without it), `corrections` (``--correct``: what was written; null without it) and
 `snapshot` (what was read: topics, partitions, offset ranges, and how the
@@ -48,6 +50,9 @@ class Report:
     rerating: dict[str, Any] | None = None
     #: `Corrected.to_json` with ``--correct``, else None.
     corrections: dict[str, Any] | None = None
+    #: `Aborted.to_json`: requests billed as aborted (cancelled before any usage), their
+    #: own kind, not discrepancies.
+    aborted: dict[str, Any] | None = None
 
     @property
     def clean(self) -> bool:
@@ -63,6 +68,9 @@ class Report:
                 "skipped": self.rows_skipped,
             },
             "discrepancies": [d.to_json() for d in self.discrepancies],
+            "aborted": self.aborted
+            if self.aborted is not None
+            else {"count": 0, "requests": [], "listed": 0},
             "totals": self.totals,
             "rerating": self.rerating,
             "corrections": self.corrections,

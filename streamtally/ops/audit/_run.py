@@ -225,6 +225,7 @@ async def run_audit(
         snapshot=json_snapshot,
         rerating=None if rerating is None else rerating.to_json(),
         corrections=None if corrected is None else corrected.to_json(),
+        aborted=ledger.aborted.to_json(),
     )
 
 

@@ -110,6 +110,7 @@ def _tokens_out(t: Tokens) -> dict[str, Any]:
         "chunks": t.chunks,
         "choices": [_choice_out(c) for c in t.choices],
         "truncated": t.truncated,
+        "provider_request_id": t.provider_request_id,
     }
 
 
@@ -235,6 +236,7 @@ def _billing_datum(event: BillingEvent) -> dict[str, Any]:
         "last_offset": event.last_offset,
         "raw_sha256": event.raw_sha256,
         "usage_source": event.usage_source.name,
+        "provider_request_id": event.provider_request_id,
     }
 
 
