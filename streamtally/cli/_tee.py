@@ -100,6 +100,7 @@ from streamtally.cli._encodings import (
     decoder_for,
 )
 from streamtally.cli._oversize import EDGE_BYTES, extract
+from streamtally.core.identity import new_call_id
 from streamtally.core.models import Source
 from streamtally.core.sse import SseDecoder, SseEvent
 from streamtally.producers import Tap, TapRequest
@@ -437,7 +438,9 @@ class Tee:
         #: The tap's request: at once for a plain call; once the response id is known for
         #: a background one (None until then, and when nothing of it is teed).
         self.request: TapRequest | None = (
-            None if self.background else tap.request(tee.source, tenant=tenant)
+            None
+            if self.background
+            else tap.request(tee.source, tenant=tenant, request_id=new_call_id())
         )
         # A background stream: its SSE, the events held until the id, the next number.
         self._sse = SseDecoder() if self.background and self.streaming else None
@@ -711,7 +714,9 @@ class Tee:
         """A background stream that never named its response: a call of its own, numbered
         by the tap (the provider id it finds, or its fallback)."""
         self._numbered = False
-        self.request = self.tap.request(self.plan.source, tenant=self.tenant)
+        self.request = self.tap.request(
+            self.plan.source, tenant=self.tenant, request_id=new_call_id()
+        )
 
     def _flush_held_now(self) -> None:
         """At the end, held events of a stream that named no response (nothing waits)."""

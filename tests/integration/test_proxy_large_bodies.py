@@ -37,8 +37,10 @@ from streamtally.wire.records import PART_EVENT
 from tests.integration.worker import (
     Endpoints,
     WorkerProcess,
+    as_called,
     cli,
     forget_usage,
+    tapped_calls,
     wait_for_tokens,
 )
 
@@ -223,22 +225,21 @@ def test_a_6_mb_body_is_billed_whole_and_one_past_the_limit_by_its_usage(
         anthropic_sse.write_bytes(b"data: " + bodies["anthropic"] + b"\n\n")
         want_openai = folded(openai_sse, "openai")
         want_anthropic = folded(anthropic_sse, "anthropic")
-        refs = {
-            "openai": RequestRef(tenants["openai"], want_openai["request_id"]),
-            "anthropic": RequestRef(tenants["anthropic"], want_anthropic["request_id"]),
-        }
+        calls = tapped_calls(bootstrap_servers, namespace, tenants.values())
+        refs = {name: RequestRef(tenants[name], calls[tenants[name]][0]) for name in tenants}
         missing = wait_for_tokens(redis_url, refs.values(), timeout=90, worker=worker)
         assert not missing, f"no Tokens for {missing}\n{worker.describe()}"
 
         got = cli("tokens", "get", refs["openai"].request_id, "--tenant", tenants["openai"])
         assert got.code == 0, got.err
-        assert json.loads(got.out) == want_openai  # the whole body, text and all
+        # the whole body, text and all
+        assert json.loads(got.out) == as_called(want_openai, refs["openai"].request_id)
         got = cli("tokens", "get", refs["anthropic"].request_id, "--tenant", tenants["anthropic"])
         assert got.code == 0, got.err
         tokens = json.loads(got.out)
         assert tokens["usage"] == want_anthropic["usage"]
         assert tokens["usage"]["output_tokens"] == 750_000
-        assert (tokens["request_id"], tokens["model"]) == (
+        assert (tokens["provider_request_id"], tokens["model"]) == (
             want_anthropic["request_id"],
             want_anthropic["model"],
         )

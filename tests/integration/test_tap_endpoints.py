@@ -34,7 +34,14 @@ from streamtally.producers import Tap
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
-from tests.integration.worker import WorkerProcess, cli, forget_usage, wait_for_tokens
+from tests.integration.worker import (
+    WorkerProcess,
+    as_called,
+    cli,
+    forget_usage,
+    tapped_calls,
+    wait_for_tokens,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -329,15 +336,16 @@ def test_encodings_background_responses_and_embeddings_are_billed_as_the_provide
             expected[name] = folded(source, path)
         assert expected["background"]["request_id"] == RESPONSE_ID
         assert expected["background"]["usage"]["output_tokens"] == 20_000
-        refs = {
-            name: RequestRef(tenants[name], exp["request_id"]) for name, exp in expected.items()
-        }
+        # A plain call is keyed by an id of its own; a background response by its id.
+        calls = tapped_calls(bootstrap_servers, namespace, tenants.values())
+        assert calls[tenants["background"]] == [RESPONSE_ID]
+        refs = {name: RequestRef(tenants[name], calls[tenants[name]][0]) for name in expected}
         missing = wait_for_tokens(redis_url, refs.values(), timeout=60, worker=worker)
         assert not missing, f"no Tokens for {missing}"
         for name, ref in refs.items():
             got = cli("tokens", "get", ref.request_id, "--tenant", ref.tenant)
             assert got.code == 0, got.err
-            assert json.loads(got.out) == expected[name], name
+            assert json.loads(got.out) == as_called(expected[name], ref.request_id), name
             row = usage_row(ref.tenant)
             assert row["requests"] == 1, name  # billed once
             assert {f: row[f] for f in USAGE_FIELDS} == expected[name]["usage"], name

@@ -38,7 +38,15 @@ from streamtally.producers import Tap
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
-from tests.integration.worker import SAMPLES, WorkerProcess, cli, forget_usage, wait_for_tokens
+from tests.integration.worker import (
+    SAMPLES,
+    WorkerProcess,
+    as_called,
+    cli,
+    forget_usage,
+    tapped_calls,
+    wait_for_tokens,
+)
 from tests.openai_upstream import asked_for_usage, openai_stream
 
 pytestmark = pytest.mark.integration
@@ -269,15 +277,18 @@ def test_the_proxy_forwards_unchanged_and_the_pipeline_counts_what_it_tapped(
         }
         assert expected["openai"]["usage"]["output_tokens"] > 0
 
-        refs = {
-            name: RequestRef(tenants[name], exp["request_id"]) for name, exp in expected.items()
-        }
+        # Each call is keyed by an id of its own (two calls of one provider id are two
+        # requests); the provider's id stays on its Tokens.
+        calls = tapped_calls(bootstrap_servers, namespace, tenants.values())
+        assert all(len(ids) == 1 for ids in calls.values()), calls
+        refs = {name: RequestRef(tenants[name], calls[tenants[name]][0]) for name in expected}
+        assert all(ref.request_id.startswith("call-") for ref in refs.values())
         missing = wait_for_tokens(redis_url, refs.values(), timeout=60, worker=worker)
         assert not missing, f"no Tokens for {missing}"
         for name, ref in refs.items():
             got = cli("tokens", "get", ref.request_id, "--tenant", ref.tenant)
             assert got.code == 0, got.err
-            assert json.loads(got.out) == expected[name], name
+            assert json.loads(got.out) == as_called(expected[name], ref.request_id), name
             rows = cli("usage", "--tenant", ref.tenant, "--json")
             assert rows.code == 0, rows.err
             [row] = json.loads(rows.out)
@@ -285,3 +296,67 @@ def test_the_proxy_forwards_unchanged_and_the_pipeline_counts_what_it_tapped(
             assert {f: row[f] for f in USAGE_FIELDS} == expected[name]["usage"], name
     finally:
         forget_usage(redis_url, tenants.values())
+
+
+async def colliding(servers: str, namespace: str, tenant: str) -> list[bytes]:
+    """Three calls of one tenant whose provider ids collide (one transcript, one id): the
+    first held open upstream while the second runs whole (overlapping), then the third."""
+    await ensure_topics(servers, Topics.in_namespace(namespace).all)
+    upstream = Upstream()
+    up_port = await upstream.start()
+    got: list[bytes] = []
+    async with Tap(servers, namespace=namespace) as tap:
+        proxy = ProxyServer(f"http://127.0.0.1:{up_port}", tap)
+        port = await proxy.start("127.0.0.1", 0)
+        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        chat = {"model": "gpt-4o-mini", "stream": True, "messages": []}
+        try:
+            async with ClientSession() as client:
+
+                async def call(**headers: str) -> bytes:
+                    async with client.post(
+                        url, json=chat, headers={"X-Tenant": tenant, **headers}
+                    ) as resp:
+                        return await resp.read()
+
+                held = asyncio.create_task(call(**{"X-Leave": "after-finish"}))
+                await asyncio.sleep(0.3)  # the first call waits upstream after its finish
+                got.append(await call())  # the second runs whole meanwhile
+                upstream.resume["openai"].set()
+                got.insert(0, await held)
+                got.append(await call())  # the third, after both closed
+        finally:
+            await proxy.stop()
+            await upstream.stop()
+    return got
+
+
+def test_calls_whose_provider_ids_collide_are_billed_each(
+    worker: WorkerProcess, bootstrap_servers: str, redis_url: str
+) -> None:
+    tenant = f"tap-collide-{uuid.uuid4().hex[:10]}"
+    namespace = Settings.load().namespace
+    try:
+        got = asyncio.run(colliding(bootstrap_servers, namespace, tenant))
+        plain = openai_stream(OPENAI_FILE.read_bytes(), include_usage=False)
+        assert got == [plain, plain, plain]
+        [ids] = tapped_calls(bootstrap_servers, namespace, [tenant]).values()
+        assert len(ids) == 3 == len(set(ids))
+        assert ids == sorted(ids)  # first seen in the order they were made: time-ordered
+        refs = [RequestRef(tenant, call_id) for call_id in ids]
+        missing = wait_for_tokens(redis_url, refs, timeout=60, worker=worker)
+        assert not missing, f"no Tokens for {missing}"
+        want = folded(Source.OPENAI, OPENAI_FILE)
+        for ref in refs:
+            got_tokens = cli("tokens", "get", ref.request_id, "--tenant", tenant)
+            assert got_tokens.code == 0, got_tokens.err
+            assert json.loads(got_tokens.out) == as_called(want, ref.request_id)
+        rows = cli("usage", "--tenant", tenant, "--json")
+        assert rows.code == 0, rows.err
+        [row] = json.loads(rows.out)
+        assert row["requests"] == 3  # three calls, three bills
+        assert {f: row[f] for f in USAGE_FIELDS} == {
+            f: 3 * value for f, value in want["usage"].items()
+        }
+    finally:
+        forget_usage(redis_url, [tenant])

@@ -48,7 +48,15 @@ from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
 from tests.bodies import body_of
-from tests.integration.worker import SAMPLES, WorkerProcess, cli, forget_usage, wait_for_tokens
+from tests.integration.worker import (
+    SAMPLES,
+    WorkerProcess,
+    as_called,
+    cli,
+    forget_usage,
+    tapped_calls,
+    wait_for_tokens,
+)
 from tests.openai_upstream import asked_for_usage, openai_stream
 
 pytestmark = pytest.mark.integration
@@ -403,11 +411,14 @@ def test_sdk_clients_get_the_upstream_unchanged_and_the_pipeline_counts_their_ca
         }
         assert expected[cut.tenant]["usage"]["input_tokens"] > 0  # message_start's count
 
-        refs = {tenant: RequestRef(tenant, exp["request_id"]) for tenant, exp in expected.items()}
+        # Each call is keyed by an id of its own; the provider's id stays on its Tokens.
+        calls = tapped_calls(bootstrap_servers, namespace, tenants)
+        assert all(len(ids) == 1 for ids in calls.values()), calls
+        refs = {tenant: RequestRef(tenant, calls[tenant][0]) for tenant in expected}
         missing = wait_for_tokens(redis_url, refs.values(), timeout=60, worker=worker)
         assert not missing, f"no Tokens for {missing}"
         for tenant in tenants:
-            _check_tenant(refs[tenant], expected[tenant])
+            _check_tenant(refs[tenant], as_called(expected[tenant], refs[tenant].request_id))
     finally:
         forget_usage(redis_url, tenants)
 

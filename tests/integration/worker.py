@@ -388,3 +388,41 @@ def own_worker(
     finally:
         worker.stop(timeout=30)
         flush_db(url)
+
+
+def tapped_calls(
+    bootstrap_servers: str, namespace: str, tenants: Iterable[str]
+) -> dict[str, list[str]]:
+    """The request ids the raw SSE topic holds for each of `tenants`, in first-seen order.
+
+    The proxy keys every call by an id of its own (``call-…``), which a client does not
+    see: a test finds its calls' Tokens through their raw records.
+    """
+    from streamtally.wire import avro
+    from streamtally.wire.kafka import read_topic
+
+    wanted = set(tenants)
+    found: dict[str, list[str]] = {tenant: [] for tenant in wanted}
+
+    async def read() -> None:
+        topic = Topics.in_namespace(namespace).raw_sse.name
+        async for record in read_topic(bootstrap_servers, topic):
+            if record.value is None:
+                continue
+            raw = avro.decode_raw_sse_event(record.value)
+            if raw.tenant in wanted and raw.request_id not in found[raw.tenant]:
+                found[raw.tenant].append(raw.request_id)
+
+    asyncio.run(read())
+    return found
+
+
+def as_called(expected: Mapping[str, Any], call_id: str) -> dict[str, Any]:
+    """`streamtally fold`'s JSON of a call (keyed by the provider's id) as `tokens get`
+    prints the proxy's call: keyed by its call id, the provider's id beside it."""
+    out = dict(expected)
+    provider = out["request_id"]
+    out["request_id"] = call_id
+    if provider != call_id:
+        out["provider_request_id"] = provider
+    return out

@@ -23,7 +23,7 @@ from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.errors import InputError
 from streamtally.producers import Tap
-from tests.unit.test_tap import SAMPLES, FakeSender, worker_tokens
+from tests.unit.test_tap import SAMPLES, FakeSender, as_called, worker_tokens
 
 TEXT = SAMPLES / "openai" / "text_usage.sse"
 
@@ -153,4 +153,5 @@ async def test_the_proxy_bills_the_keys_tenant_and_refuses_other_keys(tmp_path: 
     assert (proxy.forwarded, proxy.tapped, proxy.refused) == (1, 1, 2)
     assert {r.tenant for r in sender.decoded()} == {"acme"}
     (tokens,), _ = worker_tokens(sender)
-    assert tokens == fold_stream(Source.OPENAI, read_events(Source.OPENAI, TEXT.open("rb")))
+    want = fold_stream(Source.OPENAI, read_events(Source.OPENAI, TEXT.open("rb")))
+    assert tokens == as_called(want, tokens)

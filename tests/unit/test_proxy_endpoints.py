@@ -33,7 +33,7 @@ from streamtally.core.normalize import fold_stream
 from streamtally.core.sse import SseEvent, iter_events
 from streamtally.producers import Tap
 from streamtally.wire.records import EventKind, UsageSource
-from tests.unit.test_tap import FakeSender, settle, worker_tokens
+from tests.unit.test_tap import FakeSender, as_called, settle, worker_tokens
 
 # ---------------------------------------------------------------- which calls are metered
 
@@ -241,7 +241,7 @@ async def test_an_encoded_stream_and_body_reach_the_worker_as_their_fold(
         chat, ENCODE[encoding](CHAT_STREAM), encoding, "text/event-stream", step
     )
     (tokens,), _ = worker_tokens(sender)
-    assert tokens == fold_stream(Source.OPENAI, _events(CHAT_STREAM))
+    assert tokens == as_called(fold_stream(Source.OPENAI, _events(CHAT_STREAM)), tokens)
     assert tokens.text == "Grüße aus Köln ✓"
     assert tokens.usage.input_tokens == 31
 
@@ -252,7 +252,7 @@ async def test_an_encoded_stream_and_body_reach_the_worker_as_their_fold(
     assert event.data == CHAT_BODY.decode()
     assert end.kind is EventKind.END
     (tokens,), _ = worker_tokens(sender)
-    assert tokens == fold_stream(Source.OPENAI, [SseEvent(CHAT_BODY.decode())])
+    assert tokens == as_called(fold_stream(Source.OPENAI, [SseEvent(CHAT_BODY.decode())]), tokens)
     assert tokens.usage.output_tokens == 160
 
 
@@ -357,7 +357,7 @@ async def test_legacy_completions_fold_their_text_finish_and_usage() -> None:
     assert completions is not None
     sender, _ = await _tee_through(completions, COMPLETIONS_STREAM, "", "text/event-stream", 13)
     (tokens,), out = worker_tokens(sender)
-    assert tokens.request_id == "cmpl-legacy1"
+    assert tokens.provider_request_id == "cmpl-legacy1"
     assert tokens.model == "gpt-3.5-turbo-instruct"
     assert tokens.text == "Once upon a time"
     assert tokens.finish_reason.value == "length"

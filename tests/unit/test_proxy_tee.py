@@ -31,7 +31,7 @@ from streamtally.producers import Tap
 from streamtally.producers.tap import utf8_slices
 from streamtally.wire.records import PART_BYTES
 from tests.bodies import body_of
-from tests.unit.test_tap import FakeSender, worker_tokens
+from tests.unit.test_tap import FakeSender, as_called, worker_tokens
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 
@@ -141,7 +141,7 @@ async def test_a_compressed_body_in_pieces_reaches_the_worker_as_its_fold(source
     assert event.data == text
     assert end.seq == 1
     (tokens,), _ = worker_tokens(sender)
-    assert tokens == fold_stream(source, [SseEvent(text)])
+    assert tokens == as_called(fold_stream(source, [SseEvent(text)]), tokens)
     assert tokens.usage.input_tokens > 0
 
 
@@ -173,7 +173,7 @@ async def test_a_body_over_the_limit_is_teed_as_its_usage(
     want = fold_stream(Source.ANTHROPIC, [SseEvent(text)])
     assert tokens.usage == want.usage
     assert tokens.usage.input_tokens > 0
-    assert (tokens.request_id, tokens.model) == (want.request_id, want.model)
+    assert (tokens.provider_request_id, tokens.model) == (want.request_id, want.model)
     assert tokens.finish_reason == want.finish_reason
     assert tokens.text == ""
     assert "over --max-body-bytes 1048576: teed as its usage" in caplog.text
@@ -205,7 +205,7 @@ async def test_a_body_whose_usage_is_not_found_is_teed_with_an_error(
         "choices": [],
     }
     (tokens,), _ = worker_tokens(sender)
-    assert tokens.request_id == "chatcmpl-cut"
+    assert tokens.provider_request_id == "chatcmpl-cut"
     assert tokens.usage.input_tokens == 0
     errors = [r for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1
@@ -232,7 +232,7 @@ async def test_a_body_under_the_limit_is_spooled_and_teed_whole_in_parts() -> No
     assert len(records) == len(utf8_slices(text, PART_BYTES)) + 1 == 7  # the body, the END
     assert "".join(r.data for r in records[:-1]) == text
     (tokens,), _ = worker_tokens(sender)
-    assert tokens == fold_stream(Source.OPENAI, [SseEvent(text)])
+    assert tokens == as_called(fold_stream(Source.OPENAI, [SseEvent(text)]), tokens)
 
 
 async def test_the_body_limit_must_be_positive() -> None:

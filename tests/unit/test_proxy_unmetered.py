@@ -105,7 +105,7 @@ async def test_a_br_answer_is_forwarded_as_sent_and_billed_decoded(forwarding: R
         assert await resp.read() == brotli.compress(BODY)
     assert forwarding.upstream.offers["/v1/chat/completions"] == "br"
     (tokens,), _ = worker_tokens(forwarding.sender)
-    assert tokens.request_id == "chatcmpl-br1"
+    assert tokens.provider_request_id == "chatcmpl-br1"
     assert tokens.text == "brotli ✓"
     assert tokens.usage.input_tokens == 40
 

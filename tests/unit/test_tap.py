@@ -83,6 +83,15 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def as_called(want: Tokens, got: Tokens) -> Tokens:
+    """`want` (a fold, keyed by the provider's id) as the proxy's call `got` is keyed: by
+    its own call id, the provider's id kept beside it."""
+    assert got.request_id.startswith("call-"), got.request_id
+    return want.model_copy(
+        update={"request_id": got.request_id, "provider_request_id": want.request_id}
+    )
+
+
 def worker_tokens(sender: FakeSender) -> tuple[list[Tokens], Outputs]:
     """What the worker's logic makes of the records the tap sent."""
     processor = RequestProcessor(PriceTable.default(), timeout=60.0)
