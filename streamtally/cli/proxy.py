@@ -19,8 +19,13 @@ that appends its own value to the client's) is refused with 400 and never
 forwarded, and so is a call without it unless ``--default-tenant`` names
 one.  With ``--api-keys`` the tenant is the one the call's API key maps to
 (a call with another key is refused, never forwarded:
-`streamtally.cli._api_keys`).  The request id is the provider's, found in
-the stream.
+`streamtally.cli._api_keys`).  Every tapped call is keyed by an id of its
+own (`streamtally.core.identity.new_call_id`: ``call-`` and a time-ordered
+UUIDv7), so two calls whose provider ids collide are two requests and two
+bills; the provider's id, found in the stream, stays on the Tokens and the
+billing event (``provider_request_id``).  A Responses API background
+response is keyed by its own id instead (billed once however many calls
+carry it: `streamtally.cli._tee`).
 
 What is billed.  An OpenAI-compatible streamed call that did not ask for its
 usage is asked for it, and the client gets the stream it would have had
