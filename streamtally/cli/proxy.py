@@ -124,6 +124,8 @@ DEFAULT_MAX_REQUEST_BYTES: Final = 64 << 20
 DEFAULT_CLIENT_TIMEOUT_S: Final = 60.0
 #: Default calls served at once.
 DEFAULT_MAX_CONNECTIONS: Final = 4096
+#: Default calls of one tenant served at once.
+DEFAULT_MAX_CALLS_PER_TENANT: Final = 1024
 #: Distinct paths the `unmetered` counts keep apart; the rest are ``other``.
 MAX_UNMETERED_LABELS: Final = 100
 #: An API version as a path segment: not an id.
@@ -188,6 +190,8 @@ class ProxyOptions:
     body_timeout_s: float = DEFAULT_CLIENT_TIMEOUT_S
     #: Calls served at once; one more is answered 503 with Retry-After.
     max_connections: int = DEFAULT_MAX_CONNECTIONS
+    #: Calls of one tenant served at once; one more of it is answered 429 with Retry-After.
+    max_calls_per_tenant: int = DEFAULT_MAX_CALLS_PER_TENANT
     #: A call to a path the proxy does not meter: "forward" (counted) or "reject" (403).
     unmetered: str = "forward"
     #: Largest non-streaming body teed whole; past it, its usage only (`Tee`).
@@ -213,6 +217,8 @@ class ProxyOptions:
             raise ValueError(f"--unmetered must be one of {', '.join(UNMETERED)}")
         if not 1 <= self.max_connections <= 1_000_000:
             raise ValueError("--max-connections must be a whole number in [1, 1000000]")
+        if not 1 <= self.max_calls_per_tenant <= 1_000_000:
+            raise ValueError("--max-calls-per-tenant must be a whole number in [1, 1000000]")
 
 
 @dataclass(slots=True)
@@ -291,6 +297,8 @@ class ProxyServer:
         self._session: ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._active = 0
+        #: Calls in flight per tenant (one tenant's burst cannot take every slot).
+        self._by_tenant: CounterOf[str] = CounterOf()
 
     @property
     def forwarded(self) -> int:
@@ -389,11 +397,26 @@ class ProxyServer:
                 f"{self._active} calls in flight, the limit (--max-connections): try again",
                 **{"Retry-After": "1"},
             )
+        limit = self.options.max_calls_per_tenant
+        if self._by_tenant[tenant] >= limit:
+            return self._refuse(
+                "tenant_busy",
+                429,
+                f"{limit} calls of this tenant in flight, its limit (--max-calls-per-tenant): "
+                "try again",
+                **{"Retry-After": "1"},
+            )
         self._active += 1
+        self._by_tenant[tenant] += 1
         try:
             return await self._forward(request, tenant)
         finally:
             self._active -= 1
+            left = self._by_tenant[tenant] - 1
+            if left:
+                self._by_tenant[tenant] = left
+            else:
+                del self._by_tenant[tenant]
 
     async def _read_body(self, request: web.Request) -> bytes | web.Response:
         """The body of a metered call, whole; or the answer to a body too large or too slow."""
@@ -708,6 +731,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         help=f"calls served at once (default: {DEFAULT_MAX_CONNECTIONS}); one more: 503",
     )
     parser.add_argument(
+        "--max-calls-per-tenant",
+        type=positive,
+        default=DEFAULT_MAX_CALLS_PER_TENANT,
+        metavar="N",
+        help="calls of one tenant served at once (default: "
+        f"{DEFAULT_MAX_CALLS_PER_TENANT}); one more of it: 429, so that one tenant's burst "
+        "leaves room for the others",
+    )
+    parser.add_argument(
         "--unmetered",
         choices=UNMETERED,
         default="forward",
@@ -833,6 +865,7 @@ def options(args: argparse.Namespace) -> ProxyOptions:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             max_connections=args.max_connections,
+            max_calls_per_tenant=args.max_calls_per_tenant,
             unmetered=args.unmetered,
             max_body_bytes=args.max_body_bytes,
         )

@@ -319,3 +319,42 @@ def test_api_versions_are_not_ids() -> None:
     seen: Counter[str] = Counter()
     assert unmetered_label("/v1beta/models/gemini-2.5-pro", seen) == "/v1beta/models/{id}"
     assert unmetered_label("/v2/x", seen) == "/v2/x"
+
+
+async def test_one_tenants_burst_leaves_room_for_the_others() -> None:
+    release = asyncio.Event()
+
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await release.wait()
+        return await stream_text(request)
+
+    options = ProxyOptions(max_calls_per_tenant=2)
+    async with (
+        serving(slow) as port,
+        proxied(f"http://127.0.0.1:{port}", options) as proxy,
+        ClientSession() as client,
+    ):
+        url = base(proxy) + "/v1/chat/completions"
+
+        async def call(tenant: str) -> tuple[int, str]:
+            async with client.post(url, data=b"{}", headers={"X-Tenant": tenant}) as response:
+                await response.read()
+                return response.status, response.headers.get("Retry-After", "")
+
+        burst = [asyncio.create_task(call("noisy")) for _ in range(2)]
+        for _ in range(100):
+            if proxy.in_flight == 2:
+                break
+            await asyncio.sleep(0.01)
+        assert await call("noisy") == (429, "1")  # its third call, while two are in flight
+        quiet = asyncio.create_task(call("quiet"))  # another tenant is not refused
+        for _ in range(100):
+            if proxy.in_flight == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert proxy.in_flight == 3
+        release.set()
+        assert [status for status, _ in await asyncio.gather(*burst, quiet)] == [200] * 3
+        assert (await call("noisy"))[0] == 200  # room again
+    assert proxy.stats.refused == {"tenant_busy": 1}
+    assert proxy._by_tenant == {}
