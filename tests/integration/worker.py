@@ -393,28 +393,35 @@ def own_worker(
 def tapped_calls(
     bootstrap_servers: str, namespace: str, tenants: Iterable[str]
 ) -> dict[str, list[str]]:
-    """The request ids the raw SSE topic holds for each of `tenants`, in first-seen order.
+    """The request ids the raw SSE topic holds for each of `tenants`, in the order of their
+    first records' receive times (the order the calls were made).
 
     The proxy keys every call by an id of its own (``call-…``), which a client does not
     see: a test finds its calls' Tokens through their raw records.
     """
+    from streamtally.errors import InputError
     from streamtally.wire import avro
     from streamtally.wire.kafka import read_topic
 
     wanted = set(tenants)
-    found: dict[str, list[str]] = {tenant: [] for tenant in wanted}
+    first: dict[str, dict[str, Any]] = {tenant: {} for tenant in wanted}
 
     async def read() -> None:
         topic = Topics.in_namespace(namespace).raw_sse.name
         async for record in read_topic(bootstrap_servers, topic):
             if record.value is None:
                 continue
-            raw = avro.decode_raw_sse_event(record.value)
-            if raw.tenant in wanted and raw.request_id not in found[raw.tenant]:
-                found[raw.tenant].append(raw.request_id)
+            try:
+                raw = avro.decode_raw_sse_event(record.value)
+            except InputError:
+                continue  # another test's poison record on the shared topic
+            if raw.tenant in wanted:
+                seen = first[raw.tenant].get(raw.request_id)
+                if seen is None or raw.received_at < seen:
+                    first[raw.tenant][raw.request_id] = raw.received_at
 
     asyncio.run(read())
-    return found
+    return {tenant: sorted(ids, key=ids.__getitem__) for tenant, ids in first.items()}
 
 
 def as_called(expected: Mapping[str, Any], call_id: str) -> dict[str, Any]:
