@@ -22,7 +22,11 @@ records still in flight, rewinds to the first record not acknowledged, waits
 (0.1 s, doubling up to 5 s) and sends again from there, for ever.  It logs
 once when the outage starts and once when Kafka takes records again, never
 per record.  Records acknowledged after the failed one are sent again: the
-worker drops the duplicates.  Nothing is dropped.
+worker drops the duplicates.  Nothing is dropped.  After every
+`RESTART_EVERY` failed tries in a row the sender is stopped and started
+again (`KafkaSender` then makes a new Kafka client), so that a client that
+stays wedged after an outage is replaced; a start that fails (Kafka still
+away) is tried again at the next try.
 
 Records refused for good.  Kafka refusing a record itself (too large,
 corrupt, an invalid topic: `is_refusal`), or a sender raising something that
@@ -54,6 +58,7 @@ from aiokafka.errors import (
 
 from streamtally.connection import KafkaConnection
 from streamtally.core.models import Source
+from streamtally.errors import StreamtallyError
 from streamtally.producers.raw import RawProducer
 from streamtally.producers.spool import Spool, SpoolError, SpoolRecord
 from streamtally.wire.tenant_keys import ProducerKey
@@ -73,6 +78,10 @@ DEFAULT_MAX_IN_FLIGHT: Final = 10_000
 #: First and longest wait before sending again after a failure.
 RETRY_FIRST_S: Final = 0.1
 RETRY_MAX_S: Final = 5.0
+#: Failed tries in a row after which the sender (the Kafka client) is started afresh.
+RESTART_EVERY: Final = 5
+#: Seconds a stop of the sender may take before a restart goes on without it.
+STOP_TIMEOUT_S: Final = 10.0
 
 #: Kafka errors that refuse a record itself: sending it again cannot succeed.
 _REFUSALS: Final = (
@@ -111,7 +120,8 @@ class Sender(Protocol):
 
 
 class KafkaSender:
-    """A `RawProducer` (idempotent, ``acks=all``, batching) as a `Sender`."""
+    """A `RawProducer` (idempotent, ``acks=all``, batching) as a `Sender`; a start after a
+    stop makes a new one (a Kafka client cannot be started twice)."""
 
     def __init__(
         self,
@@ -120,11 +130,22 @@ class KafkaSender:
         linger_ms: int,
         key: ProducerKey | None,
     ) -> None:
-        self._producer = RawProducer(
-            bootstrap_servers, namespace=namespace, linger_ms=linger_ms, key=key
+        self._servers = bootstrap_servers
+        self._namespace = namespace
+        self._linger_ms = linger_ms
+        self._key = key
+        self._producer = self._new()
+        self._used = False
+
+    def _new(self) -> RawProducer:
+        return RawProducer(
+            self._servers, namespace=self._namespace, linger_ms=self._linger_ms, key=self._key
         )
 
     async def start(self) -> None:
+        if self._used:
+            self._producer = self._new()
+        self._used = True
         await self._producer.__aenter__()
 
     async def stop(self) -> None:
@@ -169,6 +190,11 @@ class SpoolSender:
         self._task: asyncio.Task[None] | None = None
         self._outage_since: float | None = None
         self._started = False
+        #: Failed tries in a row, and the sender needs a start (a restart's start failed).
+        self._failed_tries = 0
+        self._needs_start = False
+        #: Times the sender was started afresh during outages.
+        self.restarts = 0
         spool.add_listener(self._wake.set)
 
     @property
@@ -252,6 +278,7 @@ class SpoolSender:
                         spool.unsent_bytes,
                     )
                     self._outage_since = None
+                    self._failed_tries = 0
                     backoff = self.retry_first_s
             if in_flight and in_flight[0][1].done():
                 record, future = in_flight[0]
@@ -292,3 +319,25 @@ class SpoolSender:
         in_flight.clear()
         self.spool.rewind(record.position)
         await asyncio.sleep(backoff)
+        self._failed_tries += 1
+        if self._needs_start or self._failed_tries % RESTART_EVERY == 0:
+            await self._restart()
+
+    async def _restart(self) -> None:
+        """Stop the sender (bounded) and start it again; a failed start is tried again at
+        the next failed try (sends fail meanwhile, as during the outage)."""
+        if not self._needs_start:
+            try:
+                await asyncio.wait_for(self.sender.stop(), STOP_TIMEOUT_S)
+            except (TimeoutError, KafkaError, OSError) as exc:
+                log.warning("the Kafka client did not stop cleanly: %r", exc)
+        try:
+            await self.sender.start()
+        except (StreamtallyError, KafkaError, OSError) as exc:
+            if not self._needs_start:
+                log.warning("the Kafka client could not start again (tried again): %s", exc)
+            self._needs_start = True
+            return
+        self._needs_start = False
+        self.restarts += 1
+        log.info("the Kafka client was started afresh after %d failed tries", self._failed_tries)

@@ -13,6 +13,7 @@ import pytest
 from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError, MessageSizeTooLargeError
 
 from streamtally.core.models import Source
+from streamtally.errors import StackError
 from streamtally.producers.spool import Spool, decode_frames
 from streamtally.producers.spool_sender import SpoolSender, is_refusal
 
@@ -66,11 +67,13 @@ async def settle(times: int = 10) -> None:
 
 
 async def until(check: Callable[[], bool], timeout: float = 3.0) -> None:
+    """Wait until `check()`, then let the callbacks of what happened meanwhile run."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while not check():
         assert loop.time() < deadline, "timed out"
         await asyncio.sleep(0.005)
+    await settle()
 
 
 def append(spool: Spool, *keys: str) -> list[int]:
@@ -212,3 +215,39 @@ def test_what_is_a_refusal_and_what_is_an_outage() -> None:
     assert not is_refusal(KafkaTimeoutError())
     assert not is_refusal(ConnectionResetError())
     assert not is_refusal(TimeoutError())
+
+
+async def test_a_kafka_client_wedged_after_an_outage_is_started_afresh(tmp_path: Path) -> None:
+    """Sends that keep failing through one client: after RESTART_EVERY failed tries the
+    sender is stopped and started again (a failed start is tried again later)."""
+
+    class Wedged(Producer):
+        def __init__(self) -> None:
+            super().__init__(auto=True)
+            self.wedged = True
+            self.starts = self.stops = 0
+            self.failing = lambda key: KafkaTimeoutError() if self.wedged else None
+
+        async def start(self) -> None:
+            self.starts += 1
+            if self.starts == 2:
+                raise StackError("cannot reach Kafka")  # the first restart finds it away
+            self.wedged = False  # a new client works
+
+        async def stop(self) -> None:
+            self.stops += 1
+
+    spool = Spool(tmp_path / "s")
+    producer = Wedged()
+    producer.wedged = True
+    sender = SpoolSender(spool, producer, retry_first_s=0.001, retry_max_s=0.002)
+    await sender.start()
+    producer.wedged = True  # started, and wedged from then on
+    append(spool, "a", "b")
+    await until(lambda: spool.unsent_records == 0)
+    assert producer.acked == ["a", "b"]
+    assert producer.starts == 3, "the first start, a failed restart, a good one"
+    assert producer.stops == 1
+    assert sender.restarts == 1
+    await sender.stop()
+    await spool.close()
