@@ -14,11 +14,23 @@ not take whole or whose event would make a record the worker refuses, as
 `streamtally produce` does for every file before it sends anything.
 
 `Tap` streams the raw events of live requests as they arrive (for gateways
-and `streamtally proxy`), with bounded buffering that never blocks the caller
-longer than its budget; see `streamtally.producers.tap`.
+and `streamtally proxy`) through a write-ahead spool on local disk that never
+drops a record: a background sender produces from it to Kafka and a restart
+sends what was left; see `streamtally.producers.tap` and
+`streamtally.producers.spool`.
 """
 
 from streamtally.producers.raw import RawProducer, SentRequest, raw_records
+from streamtally.producers.spool import Spool
 from streamtally.producers.tap import Sender, Tap, TapRequest, TapStats
 
-__all__ = ["RawProducer", "Sender", "SentRequest", "Tap", "TapRequest", "TapStats", "raw_records"]
+__all__ = [
+    "RawProducer",
+    "Sender",
+    "SentRequest",
+    "Spool",
+    "Tap",
+    "TapRequest",
+    "TapStats",
+    "raw_records",
+]

@@ -7,8 +7,9 @@
                 # or: await req.event(SseEvent(data)) / await req.event(engine_output_dict)
 
 Each event becomes one raw record, stamped with its receive time (an aware
-UTC clock), and is handed to one background task that gives it to the Kafka
-client, which batches; nothing waits for a request's end.  On a normal exit
+UTC clock), and is appended to the tap's spool, from which one background
+task sends it to the Kafka client, which batches; nothing waits for Kafka,
+nor for a request's end.  On a normal exit
 of `request` the END marker follows; on an exception or a cancellation (the
 client went away mid-stream) the END marker says `cancelled`
 (`RawSseEvent.end(..., cancelled=True)`, `RawEngineOutput.end(..., cancelled=True)`)
@@ -23,15 +24,38 @@ below the raw topics' ``max.message.bytes``; the worker joins the parts into
 the one event before normalising it (`streamtally.processors.requests`).
 Engine outputs are sent as one record each, whatever their size.
 
-Bounded, never blocking: at most `max_buffered` records wait in the tap or in
-the Kafka client, unacknowledged.  When Kafka is slow and the bound is
-reached, an event waits for room at most `budget_s` (for all of its records: an
-event sent in parts is sent or dropped whole); what still does not fit
-is dropped, counted (`TapStats.dropped_over_budget`) and logged.  A dropped
-event keeps its sequence number, so the worker sees the gap and closes the
-request `error` ("raw events missing") after its timeout: a loss is never
-silent.  END markers are never dropped (one per request beyond the bound).
-Records Kafka refuses count as `failed`, acknowledged ones as `sent`.
+Never dropped: the spool.  Every record is appended to a write-ahead spool
+on local disk (`streamtally.producers.spool`: segment files, a CRC per record)
+before `event` / `feed` return, so before the proxy forwards the bytes it came
+from; one `write()`, no wait for Kafka.  A background sender
+(`streamtally.producers.spool_sender`) produces the spool's records to Kafka in
+order with the idempotent producer and moves the spool's durable cursor over
+what Kafka acknowledged.  Kafka slow or down only delays: records wait in the
+spool, keeping their capture time (``received_at``), and are sent when Kafka
+is back.  The spool is fsynced every `spool_sync_ms` (group commit, 20 ms by
+default).  A SIGKILLed process loses nothing it appended: a `Tap` opened on
+the same directory sends from the cursor again (the records sent twice are
+duplicates the worker drops).
+
+Backpressure.  `spool_bytes` (1 GiB by default) bounds the bytes not yet
+acknowledged.  `Tap.full` is True from 90 % of it on (`spool_headroom_bytes`):
+a proxy refuses new calls then; an event of a call in flight waits while the
+spool is at `spool_bytes` (slowed, never dropped; END markers never wait).
+`close` waits up to its timeout for Kafka to take what the spool holds, then
+fsyncs: what is still unsent stays in the spool and is sent at the next start.
+
+The directory.  `spool_dir`, by default `default_spool_dir`:
+``<state dir>/spool/<namespace>`` (`Settings.state_dir`: ``.stack`` in a
+clone, else ``~/.local/state/streamtally``; a command passes its loaded
+settings, so that ``STREAMTALLY_STATE_DIR`` counts).  One process per
+directory (a lock file; a second one gets `SpoolLocked` naming the pid of
+the first): two gateways on one host need a directory each.  Starting a
+`Tap` on a directory that holds unsent records sends them first.
+
+Records Kafka refuses for good (too large: not for the records the tap
+sizes) are kept in the spool's ``rejected/`` directory and counted `failed`,
+as are events that cannot be encoded (their sequence number is skipped: the
+worker sees the gap and closes the request `error`).
 
 The request id.  Given (`request_id=`), it keys every record from the first.
 Otherwise it is the provider's id, found in the stream as `streamtally fold`
@@ -55,16 +79,15 @@ response goes on upstream, and a later call (or the worker's timeout) ends it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
+from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Any, Final
 
 from streamtally.connection import KafkaConnection
 from streamtally.core.adapters.base import Adapter, AdapterOptions
@@ -72,20 +95,36 @@ from streamtally.core.models import Source, utc_now
 from streamtally.core.normalize import ADAPTERS, fallback_request_id, make_adapter
 from streamtally.core.sse import SseDecoder, SseEvent
 from streamtally.errors import InvalidEvent
-from streamtally.producers.raw import RawProducer
+from streamtally.producers.spool import (
+    DEFAULT_MAX_BYTES,
+    DEFAULT_SYNC_INTERVAL_S,
+    Spool,
+    SpoolError,
+)
+from streamtally.producers.spool_sender import KafkaSender, Sender, SpoolSender
+from streamtally.settings import Settings
 from streamtally.topics import DEFAULT_NAMESPACE
 from streamtally.wire import avro
 from streamtally.wire.records import PART_BYTES, PART_EVENT, RawEngineOutput, RawSseEvent
 from streamtally.wire.tenant_keys import ProducerKey
 
-__all__ = ["Sender", "Tap", "TapRequest", "TapStats", "utf8_slices"]
+__all__ = [
+    "DEFAULT_SPOOL_BYTES",
+    "DEFAULT_SPOOL_SYNC_MS",
+    "Sender",
+    "Tap",
+    "TapRequest",
+    "TapStats",
+    "default_spool_dir",
+    "utf8_slices",
+]
 
 log = logging.getLogger("streamtally.producers.tap")
 
-#: Default seconds an event may wait for room in the buffer.
-DEFAULT_BUDGET_S = 0.005
-#: Default records waiting in the tap or the Kafka client, unacknowledged.
-DEFAULT_MAX_BUFFERED = 10_000
+#: Default bytes of the spool not yet acknowledged by Kafka (1 GiB).
+DEFAULT_SPOOL_BYTES: Final = DEFAULT_MAX_BYTES
+#: Default milliseconds between two fsyncs of the spool (group commit).
+DEFAULT_SPOOL_SYNC_MS: Final = DEFAULT_SYNC_INTERVAL_S * 1000
 #: Default events a request without a given id holds until the provider's id shows.
 DEFAULT_ID_WAIT_EVENTS = 16
 
@@ -112,144 +151,164 @@ def utf8_slices(data: str, size: int) -> list[str]:
     return out
 
 
-class Sender(Protocol):
-    """What the tap sends through (`RawProducer`'s `send`, plus a start and a stop)."""
-
-    async def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    async def send(
-        self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
-    ) -> asyncio.Future[Any]:
-        """Queue one record; the future resolves when Kafka has it (or fails).
-
-        `auth` is its ``st-auth`` header, given only when the tap has a key.
-        """
-        ...
-
-
-class _KafkaSender:
-    """A `RawProducer` (idempotent, batching) as a `Sender`."""
-
-    def __init__(
-        self,
-        bootstrap_servers: KafkaConnection | str,
-        namespace: str,
-        linger_ms: int,
-        key: ProducerKey | None,
-    ) -> None:
-        self._producer = RawProducer(
-            bootstrap_servers, namespace=namespace, linger_ms=linger_ms, key=key
-        )
-
-    async def start(self) -> None:
-        await self._producer.__aenter__()
-
-    async def stop(self) -> None:
-        await self._producer.__aexit__(None, None, None)
-
-    async def send(
-        self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
-    ) -> asyncio.Future[Any]:
-        return await self._producer.send(source, request_id, value, auth=auth)
+def default_spool_dir(namespace: str = DEFAULT_NAMESPACE, settings: Settings | None = None) -> Path:
+    """The spool directory of a `Tap` not given one: ``<state dir>/spool/<namespace>``
+    (`Settings.state_dir` of `settings`; without them, of ``Settings()``, which reads no
+    environment: ``.stack`` in a clone, else ``~/.local/state/streamtally``)."""
+    return (settings or Settings()).state_dir / "spool" / namespace
 
 
 @dataclass(slots=True)
 class TapStats:
-    """Counts of the tap's records since it started."""
+    """Counts of the tap's records since it started, and its spool now (`Tap.stats`)."""
 
     #: Records Kafka acknowledged (events and END markers).
     sent: int = 0
-    #: Records dropped because they found no room in the buffer within the budget (an
-    #: event sent in parts is dropped whole: all of its records).
-    dropped_over_budget: int = 0
-    #: Records that could not be encoded or that Kafka refused.
+    #: Records that could not be encoded or spooled, or that Kafka refused for good (those
+    #: are kept in the spool's ``rejected/``).
     failed: int = 0
     #: Requests ended, and those of them ended as cancelled.
     requests: int = 0
     cancelled: int = 0
+    #: Records appended to the spool.
+    appended: int = 0
+    #: Bytes in the spool not yet acknowledged by Kafka, and the age of the oldest of them.
+    spool_bytes: int = 0
+    oldest_unsent_age_s: float = 0.0
+
+    @property
+    def dropped_over_budget(self) -> int:
+        """Always 0: the tap never drops.  Transitional, for `streamtally proxy`'s summary
+        line and metric until they stop reading it; to be removed with them."""
+        return 0
 
 
 class Tap:
-    """Streams raw events of live requests to the raw topics (see the module docstring)."""
+    """Streams raw events of live requests to the raw topics through a spool (see the
+    module docstring)."""
 
     def __init__(
         self,
         bootstrap_servers: KafkaConnection | str | None = None,
         *,
         namespace: str = DEFAULT_NAMESPACE,
-        budget_s: float = DEFAULT_BUDGET_S,
-        max_buffered: int = DEFAULT_MAX_BUFFERED,
+        spool_dir: Path | str | None = None,
+        spool_bytes: int = DEFAULT_SPOOL_BYTES,
+        spool_headroom_bytes: int | None = None,
+        spool_sync_ms: float = DEFAULT_SPOOL_SYNC_MS,
+        spool_segment_bytes: int | None = None,
+        max_in_flight: int | None = None,
         id_wait_events: int = DEFAULT_ID_WAIT_EVENTS,
         linger_ms: int = 5,
         sender: Sender | None = None,
         clock: Callable[[], datetime] = utc_now,
         options: AdapterOptions | None = None,
         key: ProducerKey | None = None,
+        budget_s: float | None = None,
     ) -> None:
-        if budget_s < 0:
-            raise ValueError(f"budget_s must be >= 0, got {budget_s}")
-        if max_buffered < 1:
-            raise ValueError(f"max_buffered must be >= 1, got {max_buffered}")
+        """`budget_s` is obsolete and ignored (nothing is dropped any more): accepted only
+        until `streamtally proxy` stops passing it."""
+        del budget_s
+        if spool_bytes < 1:
+            raise ValueError(f"spool_bytes must be >= 1, got {spool_bytes}")
+        if not spool_sync_ms > 0:
+            raise ValueError(f"spool_sync_ms must be > 0, got {spool_sync_ms}")
         if sender is None:
             if bootstrap_servers is None:
                 raise ValueError("give bootstrap_servers (or a sender)")
-            sender = _KafkaSender(bootstrap_servers, namespace, linger_ms, key)
-        self.budget_s = budget_s
-        self.max_buffered = max_buffered
+            sender = KafkaSender(bootstrap_servers, namespace, linger_ms, key)
+        #: Where the spool lives (`default_spool_dir` unless given).
+        self.spool_dir = Path(spool_dir) if spool_dir is not None else default_spool_dir(namespace)
+        self.spool_bytes = spool_bytes
+        self.spool_headroom_bytes = spool_headroom_bytes
+        self.spool_sync_ms = spool_sync_ms
+        self.spool_segment_bytes = spool_segment_bytes
+        self.max_in_flight = max_in_flight
         self.id_wait_events = max(1, id_wait_events)
         self.clock = clock
         self.options = options
         #: With a key, every record carries its signed tenant claim (``st-auth``).
         self.key = key
-        self.stats = TapStats()
+        self._stats = TapStats()
         self._sender = sender
-        self._queue: deque[tuple[Source, str, bytes, bytes | None]] = deque()
-        #: Records queued here or given to the sender and not yet acknowledged.
-        self._buffered = 0
-        self._ready = asyncio.Event()  # the queue has something (or the tap is closing)
-        self._space = asyncio.Event()  # a buffered record went away
-        self._closing = False
-        self._pump_task: asyncio.Task[None] | None = None
+        self._spool: Spool | None = None
+        self._spool_sender: SpoolSender | None = None
+        #: Records not encoded or not spooled (the sender counts those Kafka refused).
+        self._failed = 0
 
     @property
-    def buffered(self) -> int:
-        """Records waiting in the tap or in the Kafka client, unacknowledged."""
-        return self._buffered
+    def spool(self) -> Spool:
+        """The spool (once the tap is started)."""
+        if self._spool is None:
+            raise RuntimeError("the tap is not started: `async with Tap(...)` or `await start()`")
+        return self._spool
+
+    @property
+    def full(self) -> bool:
+        """The spool is nearly full (`Spool.full`): refuse new calls (calls in flight go on)."""
+        return self._spool is not None and self._spool.full
+
+    @property
+    def stats(self) -> TapStats:
+        """The counts, with the spool's figures as of now."""
+        stats = self._stats
+        spool = self._spool
+        if spool is not None:
+            stats.sent = spool.sent
+            stats.appended = spool.appended
+            stats.failed = self._failed + spool.rejected
+            stats.spool_bytes = spool.unsent_bytes
+            stats.oldest_unsent_age_s = spool.oldest_unsent_age_s()
+        else:
+            stats.failed = self._failed
+        return stats
 
     async def start(self) -> Tap:
-        await self._sender.start()
-        self._pump_task = asyncio.create_task(self._pump(), name="streamtally-tap")
+        """Open the spool (recovering what a previous process left unsent), start the
+        Kafka client and the sender, which sends what the spool holds first."""
+        options: dict[str, Any] = {
+            "max_bytes": self.spool_bytes,
+            "headroom_bytes": self.spool_headroom_bytes,
+            "sync_interval_s": self.spool_sync_ms / 1000,
+        }
+        if self.spool_segment_bytes is not None:
+            options["segment_bytes"] = self.spool_segment_bytes
+        spool = await asyncio.to_thread(Spool, self.spool_dir, **options)
+        await spool.start()
+        spool_sender = SpoolSender(
+            spool,
+            self._sender,
+            **({} if self.max_in_flight is None else {"max_in_flight": self.max_in_flight}),
+        )
+        try:
+            await spool_sender.start()
+        except BaseException:
+            await spool.close()
+            raise
+        self._spool, self._spool_sender = spool, spool_sender
         return self
 
     async def close(self, timeout: float = 30.0) -> None:
-        """Send what is buffered (at most `timeout` seconds), then stop the Kafka client."""
-        self._closing = True
-        self._ready.set()
+        """Wait at most `timeout` seconds for Kafka to take what the spool holds, stop the
+        sender and the Kafka client, and close the spool (fsynced): what is unsent stays
+        in it and is sent at the next start on the same directory."""
+        spool, spool_sender = self._spool, self._spool_sender
+        if spool is None or spool_sender is None or spool.closed:
+            return
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        if self._pump_task is not None:
-            try:
-                await asyncio.wait_for(asyncio.shield(self._pump_task), timeout)
-            except TimeoutError:
-                self._pump_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await self._pump_task
-        while self._buffered > len(self._queue) and loop.time() < deadline:
-            self._space.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._space.wait(), deadline - loop.time())
-        if self._queue:
-            left = len(self._queue)
-            self._queue.clear()
-            self._buffered -= left
-            self.stats.failed += left
-            log.error("tap closed with %d records not sent within %gs", left, timeout)
-        await self._sender.stop()
-        await asyncio.sleep(0)  # the last acknowledgements' callbacks
-        if self._buffered:
-            log.error("tap closed with %d records not acknowledged by Kafka", self._buffered)
+        await spool_sender.drain(timeout)
+        await spool_sender.stop(max(1.0, deadline - loop.time()))
+        await spool.close()
+        if spool.unsent_records:
+            log.warning(
+                "tap closed with %d records (%d bytes) not acknowledged by Kafka within %gs: "
+                "kept in the spool %s, sent at the next start on it",
+                spool.unsent_records,
+                spool.unsent_bytes,
+                timeout,
+                spool.directory,
+            )
 
     async def __aenter__(self) -> Tap:
         return await self.start()
@@ -275,27 +334,10 @@ class Tap:
             raise ValueError("tenant must not be empty")
         return TapRequest(self, source, tenant=tenant, request_id=request_id, model=model)
 
-    # ------------------------------------------------------------------ buffering
+    # ------------------------------------------------------------------ spooling
 
-    async def _room(self, wanted: int) -> int:
-        """How many of `wanted` records fit, waiting at most the budget for room."""
-        if self._buffered + wanted <= self.max_buffered:
-            return wanted
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.budget_s
-        while self._buffered + wanted > self.max_buffered:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                break
-            self._space.clear()
-            try:
-                await asyncio.wait_for(self._space.wait(), remaining)
-            except TimeoutError:
-                break
-        return max(0, min(wanted, self.max_buffered - self._buffered))
-
-    def _room_now(self, wanted: int) -> int:
-        return max(0, min(wanted, self.max_buffered - self._buffered))
+    async def _wait_for_room(self) -> None:
+        await self.spool.wait_for_room()
 
     def _put(self, request: TapRequest, request_id: str, seq: int, value: bytes) -> None:
         key = self.key
@@ -304,50 +346,18 @@ class Tap:
             if key is None
             else key.sign(tenant=request.tenant, request_id=request_id, seq=seq, value=value)
         )
-        self._queue.append((request.source, request_id, value, auth))
-        self._buffered += 1
-        self._ready.set()
-
-    async def _pump(self) -> None:
-        """Hand queued records to the sender, in order; count what Kafka says of each."""
-        queue = self._queue
-        while True:
-            while not queue:
-                if self._closing:
-                    return
-                self._ready.clear()
-                await self._ready.wait()
-            source, request_id, value, auth = queue.popleft()
-            try:
-                if auth is None:
-                    future = await self._sender.send(source, request_id, value)
-                else:
-                    future = await self._sender.send(source, request_id, value, auth=auth)
-            except Exception as exc:  # noqa: BLE001 - counted and logged; the tap goes on
-                self._gone(failed=exc, request_id=request_id)
-                continue
-            future.add_done_callback(self._acked)
-
-    def _acked(self, future: asyncio.Future[Any]) -> None:
-        if future.cancelled():
-            self._gone(failed=asyncio.CancelledError(), request_id=None)
-        elif (exc := future.exception()) is not None:
-            self._gone(failed=exc, request_id=None)
-        else:
-            self._gone(failed=None, request_id=None)
-
-    def _gone(self, *, failed: BaseException | None, request_id: str | None) -> None:
-        self._buffered -= 1
-        self._space.set()
-        if failed is None:
-            self.stats.sent += 1
-            return
-        self.stats.failed += 1
-        log.error(
-            "tap: Kafka did not take a record%s: %r",
-            f" of request {request_id!r}" if request_id else "",
-            failed,
-        )
+        try:
+            self.spool.append(request.source, request_id, value, auth)
+        except SpoolError as exc:
+            self._failed += 1
+            log.error(
+                "tap: record %d of request %s (%s, tenant %s) could not be spooled: %s",
+                seq,
+                request_id,
+                request.source.value,
+                request.tenant,
+                exc,
+            )
 
 
 class TapRequest:
@@ -378,8 +388,6 @@ class TapRequest:
         #: None once it is known, or once an event came through `event` (no bytes).
         self._raw: bytearray | None = bytearray() if self._request_id is None else None
         self._ended = False
-        #: Events of this request dropped over budget.
-        self.dropped = 0
 
     @property
     def request_id(self) -> str | None:
@@ -445,19 +453,8 @@ class TapRequest:
         if self._ended:
             raise RuntimeError("the request has ended")
         received = self.tap.clock() if received_at is None else received_at
-        if await self.tap._room(1):
-            self._send([event], received, seq)
-        else:
-            self.dropped += 1
-            self.tap.stats.dropped_over_budget += 1
-            self._seq = max(self._seq, seq + 1)
-            log.warning(
-                "tap: request %s (%s, tenant %s): event %d dropped over budget",
-                self._request_id,
-                self.source.value,
-                self.tenant,
-                seq,
-            )
+        await self.tap._wait_for_room()
+        self._send([event], received, seq)
 
     async def _engine_line(self, line: bytes) -> None:
         if not line.strip():
@@ -492,25 +489,17 @@ class TapRequest:
                     self._request_id,
                 )
             held = self._expand_held()
-            room = await self.tap._room(self._needed(held))
-            self._send_held(held, room)
+            await self.tap._wait_for_room()
+            self._send_held(held)
             return
         pieces = self._pieces(event)
-        need = min(len(pieces), self.tap.max_buffered)
-        if await self.tap._room(need) >= need:
-            self._send(pieces, received)
-        else:
-            self._drop(len(pieces))
+        await self.tap._wait_for_room()
+        self._send(pieces, received)
 
     def _expand_held(self) -> list[tuple[list[Any], datetime]]:
         """The held events, each as the records it is sent as; none held any more."""
         held, self._held = self._held, []
         return [(self._pieces(event), received) for event, received in held]
-
-    def _needed(self, held: list[tuple[list[Any], datetime]]) -> int:
-        """Room the held events need (an event of more parts than the bound: the bound)."""
-        limit = self.tap.max_buffered
-        return sum(min(len(pieces), limit) for pieces, _ in held)
 
     def _find_id(self, event: Any) -> None:
         finder = self._finder
@@ -535,21 +524,14 @@ class TapRequest:
         parts.append(SseEvent(slices[-1], event.event, event.id))
         return parts
 
-    def _send_held(self, held: list[tuple[list[Any], datetime]], room: int) -> None:
-        """Send held events (each as its records) while `room` records fit; drop the rest."""
-        limit = self.tap.max_buffered
+    def _send_held(self, held: list[tuple[list[Any], datetime]]) -> None:
+        """Send the held events (each as its records), in order."""
         for pieces, received in held:
-            need = min(len(pieces), limit)
-            if room >= need:
-                self._send(pieces, received)
-                room -= need
-            else:
-                room = 0
-                self._drop(len(pieces))
+            self._send(pieces, received)
 
     def _send(self, pieces: list[Any], received: datetime, explicit: int | None = None) -> None:
-        """Encode the records of the next event and queue them (their sequence numbers are
-        taken even on failure: the worker sees the gap).
+        """Encode the records of the next event and append them to the spool (their sequence
+        numbers are taken even on failure: the worker sees the gap).
 
         An event numbered `explicit` by its caller is one record, sent whole: the numbers
         after it are the caller's, so it cannot be cut into parts.
@@ -568,7 +550,7 @@ class TapRequest:
                 for i, piece in enumerate(pieces)
             ]
         except Exception as exc:  # noqa: BLE001 - counted and logged, never the caller's
-            self.tap.stats.failed += 1
+            self.tap._failed += 1
             log.error(
                 "tap: event %d of request %s (%s) could not be encoded: %r",
                 first,
@@ -606,23 +588,6 @@ class TapRequest:
             )
         )
 
-    def _drop(self, count: int) -> None:
-        first = self.dropped == 0
-        self.dropped += count
-        self._seq += count  # the gap tells the worker that events are missing
-        self.tap.stats.dropped_over_budget += count
-        if first:
-            log.warning(
-                "tap: request %s (%s, tenant %s): Kafka is behind, %d buffered; "
-                "event %d dropped after waiting %gs",
-                self._request_id,
-                self.source.value,
-                self.tenant,
-                self.tap.buffered,
-                self._seq - count,
-                self.tap.budget_s,
-            )
-
     def end(self, *, cancelled: bool = False) -> None:
         """The request is over: its END marker (cancelled: the client went away); never waits.
 
@@ -640,20 +605,12 @@ class TapRequest:
                 self._request_id = "tap-" + uuid.uuid4().hex
         if self._held:
             held = self._expand_held()
-            self._send_held(held, self.tap._room_now(self._needed(held)))
-        if self.dropped:
-            log.warning(
-                "tap: request %s (%s, tenant %s): %d events dropped over budget",
-                self._request_id,
-                self.source.value,
-                self.tenant,
-                self.dropped,
-            )
+            self._send_held(held)
         if self._seq == 0:
             return  # no event: nothing to end (the worker refuses a lone END)
-        self.tap.stats.requests += 1
+        self.tap._stats.requests += 1
         if cancelled:
-            self.tap.stats.cancelled += 1
+            self.tap._stats.cancelled += 1
         received = self.tap.clock()
         if self.source.is_sse:
             value = avro.encode_raw_sse_event(
@@ -715,15 +672,10 @@ class TapRequest:
                 log.warning("tap: a last line that is not JSON was not sent: %s", exc)
 
     def _event_now(self, event: Any) -> None:
-        """`_event` without waiting: at the end, only what fits now is sent."""
+        """`_event` without waiting for room (at the end: `end` never waits)."""
         received = self.tap.clock()
         if self._request_id is None:
             self._held.append((event, received))
             self._find_id(event)
             return
-        pieces = self._pieces(event)
-        need = min(len(pieces), self.tap.max_buffered)
-        if self.tap._room_now(need) >= need:
-            self._send(pieces, received)
-        else:
-            self._drop(len(pieces))
+        self._send(pieces=self._pieces(event), received=received)

@@ -15,6 +15,7 @@ import itertools
 import json
 import random
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,26 +151,39 @@ async def test_an_event_of_the_part_size_is_one_record() -> None:
     assert records[1].data == " "
 
 
-async def test_a_tap_over_budget_drops_every_part_of_an_event() -> None:
+async def test_a_tap_at_its_spool_limit_waits_then_spools_every_part_of_an_event(
+    tmp_path: Path,
+) -> None:
+    acks: list[asyncio.Future[Any]] = []
+
     class Slow(Sender):
         async def send(self, source: Source, request_id: str, value: bytes) -> Any:
             self.records.append((request_id, value))
-            return asyncio.get_running_loop().create_future()  # never acknowledged
+            acks.append(asyncio.get_running_loop().create_future())
+            return acks[-1]
 
     sender = Slow()
-    tap = Tap(sender=sender, max_buffered=3, budget_s=0.0)
+    tap = Tap(sender=sender, spool_dir=tmp_path / "spool", spool_bytes=2 * PART_BYTES)
     await tap.start()
     req = tap.request(Source.OPENAI, tenant="acme", request_id="r-1")
-    await req.event(SseEvent("x" * (2 * PART_BYTES + 1)))  # 3 records: they fit
-    await req.event(SseEvent("y" * (PART_BYTES + 1)))  # 2 more: no room, both dropped
+    await req.event(SseEvent("x" * (2 * PART_BYTES + 1)))  # 3 records: past the limit
+    waiting = asyncio.create_task(req.event(SseEvent("y" * (PART_BYTES + 1))))
+    await asyncio.sleep(0.05)
+    assert not waiting.done(), "no room: the event waits, whole"
+    assert tap.stats.appended == 3
+    for ack in acks:
+        ack.set_result(None)  # Kafka takes the first event
+    await asyncio.wait_for(waiting, 1)
     req.end()
-    await asyncio.sleep(0)
-    assert tap.stats.dropped_over_budget == 2
-    assert req.dropped == 2
-    await tap.close(timeout=0.1)
+    assert tap.stats.appended == 6
+    await asyncio.sleep(0.05)
+    for ack in acks[3:]:
+        ack.set_result(None)
+    await tap.close(timeout=1)
     records = sender.decoded()
-    assert [r.seq for r in records] == [0, 1, 2, 5]  # the gap tells the worker
+    assert [r.seq for r in records] == list(range(6)), "no gap: nothing dropped"
     assert records[-1].kind is EventKind.END
+    assert tap.stats.sent == 6
 
 
 # --------------------------------------------------------------------------- the worker

@@ -1,0 +1,76 @@
+"""A gateway process that taps through a spool, for tests that kill it (test_tap_spool.py).
+
+    python -m tests.integration.tap_child stream SPOOL_DIR NAMESPACE TENANT RUN SAMPLE N
+    python -m tests.integration.tap_child resume SPOOL_DIR NAMESPACE
+
+``stream`` taps `N` requests (ids ``RUN-0`` ...) of the SSE transcript `SAMPLE`
+(a path under samples/, OpenAI), started 0.15 s apart, one event every 3 ms,
+with a slow sender (one record in flight at a time, so that the spool holds
+records Kafka does not have yet).  It prints ``E <request id> <seq>`` once an
+event's append returned, ``END <request id> <seq>`` once the END marker's did.
+It runs until killed (it then waits for ever).
+
+``resume`` opens a `Tap` on the same spool, waits until Kafka has everything it
+holds, prints ``SENT <records>`` and closes.
+
+Kafka is ``KAFKA_BOOTSTRAP_SERVERS``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from pathlib import Path
+
+from streamtally.core.models import Source
+from streamtally.core.normalize import read_events
+from streamtally.producers import Tap
+
+SAMPLES = Path(__file__).resolve().parents[2] / "samples"
+
+
+def say(line: str) -> None:
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
+async def stream(spool: Path, namespace: str, tenant: str, run: str, sample: str, n: int) -> None:
+    events = list(read_events(Source.OPENAI, (SAMPLES / sample).open("rb")))
+    servers = os.environ["KAFKA_BOOTSTRAP_SERVERS"]
+
+    async def one(tap: Tap, index: int) -> None:
+        await asyncio.sleep(0.15 * index)
+        rid = f"{run}-{index}"
+        async with tap.request(Source.OPENAI, tenant=tenant, request_id=rid) as req:
+            for seq, event in enumerate(events):
+                await req.event(event)
+                say(f"E {rid} {seq}")
+                await asyncio.sleep(0.003)
+        say(f"END {rid} {len(events)}")
+
+    async with Tap(servers, namespace=namespace, spool_dir=spool, max_in_flight=1) as tap:
+        await asyncio.gather(*(one(tap, index) for index in range(n)))
+        say("DONE")
+        await asyncio.sleep(3600)  # killed before
+
+
+async def resume(spool: Path, namespace: str) -> None:
+    servers = os.environ["KAFKA_BOOTSTRAP_SERVERS"]
+    async with Tap(servers, namespace=namespace, spool_dir=spool) as tap:
+        if not await tap.spool.wait_sent(120):
+            raise SystemExit(f"not sent within 120 s: {tap.spool.unsent_records} records")
+        say(f"SENT {tap.stats.sent}")
+
+
+def main() -> None:
+    mode, spool, namespace, *rest = sys.argv[1:]
+    if mode == "stream":
+        tenant, run, sample, n = rest
+        asyncio.run(stream(Path(spool), namespace, tenant, run, sample, int(n)))
+    else:
+        asyncio.run(resume(Path(spool), namespace))
+
+
+if __name__ == "__main__":
+    main()
