@@ -42,9 +42,7 @@ TAPPED_PATH: Final = "/v1/chat/completions"
 PLAIN_PATH: Final = "/v1/plain/stream"
 SAMPLE: Final = "openai/long_text_bench.sse"
 _LISTENING: Final = re.compile(rb"proxy: listening on [^\s:]+:(\d+)")
-_STATS: Final = re.compile(
-    rb"records sent (\d+), dropped over budget (\d+), failed (\d+)", re.MULTILINE
-)
+_STATS: Final = re.compile(rb"appended to the spool (\d+), sent (\d+), failed (\d+)", re.MULTILINE)
 
 
 def sample_events(name: str = SAMPLE) -> list[bytes]:
@@ -115,8 +113,8 @@ class Upstream:
 
 @dataclass
 class ProxyStats:
+    appended: int
     sent: int
-    dropped_over_budget: int
     failed: int
 
 

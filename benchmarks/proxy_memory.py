@@ -47,9 +47,9 @@ class OpenStreams:
     rss_open: int
     rss_after: int
     bytes_per_open_stream: int
-    #: Raw records the tap sent to Kafka (events and END markers), dropped, failed.
+    #: Raw records the tap sent to Kafka (events and END markers), spooled, failed.
     records_sent: int
-    records_dropped: int
+    records_appended: int
     records_failed: int
 
 
@@ -124,7 +124,7 @@ async def _measure_one(streams: int, events: int, servers: str, log: Path) -> Op
         rss_after=rss_after,
         bytes_per_open_stream=(rss_open - rss_before) // streams,
         records_sent=stats.sent,
-        records_dropped=stats.dropped_over_budget,
+        records_appended=stats.appended,
         records_failed=stats.failed,
     )
 
@@ -160,7 +160,7 @@ def main() -> None:
             f"events each: RSS {result.rss_before / 2**20:.1f} MiB -> "
             f"{result.rss_open / 2**20:.1f} MiB, {result.bytes_per_open_stream:,} bytes per "
             f"open stream; {result.rss_after / 2**20:.1f} MiB once they ended; tap records "
-            f"sent {result.records_sent:,} of {expected:,}, dropped {result.records_dropped}, "
+            f"sent {result.records_sent:,} of {expected:,}, spooled {result.records_appended:,}, "
             f"failed {result.records_failed}"
         )
 

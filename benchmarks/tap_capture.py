@@ -581,6 +581,8 @@ class Context:
     proxy_log: Path
     upstream_port: int
     bootstrap_servers: str
+    #: The option case 11 gives ``nan`` (`case_budget_nan`).
+    nan_option: str = "--drain-seconds"
     known_tenants: set[str] = field(default_factory=set)
 
     def tenant(self, case: str) -> str:
@@ -1145,14 +1147,19 @@ async def case_secrets(ctx: Context) -> CaseResult:
 
 
 async def case_budget_nan(ctx: Context) -> CaseResult:
-    """11: ``--budget-ms nan``: accepted (the proxy listens) or refused (it exits)?"""
-    result = CaseResult("11", "proxy --budget-ms nan", [], None, 0)
+    """11: a NaN option: accepted (the proxy listens) or refused (it exits)?
+
+    ``--budget-ms nan`` up to the write-ahead spool (the option is gone since, and an
+    unknown option proves nothing); ``--drain-seconds nan`` after it.
+    """
+    option = ctx.nan_option
+    result = CaseResult("11", f"proxy {option} nan", [], None, 0)
     proc, log = ctx.procs.start(
         "proxy-budget-nan", "proxy",
         "--upstream", f"http://127.0.0.1:{ctx.upstream_port}",
         "--listen", "127.0.0.1:0",
         "--bootstrap-servers", ctx.bootstrap_servers,
-        "--budget-ms", "nan",
+        option, "nan",
     )  # fmt: skip
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -1474,7 +1481,7 @@ async def _measure(args: argparse.Namespace, log_dir: Path) -> Run:
         async with ClientSession(timeout=ClientTimeout(total=45)) as session:
             ctx = Context(
                 run_id, f"http://127.0.0.1:{int(found.group(1))}", upstream, session, procs,
-                proxy_log, up_port, args.bootstrap_servers,
+                proxy_log, up_port, args.bootstrap_servers, args.nan_option,
             )  # fmt: skip
             results, nan_task = await _traffic(ctx, wanted)
         for result in results:
@@ -1580,6 +1587,12 @@ def main(argv: Sequence[str] | None = None) -> None:
         type=float,
         default=5.0,
         help="the worker's STREAMTALLY_REQUEST_TIMEOUT",
+    )
+    parser.add_argument(
+        "--nan-option",
+        default="--drain-seconds",
+        help="the proxy option case 11 gives nan (default: --drain-seconds; --budget-ms for "
+        "a checkout before the write-ahead spool)",
     )
     parser.add_argument("--cases", default="", help="only these case numbers, e.g. 1,2,5")
     parser.add_argument("--json", action="store_true", help="print the run as JSON")

@@ -176,12 +176,6 @@ class TapStats:
     spool_bytes: int = 0
     oldest_unsent_age_s: float = 0.0
 
-    @property
-    def dropped_over_budget(self) -> int:
-        """Always 0: the tap never drops.  Transitional, for `streamtally proxy`'s summary
-        line and metric until they stop reading it; to be removed with them."""
-        return 0
-
 
 class Tap:
     """Streams raw events of live requests to the raw topics through a spool (see the
@@ -204,11 +198,7 @@ class Tap:
         clock: Callable[[], datetime] = utc_now,
         options: AdapterOptions | None = None,
         key: ProducerKey | None = None,
-        budget_s: float | None = None,
     ) -> None:
-        """`budget_s` is obsolete and ignored (nothing is dropped any more): accepted only
-        until `streamtally proxy` stops passing it."""
-        del budget_s
         if spool_bytes < 1:
             raise ValueError(f"spool_bytes must be >= 1, got {spool_bytes}")
         if not spool_sync_ms > 0:

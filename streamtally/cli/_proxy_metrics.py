@@ -1,4 +1,4 @@
-"""The proxy's Prometheus metrics, and its small HTTP server: /metrics, /health.
+"""The proxy's Prometheus metrics, and its small HTTP server: /metrics, /health, /ready.
 
 `streamtally proxy --metrics HOST:PORT` serves them on a port of their own
 (the proxy's listening port forwards every path upstream, so it cannot carry
@@ -133,10 +133,19 @@ class ProxyCollector(Collector):
         t = "streamtally_tap_"
         yield _counter(t + "records_sent", "Raw records Kafka acknowledged.", tap.sent)
         yield _counter(
-            t + "records_dropped",
-            "Raw records dropped for want of room in the tap's buffer.",
-            tap.dropped_over_budget,
+            t + "records_appended", "Raw records written to the tap's spool.", tap.appended
         )
+        spool = GaugeMetricFamily(
+            t + "spool_bytes", "Bytes in the tap's spool not yet acknowledged by Kafka."
+        )
+        spool.add_metric([], tap.spool_bytes)
+        yield spool
+        age = GaugeMetricFamily(
+            t + "spool_oldest_unsent_seconds",
+            "Age of the oldest record in the tap's spool not yet acknowledged (0: none).",
+        )
+        age.add_metric([], tap.oldest_unsent_age_s or 0.0)
+        yield age
         yield _counter(
             t + "records_failed", "Raw records not encoded or refused by Kafka.", tap.failed
         )
@@ -145,8 +154,11 @@ class ProxyCollector(Collector):
         return []
 
 
-def metrics_app(collector: ProxyCollector) -> web.Application:
-    """/metrics (the Prometheus text exposition) and /health (200 while the proxy runs)."""
+def metrics_app(
+    collector: ProxyCollector, full: Callable[[], bool] = lambda: False
+) -> web.Application:
+    """/metrics (the Prometheus text exposition), /health (200 while the proxy runs) and
+    /ready (200, or 503 while the tap's spool is full: new calls are refused)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
 
@@ -158,7 +170,16 @@ def metrics_app(collector: ProxyCollector) -> web.Application:
     async def health(_request: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})
 
+    async def ready(_request: web.Request) -> web.Response:
+        if full():
+            return web.json_response(
+                {"ready": False, "reason": "the tap's spool is full: new calls are refused"},
+                status=503,
+            )
+        return web.json_response({"ready": True})
+
     app = web.Application()
     app.router.add_get("/metrics", metrics_page)
     app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
     return app

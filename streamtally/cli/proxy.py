@@ -65,6 +65,7 @@ import re
 import signal
 from collections import Counter as CounterOf
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Final
 
 from aiohttp import ClientError, ClientResponse, ClientSession, ClientTimeout, TCPConnector, web
@@ -91,6 +92,7 @@ from streamtally.cli.produce import add_key_file_argument, producer_key
 from streamtally.connection import KafkaConnection
 from streamtally.errors import InputError, StackError
 from streamtally.producers import Tap
+from streamtally.producers.tap import default_spool_dir
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
@@ -124,6 +126,11 @@ DEFAULT_MAX_REQUEST_BYTES: Final = 64 << 20
 DEFAULT_CLIENT_TIMEOUT_S: Final = 60.0
 #: Default calls served at once.
 DEFAULT_MAX_CONNECTIONS: Final = 4096
+#: Default most bytes the tap's spool holds unsent, and how often it is synced.
+DEFAULT_SPOOL_BYTES: Final = 1 << 30
+DEFAULT_SPOOL_SYNC_MS: Final = 20.0
+#: Retry-After of a call refused for a full spool (seconds, as the header says it).
+SPOOL_FULL_RETRY_AFTER_S: Final = "5"
 #: Default calls of one tenant served at once.
 DEFAULT_MAX_CALLS_PER_TENANT: Final = 1024
 #: Distinct paths the `unmetered` counts keep apart; the rest are ``other``.
@@ -452,6 +459,14 @@ class ProxyServer:
                 f"{request.method} {request.path} is not metered (--unmetered reject): "
                 "not forwarded",
             )
+        if is_metered and self.tap.full:
+            # Refused before anything goes upstream: nothing is billed that is not recorded.
+            return self._refuse(
+                "spool_full",
+                503,
+                "the tap's spool is full (Kafka is behind or down): not forwarded; try again",
+                **{"Retry-After": SPOOL_FULL_RETRY_AFTER_S},
+            )
         call: Call | None = None
         headers = [
             (k, v)
@@ -754,11 +769,29 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "(default: not served)",
     )
     parser.add_argument(
-        "--budget-ms",
+        "--spool-dir",
+        metavar="DIR",
+        help="the tap's write-ahead spool: every raw record is written there before its "
+        "bytes go to the client, and sent to Kafka from there (default: "
+        "<state dir>/spool/<namespace>; one proxy per directory)",
+    )
+    parser.add_argument(
+        "--spool-bytes",
+        type=positive,
+        default=DEFAULT_SPOOL_BYTES,
+        metavar="N",
+        help=f"most bytes the spool holds unsent (default: {DEFAULT_SPOOL_BYTES}); past 90 %% "
+        "new calls are refused (503, Retry-After) before anything goes upstream, calls in "
+        "flight go on",
+    )
+    parser.add_argument(
+        "--spool-sync-ms",
         type=seconds,
-        default=5.0,
+        default=DEFAULT_SPOOL_SYNC_MS,
         metavar="MS",
-        help="longest wait of one event for room in the tap's buffer (default: 5)",
+        help="group commit: how often the spool is synced to disk (default: "
+        f"{DEFAULT_SPOOL_SYNC_MS:g}); a killed process loses nothing either way, a lost "
+        "machine at most this much",
     )
     parser.add_argument(
         "--max-body-bytes",
@@ -779,16 +812,25 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
 async def _serve(
     args: argparse.Namespace,
     servers: KafkaConnection,
-    namespace: str,
+    settings: Settings,
     key: ProducerKey | None,
     api_keys: ApiKeyTenants | None,
 ) -> int:
+    namespace = settings.namespace
     await ensure_topics(servers, Topics.in_namespace(namespace).all)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
-    async with Tap(servers, namespace=namespace, budget_s=args.budget_ms / 1000, key=key) as tap:
+    spool_dir = Path(args.spool_dir) if args.spool_dir else default_spool_dir(namespace, settings)
+    async with Tap(
+        servers,
+        namespace=namespace,
+        key=key,
+        spool_dir=spool_dir,
+        spool_bytes=args.spool_bytes,
+        spool_sync_ms=args.spool_sync_ms,
+    ) as tap:
         proxy = ProxyServer(args.upstream, tap, api_keys=api_keys, options=options(args))
         try:
             port = await proxy.start(args.listen.host, args.listen.port)
@@ -816,8 +858,8 @@ async def _serve(
         f"broke off); refused: {refused}; {proxy.oversize} bodies over --max-body-bytes "
         f"teed as their usage; unmetered {sum(done.unmetered.values())}; not "
         f"tapped for their encoding {sum(proxy.tees.stats.undecodable.values())}; records "
-        f"sent {stats.sent}, dropped over budget {stats.dropped_over_budget}, failed "
-        f"{stats.failed}"
+        f"appended to the spool {stats.appended}, sent {stats.sent}, failed {stats.failed}, "
+        f"left in the spool {stats.spool_bytes} bytes"
     )
     return 0
 
@@ -830,7 +872,7 @@ async def serve_metrics(proxy: ProxyServer, where: Listen) -> web.AppRunner:
         lambda: proxy.in_flight,
         lambda: proxy.tees.stats,
     )
-    runner = web.AppRunner(metrics_app(collector), access_log=None)
+    runner = web.AppRunner(metrics_app(collector, lambda: proxy.tap.full), access_log=None)
     await runner.setup()
     try:
         await web.TCPSite(runner, where.host, where.port).start()
@@ -874,8 +916,8 @@ def options(args: argparse.Namespace) -> ProxyOptions:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
-    if args.budget_ms > 60_000:
-        raise InputError("--budget-ms must be at most 60000")
+    if not 0 < args.spool_sync_ms <= 10_000:
+        raise InputError("--spool-sync-ms must be a number of milliseconds in (0, 10000]")
     options(args)  # checked before anything starts
     key = producer_key(args, settings)
     api_keys = None if args.api_keys is None else ApiKeyTenants.load(args.api_keys)
@@ -883,7 +925,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     servers = kafka_of(args, settings)
     with contextlib.suppress(KeyboardInterrupt):
         try:
-            return asyncio.run(_serve(args, servers, settings.namespace, key, api_keys))
+            return asyncio.run(_serve(args, servers, settings, key, api_keys))
         except KafkaError as exc:
             raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc
     return 0

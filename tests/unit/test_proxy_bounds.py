@@ -16,6 +16,7 @@ import logging
 import math
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 import pytest
 from aiohttp import ClientSession, web
@@ -358,3 +359,74 @@ async def test_one_tenants_burst_leaves_room_for_the_others() -> None:
         assert (await call("noisy"))[0] == 200  # room again
     assert proxy.stats.refused == {"tenant_busy": 1}
     assert proxy._by_tenant == {}
+
+
+async def test_a_full_spool_refuses_new_calls_before_forwarding_and_keeps_the_rest(
+    tmp_path: Path,
+) -> None:
+    """Kafka holds every record (unacknowledged): the spool fills; a new metered call is
+    refused with 503 before it reaches the upstream, /ready says so, an unmetered call still
+    passes, and every record already accepted stays in the spool to be sent."""
+    from streamtally.cli._proxy_metrics import ProxyCollector, metrics_app
+
+    calls: list[str] = []
+
+    async def upstream(request: web.Request) -> web.StreamResponse:
+        calls.append(request.path)
+        return await stream_text(request)
+
+    sender = FakeSender(hold=True)
+    body = TEXT.read_bytes()
+    async with (
+        serving(upstream) as port,
+        Tap(
+            sender=sender,
+            spool_dir=tmp_path / "spool",
+            spool_bytes=10 * len(body),
+            spool_headroom_bytes=5 * len(body),  # room for the calls in flight to finish
+        ) as tap,
+    ):
+        proxy = ProxyServer(f"http://127.0.0.1:{port}", tap, options=ProxyOptions())
+        proxy_port = await proxy.start("127.0.0.1", 0)
+        collector = ProxyCollector(lambda: proxy.stats, lambda: tap.stats, lambda: 0)
+        runner = web.AppRunner(metrics_app(collector, lambda: tap.full))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        metrics_port = runner.addresses[0][1]
+        url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
+        statuses = []
+        try:
+            async with ClientSession() as client:
+                for _ in range(12):
+                    async with client.post(url, data=b"{}", headers={"X-Tenant": "t"}) as r:
+                        await r.read()
+                        statuses.append((r.status, r.headers.get("Retry-After")))
+                async with client.get(
+                    f"http://127.0.0.1:{proxy_port}/v1/models", headers={"X-Tenant": "t"}
+                ) as r:
+                    assert r.status == 200  # unmetered: nothing to spool, forwarded
+                async with client.get(f"http://127.0.0.1:{metrics_port}/ready") as r:
+                    assert r.status == 503
+                    assert "spool is full" in (await r.json())["reason"]
+                async with client.get(f"http://127.0.0.1:{metrics_port}/metrics") as r:
+                    text = await r.text()
+        finally:
+            await proxy.stop()
+            await runner.cleanup()
+        accepted = [s for s in statuses if s[0] == 200]
+        refused = [s for s in statuses if s[0] == 503]
+        assert accepted, statuses
+        assert refused, statuses
+        assert statuses == accepted + refused  # once full, every new call is refused
+        assert set(refused) == {(503, "5")}
+        assert calls.count("/v1/chat/completions") == len(accepted)  # refused: not forwarded
+        assert proxy.stats.refused["spool_full"] == len(refused)
+        assert tap.stats.spool_bytes >= 5 * len(body)
+        assert f"streamtally_tap_spool_bytes {float(tap.stats.spool_bytes)}" in text
+        assert "streamtally_tap_spool_oldest_unsent_seconds" in text
+        assert 'streamtally_proxy_calls_refused_total{reason="spool_full"}' in text
+        appended = tap.stats.appended
+        sender.hold = False
+        sender.release(len(sender.pending))  # Kafka is back: everything accepted is sent
+        assert await tap.spool.wait_sent(10)
+    assert len(sender.records) == appended
