@@ -41,9 +41,42 @@ def _exported() -> set[str]:
     return names
 
 
-def _rules() -> list[dict[str, Any]]:
+def _proxy_exported() -> set[str]:
+    """Every sample name the proxy's metrics can expose (`streamtally proxy --metrics`)."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from streamtally.cli._proxy_metrics import ProxyCollector
+    from streamtally.cli._tee import TeeStats
+    from streamtally.cli.proxy import ProxyStats
+    from streamtally.producers import TapStats
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ProxyCollector(ProxyStats, TapStats, lambda: 0, TeeStats))
+    names = set()
+    for line in generate_latest(registry).decode().splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            names |= {name + suffix for suffix in SUFFIXES[kind]}
+    return names
+
+
+def _rules(group: str = "streamtally-worker") -> list[dict[str, Any]]:
     doc = yaml.safe_load((MONITORING / "alerts.yml").read_text())
-    return [rule for group in doc["groups"] for rule in group["rules"]]
+    return [rule for g in doc["groups"] if g["name"] == group for rule in g["rules"]]
+
+
+def test_every_proxy_alert_names_only_metrics_the_proxy_exports() -> None:
+    exported = _proxy_exported()
+    rules = _rules("streamtally-proxy")
+    assert {rule["alert"] for rule in rules} == {
+        "StreamtallyTapSpoolBehind",
+        "StreamtallyTapSpoolFull",
+    }
+    for rule in rules:
+        used = set(METRIC.findall(rule["expr"]))
+        assert used, rule["alert"]
+        assert used <= exported, (rule["alert"], used - exported)
+        assert rule["labels"]["severity"] in {"warning", "critical"}
 
 
 def test_every_alert_expression_names_only_metrics_the_worker_exports() -> None:
