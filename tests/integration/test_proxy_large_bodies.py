@@ -217,7 +217,7 @@ def test_a_6_mb_body_is_billed_whole_and_one_past_the_limit_by_its_usage(
         assert seen["anthropic"] == bodies["anthropic"]
         assert seen["oversize"] == (0, 1)
         assert seen["tap"].failed == 0
-        assert seen["tap"].dropped_over_budget == 0
+        assert seen["tap"].appended == seen["tap"].sent  # every record spooled was sent
 
         openai_sse = tmp_path / "openai.sse"
         openai_sse.write_bytes(b"data: " + bodies["openai"] + b"\n\n")
