@@ -27,7 +27,6 @@ from pathlib import Path
 import pytest
 from aiohttp import ClientSession, web
 
-from streamtally.settings import ENV_BOOTSTRAP_SERVERS
 from streamtally.topics import Topics
 from streamtally.wire.kafka import read_topic
 from tests.integration.worker import SAMPLES
@@ -170,7 +169,6 @@ def test_no_credential_shows_in_output_answers_or_records(
             code = await asyncio.to_thread(proc.wait, 60)
         return answers, code
 
-    os.environ.setdefault(ENV_BOOTSTRAP_SERVERS, bootstrap_servers)
     answers, code = asyncio.run(run())
     output = log.read_text()
     assert code == 0, output

@@ -36,12 +36,8 @@ import pytest
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
-from streamtally.errors import InputError
 from streamtally.producers.spool import Spool
 from streamtally.settings import Settings
-from streamtally.topics import Topics
-from streamtally.wire import avro
-from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import EventKind
 from tests.integration.worker import (
     REPO,
@@ -50,6 +46,7 @@ from tests.integration.worker import (
     as_called,
     cli,
     forget_usage,
+    raw_sse_of,
     wait_for_tokens,
 )
 
@@ -63,22 +60,7 @@ KILL_AFTER = 900
 
 def raw_records(servers: str, namespace: str, tenant: str) -> list[tuple[str, int, EventKind]]:
     """(request id, seq, kind) of every raw SSE record of `tenant`, copies included."""
-    found: list[tuple[str, int, EventKind]] = []
-
-    async def read() -> None:
-        topic = Topics.in_namespace(namespace).raw_sse.name
-        async for record in read_topic(servers, topic):
-            if record.value is None:
-                continue
-            try:
-                raw = avro.decode_raw_sse_event(record.value)
-            except InputError:
-                continue  # another test's poison record on the shared topic
-            if raw.tenant == tenant:
-                found.append((raw.request_id, raw.seq, raw.kind))
-
-    asyncio.run(read())
-    return found
+    return [(r.request_id, r.seq, r.kind) for r in raw_sse_of(servers, namespace, [tenant])]
 
 
 def sse_blocks(path: Path) -> list[bytes]:

@@ -390,21 +390,16 @@ def own_worker(
         flush_db(url)
 
 
-def tapped_calls(
-    bootstrap_servers: str, namespace: str, tenants: Iterable[str]
-) -> dict[str, list[str]]:
-    """The request ids the raw SSE topic holds for each of `tenants`, in the order of their
-    first records' receive times (the order the calls were made).
-
-    The proxy keys every call by an id of its own (``call-…``), which a client does not
-    see: a test finds its calls' Tokens through their raw records.
-    """
+def raw_sse_of(bootstrap_servers: str, namespace: str, tenants: Iterable[str]) -> list[Any]:
+    """Every raw SSE record (`RawSseEvent`) of `tenants` on the namespace's raw topic, in
+    the order read (partitions interleave), copies included; other tests' poison records
+    on the shared topic are passed over."""
     from streamtally.errors import InputError
     from streamtally.wire import avro
     from streamtally.wire.kafka import read_topic
 
     wanted = set(tenants)
-    first: dict[str, dict[str, Any]] = {tenant: {} for tenant in wanted}
+    found: list[Any] = []
 
     async def read() -> None:
         topic = Topics.in_namespace(namespace).raw_sse.name
@@ -414,13 +409,29 @@ def tapped_calls(
             try:
                 raw = avro.decode_raw_sse_event(record.value)
             except InputError:
-                continue  # another test's poison record on the shared topic
+                continue
             if raw.tenant in wanted:
-                seen = first[raw.tenant].get(raw.request_id)
-                if seen is None or raw.received_at < seen:
-                    first[raw.tenant][raw.request_id] = raw.received_at
+                found.append(raw)
 
     asyncio.run(read())
+    return found
+
+
+def tapped_calls(
+    bootstrap_servers: str, namespace: str, tenants: Iterable[str]
+) -> dict[str, list[str]]:
+    """The request ids the raw SSE topic holds for each of `tenants`, in the order of their
+    first records' receive times (the order the calls were made).
+
+    The proxy keys every call by an id of its own (``call-…``), which a client does not
+    see: a test finds its calls' Tokens through their raw records.
+    """
+    wanted = list(tenants)
+    first: dict[str, dict[str, Any]] = {tenant: {} for tenant in wanted}
+    for raw in raw_sse_of(bootstrap_servers, namespace, wanted):
+        seen = first[raw.tenant].get(raw.request_id)
+        if seen is None or raw.received_at < seen:
+            first[raw.tenant][raw.request_id] = raw.received_at
     return {tenant: sorted(ids, key=ids.__getitem__) for tenant, ids in first.items()}
 
 
