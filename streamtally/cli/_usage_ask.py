@@ -78,18 +78,24 @@ class UsageStripper:
 
     def __init__(self) -> None:
         self._pending = bytearray()
+        #: Where the line being read starts in `_pending` (every line end before it is
+        #: handled already: a piece is scanned once, not again with each later piece).
+        self._line_start = 0
         #: Usage-only chunks held back from the client.
         self.dropped = 0
         #: Chunks with ``"usage": null`` that could not be cut exactly (forwarded as they came).
         self.unchanged = 0
 
     def feed(self, data: bytes) -> bytes:
-        self._pending += data
-        out = bytearray()
         pending = self._pending
+        line_start = self._line_start
+        # The scan goes on where the last one stopped: its last byte again, a "\r" that
+        # may be the first half of a "\r\n".
+        resume = max(line_start, len(pending) - 1)
+        pending += data
+        out = bytearray()
         start = 0  # where the block being read starts
-        line_start = 0
-        for match in _LINE_END.finditer(pending):
+        for match in _LINE_END.finditer(pending, resume):
             if match.group() == b"\r" and match.end() == len(pending):
                 break  # "\r" at the end of what came: maybe the first half of "\r\n"
             empty = match.start() == line_start
@@ -98,10 +104,12 @@ class UsageStripper:
                 out += self._block(bytes(pending[start:line_start]))
                 start = line_start
         del pending[:start]
+        self._line_start = line_start - start
         return bytes(out)
 
     def close(self) -> bytes:
         rest, self._pending = bytes(self._pending), bytearray()
+        self._line_start = 0
         return rest
 
     def _block(self, block: bytes) -> bytes:
