@@ -158,16 +158,6 @@ def listen_address(value: str) -> Listen:
     return Listen(host.strip("[]") or "127.0.0.1", int(port))
 
 
-def positive_int(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {value!r}") from None
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value!r}")
-    return number
-
-
 def upstream_url(value: str) -> str:
     url = URL(value)
     if url.scheme not in ("http", "https") or not url.host:
@@ -451,15 +441,16 @@ class ProxyServer:
     async def _forward(self, request: web.Request, tenant: str) -> web.StreamResponse:
         assert self._session is not None
         is_metered = metered(request.method, request.path)
-        if not is_metered and self.options.unmetered == "reject":
+        if not is_metered:
             self.stats.unmetered[unmetered_label(request.path, self.stats.unmetered)] += 1
-            return self._refuse(
-                "unmetered",
-                403,
-                f"{request.method} {request.path} is not metered (--unmetered reject): "
-                "not forwarded",
-            )
-        if is_metered and self.tap.full:
+            if self.options.unmetered == "reject":
+                return self._refuse(
+                    "unmetered",
+                    403,
+                    f"{request.method} {request.path} is not metered (--unmetered reject): "
+                    "not forwarded",
+                )
+        elif self.tap.full:
             # Refused before anything goes upstream: nothing is billed that is not recorded.
             return self._refuse(
                 "spool_full",
@@ -480,21 +471,21 @@ class ProxyServer:
             if isinstance(body, web.Response):
                 return body
             call = call_of(request.method, request.path, body)
-            headers = upstream_headers(headers)  # only encodings the tee decodes
+            asked = None
             if self.options.request_usage and asks_for_usage(request.method, request.path):
                 asked = ask_for_usage(body)
-                if asked is not None:
-                    body = asked
-                    stripper = UsageStripper()
-                    self.stats.usage_asked += 1
-                    # The stripper reads the stream's bytes: none of them compressed.
-                    headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
-                    headers.append(("Accept-Encoding", "identity"))
+            if asked is not None:
+                body = asked
+                stripper = UsageStripper()
+                self.stats.usage_asked += 1
+                # The stripper reads the stream's bytes: the client's offer goes, and the
+                # upstream is asked for none of its encodings (identity).
+                headers = [(k, v) for k, v in headers if k.lower() != "accept-encoding"]
+            headers = upstream_headers(headers)  # only encodings the tee decodes
             data = body or None
         else:
             # Not metered: streamed through as it comes (a file upload may be large).
             data = request.content if request.body_exists else None
-            self.stats.unmetered[unmetered_label(request.path, self.stats.unmetered)] += 1
         url = URL(self.upstream + request.raw_path, encoded=True)
         try:
             upstream = await self._session.request(
@@ -795,7 +786,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument(
         "--max-body-bytes",
-        type=positive_int,
+        type=positive,
         default=DEFAULT_MAX_BODY_BYTES,
         metavar="N",
         help="largest non-streaming body tapped whole, spooled to a temporary file "
@@ -815,6 +806,8 @@ async def _serve(
     settings: Settings,
     key: ProducerKey | None,
     api_keys: ApiKeyTenants | None,
+    *,
+    proxy_options: ProxyOptions,
 ) -> int:
     namespace = settings.namespace
     await ensure_topics(servers, Topics.in_namespace(namespace).all)
@@ -831,7 +824,7 @@ async def _serve(
         spool_bytes=args.spool_bytes,
         spool_sync_ms=args.spool_sync_ms,
     ) as tap:
-        proxy = ProxyServer(args.upstream, tap, api_keys=api_keys, options=options(args))
+        proxy = ProxyServer(args.upstream, tap, api_keys=api_keys, options=proxy_options)
         try:
             port = await proxy.start(args.listen.host, args.listen.port)
         except OSError as exc:
@@ -918,14 +911,16 @@ def options(args: argparse.Namespace) -> ProxyOptions:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     if not 0 < args.spool_sync_ms <= 10_000:
         raise InputError("--spool-sync-ms must be a number of milliseconds in (0, 10000]")
-    options(args)  # checked before anything starts
+    proxy_options = options(args)  # checked before anything starts
     key = producer_key(args, settings)
     api_keys = None if args.api_keys is None else ApiKeyTenants.load(args.api_keys)
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     servers = kafka_of(args, settings)
     with contextlib.suppress(KeyboardInterrupt):
         try:
-            return asyncio.run(_serve(args, servers, settings, key, api_keys))
+            return asyncio.run(
+                _serve(args, servers, settings, key, api_keys, proxy_options=proxy_options)
+            )
         except KafkaError as exc:
             raise StackError(f"Kafka at {servers} failed: {exc!r}") from exc
     return 0
