@@ -13,7 +13,7 @@ reason of a refusal (a closed set) and the path of an unmetered call, which
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -24,21 +24,10 @@ from prometheus_client.registry import Collector
 from streamtally.cli._tee import TeeStats
 from streamtally.producers import TapStats
 
-__all__ = ["ProxyCollector", "Stats", "metrics_app"]
+if TYPE_CHECKING:  # proxy imports this module: the type only
+    from streamtally.cli.proxy import ProxyStats
 
-
-class Stats(Protocol):
-    """What the collector reads (`streamtally.cli.proxy.ProxyStats`)."""
-
-    forwarded: int
-    tapped: int
-    refused: Any
-    unmetered: Any
-    usage_asked: int
-    usage_chunks_held: int
-    clients_gone: int
-    drains_cut: int
-    upstream_broke: int
+__all__ = ["ProxyCollector", "metrics_app"]
 
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
@@ -59,7 +48,7 @@ class ProxyCollector(Collector):
 
     def __init__(
         self,
-        stats: Callable[[], Stats],
+        stats: Callable[[], ProxyStats],
         tap: Callable[[], TapStats],
         in_flight: Callable[[], int],
         tees: Callable[[], TeeStats] | None = None,
