@@ -276,8 +276,6 @@ class TeePlan:
     #: The call it answers (None: a plain call of `source`).
     call: Call | None = None
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
-    #: The call's path (named in the log lines of an oversized body).
-    path: str = field(default="", compare=False)
 
 
 def plan(
@@ -297,9 +295,7 @@ def plan(
     decoder_for(encoding)  # raises UndecodableEncoding
     codings = codings_of(encoding)
     streaming = content_type.strip().lower().startswith("text/event-stream")
-    return TeePlan(
-        call.source, streaming, ", ".join(codings) or "identity", call, max_body_bytes, call.path
-    )
+    return TeePlan(call.source, streaming, ", ".join(codings) or "identity", call, max_body_bytes)
 
 
 def body_events(source: Source, text: str) -> list[SseEvent]:
@@ -424,7 +420,6 @@ class Tee:
         self._owner = owner
         self._decoder: Decoder | None = decoder_for(tee.encoding)
         self._failed = False
-        self.path = tee.path or self.call.path
         self.max_body_bytes = tee.max_body_bytes
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
@@ -566,7 +561,7 @@ class Tee:
             log.warning(
                 "%s: a %s body of %d bytes is over --max-body-bytes %d: teed as its usage, "
                 "id %s and model %s (its content is not kept)",
-                self.path,
+                self.call.path,
                 source.value,
                 self.size,
                 self.max_body_bytes,
@@ -577,7 +572,7 @@ class Tee:
             log.error(
                 "%s: a %s body of %d bytes is over --max-body-bytes %d and its usage was not "
                 "found in its last %d bytes: request %s (model %s, tenant %s) teed without usage",
-                self.path,
+                self.call.path,
                 source.value,
                 self.size,
                 self.max_body_bytes,

@@ -190,8 +190,8 @@ async def test_a_body_whose_usage_is_not_found_is_teed_with_an_error(
             Source.OPENAI,
             streaming=False,
             encoding="identity",
+            call=call_of("POST", "/v1/chat/completions"),
             max_body_bytes=100_000,
-            path="/v1/x",
         )
         tee = Tee(tap, "acme", plan_)
         await tee.feed(data)
@@ -244,7 +244,7 @@ async def test_the_body_limit_must_be_positive() -> None:
     call = call_of("POST", "/v1/messages")
     assert call is not None
     planned = plan(call, 200, "application/json", "", max_body_bytes=5)
-    assert planned == TeePlan(Source.ANTHROPIC, False, "identity", call, 5, "/v1/messages")
+    assert planned == TeePlan(Source.ANTHROPIC, False, "identity", call, 5)
     default = plan(call, 200, "application/json", "")
     assert default is not None
     assert default.max_body_bytes == DEFAULT_MAX_BODY_BYTES == 64 << 20
