@@ -9,7 +9,9 @@
   about requests it has not seen (closed by an earlier run?), hands each
   record to `RequestProcessor`, writes the outputs through the sinks, and
   commits what `CommitGate` releases;
-- a timer closes requests that went quiet.
+- a timer closes requests that went quiet; another reads the input clocks
+  (`processors.clock`) four times a second, without waiting for a batch, so
+  that a write hanging through an outage is never taken for quiet time.
 
 Committing is what makes a crash harmless: a record is committed only when its
 request is closed and its outputs are durable, and only with every record
@@ -53,7 +55,11 @@ from streamtally.wire.tenant_keys import TenantTrust
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ExaminedBatch", "Pipeline", "create_app"]
+__all__ = ["WATCH_CLOCKS_S", "ExaminedBatch", "Pipeline", "create_app"]
+
+#: How often the input clocks are read apart from the batches and closes (seconds): well
+#: within `processors.source.LIVE_WINDOW_S`, so an outage freezes them within a second.
+WATCH_CLOCKS_S = 0.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +97,8 @@ class Pipeline:
     broken: BaseException | None = None
     #: The batch written while the next is applied (`processors.writes`); set by create_app.
     writes: WriteBehind | None = None
+    #: The app's timers by name (create_app registers them with faust): what they run.
+    timers: dict[str, Callable[[], Awaitable[None]]] = field(default_factory=dict)
 
 
 class _Boot(BootStrategy):
@@ -305,7 +313,18 @@ def create_app(
                 raise
             metrics.close_seconds.observe(time.perf_counter() - started)
 
-    app.timer(interval=1.0)(close_quiet_requests)
+    app.timer(interval=1.0, name="close-quiet-requests")(close_quiet_requests)
+    pipeline.timers["close-quiet-requests"] = close_quiet_requests
+
+    async def watch_input_clocks() -> None:
+        # Not under the batch lock: a write that hangs (Kafka stopped, not failing) holds
+        # it, and a clock read only after the hang would take all of it for quiet time
+        # (`InputClock.tick` judges an interval by what is true at its end).  Read every
+        # quarter second, the clocks see the partitions stop answering and freeze.
+        processor.input_clock.tick(processor.live)
+
+    app.timer(interval=WATCH_CLOCKS_S, name="watch-input-clocks")(watch_input_clocks)
+    pipeline.timers["watch-input-clocks"] = watch_input_clocks
 
     async def revoked(tps: set[TopicPartition]) -> None:
         """Partitions go to another worker: commit what is done, forget the rest.

@@ -21,6 +21,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.processors.app import Pipeline, create_app
+from streamtally.processors.clock import InputClock
 from streamtally.processors.requests import Outputs
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, RawMessage
@@ -400,3 +401,85 @@ async def test_a_batch_written_behind_commits_nothing_before_its_outputs_are_dur
     await pipeline.writes.drain()
     assert source.commits[-1] == {TopicPartition(topic, 0): offset}
     assert {c.tokens.request_id for c in sink.outputs.completed} == {"wb-1", "wb-2"}
+
+
+class _Wall:
+    """A monotonic clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_write_hanging_through_an_outage_is_not_taken_for_quiet_time() -> None:
+    """Kafka stops while a batch is written: the write hangs (it does not fail) and the agent
+    holds the batch lock behind it, so no close runs until Kafka is back.  The input clocks
+    are still read (the ``watch-input-clocks`` timer needs no lock): they see the partition
+    stop answering and freeze.  Once Kafka answers again, a request that was quiet through
+    the whole outage, three times the request timeout, is not closed as timed out; read only
+    after the hang, the clock would have taken all of it for quiet time."""
+    sink = _HeldSink()
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1",
+        redis_url_setting="redis://127.0.0.1:1/0",
+        request_timeout=8.0,
+    )
+    pipeline = create_app(settings, lambda app: Sinks(sink), consume=False)
+    pipeline.source = _CommitLog()  # type: ignore[assignment]
+    processor = pipeline.processor
+    wall = _Wall()
+    processor.input_clock = InputClock(wall, processor.input_clock.healthy)
+    broker = {"answers": True}
+    processor.live = lambda tp, next_offset: broker["answers"]
+    topic = TOPICS.raw_sse.name
+    transcript = (SAMPLES / "openai/text_usage.sse").read_bytes()
+    records = {
+        request_id: raw_records(Source.OPENAI, transcript, tenant="acme", request_id=request_id)[1]
+        for request_id in ("done", "quiet", "other")
+    }
+    # The first batch: a whole request (its close must be written) and another's first record.
+    first = [(b"done", value) for value in records["done"]] + [(b"quiet", records["quiet"][0])]
+    batches = [
+        FetchedBatch(
+            pipeline.revocations.generation,
+            tuple(
+                RawMessage(topic, 0, offset + i, 1_790_000_000.0, key, value)
+                for i, (key, value) in enumerate(pairs)
+            ),
+        )
+        for offset, pairs in ((0, first), (len(first), [(b"other", records["other"][0])]))
+    ]
+    received = len(first) + 1
+    watch = pipeline.timers["watch-input-clocks"]
+    close_quiet = pipeline.timers["close-quiet-requests"]
+    run = asyncio.ensure_future(pipeline.agents["process-raw"].fun(_Backlog(batches)))
+    while processor.counters.received < received:  # the first write hangs, the agent waits
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    assert pipeline.batch_lock.locked()
+    assert processor.open_requests == 2
+    assert processor.counters.requests_completed == 1
+    # The outage: 24 s; the broker stops answering fetches, the write in flight hangs.
+    for step in range(96):
+        wall.now += 0.25
+        broker["answers"] = step < 2
+        await watch()
+    broker["answers"] = True  # back: the write goes through, then the next one
+    sink.through.release()
+    sink.through.release()
+    await asyncio.wait_for(run, 5)
+    for _ in range(4):
+        wall.now += 0.25
+        await watch()
+    await close_quiet()
+    assert processor.counters.requests_timed_out == 0
+    assert processor.open_requests == 2
+    assert {c.tokens.request_id for c in sink.outputs.completed} == {"done"}
+    # The clocks run again: quiet past the timeout from now on, both requests close.
+    for _ in range(40):
+        wall.now += 0.25
+        await watch()
+    await close_quiet()
+    assert processor.counters.requests_timed_out == 2
