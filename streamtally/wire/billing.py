@@ -66,15 +66,22 @@ EVENT_ID_PREFIX: Final = b"streamtally.billing.v2\x00"
 _ZERO: Final = Decimal((0, (0,), -COST_SCALE))
 
 
-def event_id(tenant: str, request_id: str) -> str:
+def event_id(tenant: str, request_id: str, revision: int = 0) -> str:
     """The deterministic id of a request's billing event: 32 hex chars of a sha256.
 
     ``sha256(b"streamtally.billing.v2\\x00" + RequestRef(tenant, request_id).text
-    .encode("utf-8"))[:32 hex]``: the escaped tenant, ``:``, the request id.
+    .encode("utf-8"))[:32 hex]``: the escaped tenant, ``:``, the request id.  Revision
+    n > 0 of the bill (an amendment) hashes ``#n`` after that text: each revision has
+    an id of its own (a consumer that dedupes by id keeps every revision), and
+    revision 0 keeps the id bills had before revisions existed.
     """
     if not request_id:
         raise ValueError("request_id must not be empty")
+    if revision < 0:
+        raise ValueError(f"revision must be >= 0, not {revision}")
     text = RequestRef(tenant, request_id).text
+    if revision:
+        text += f"#{revision}"
     return hashlib.sha256(EVENT_ID_PREFIX + text.encode("utf-8")).hexdigest()[:32]
 
 
@@ -135,6 +142,7 @@ def price_request(
     event_time: datetime,
     prices: PriceTable,
     provenance: Provenance | None = None,
+    revision: int = 0,
 ) -> Billed:
     """The billing event of the finished request `tokens`, and the quote behind its cost.
 
@@ -193,7 +201,7 @@ def price_request(
                 version,
             )
     event = BillingEvent(
-        event_id=event_id(tenant, tokens.request_id),
+        event_id=event_id(tenant, tokens.request_id, revision),
         request_id=tokens.request_id,
         tenant=tenant,
         model=tokens.model,
@@ -216,6 +224,8 @@ def price_request(
         raw_sha256=None if provenance is None else provenance.raw_sha256,
         usage_source=UsageSource.UNKNOWN if provenance is None else provenance.usage_source,
         provider_request_id=tokens.provider_request_id,
+        revision=revision,
+        supersedes=event_id(tenant, tokens.request_id, revision - 1) if revision else None,
     )
     return Billed(event=event, quote=quote)
 
@@ -226,9 +236,11 @@ def bill(
     event_time: datetime,
     prices: PriceTable,
     provenance: Provenance | None = None,
+    revision: int = 0,
 ) -> BillingEvent:
-    """The billing event of the finished request `tokens` (unpriced: cost 0, priced False)."""
-    return price_request(tokens, tenant, event_time, prices, provenance).event
+    """The billing event of the finished request `tokens` (unpriced: cost 0, priced False);
+    `revision` n > 0: its n-th amendment, superseding revision n - 1."""
+    return price_request(tokens, tenant, event_time, prices, provenance, revision).event
 
 
 def _carried(cost: Decimal) -> bool:

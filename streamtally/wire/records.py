@@ -292,12 +292,30 @@ class BillingEvent:
     #: same as `request_id` when the producer keyed the request by it; None when the
     #: stream named none, and in events written before v4.  Not part of `event_id`.
     provider_request_id: str | None = None
+    # -- revisions (BillingEvent v5; an older event reads as revision 0, superseding none) --
+    #: 0: the bill made when the request first closed; n > 0: its n-th amendment (records
+    #: that came after a close at its timeout or over a gap).  The highest revision of a
+    #: request is the bill that stands; each carries the whole usage, not a difference.
+    revision: int = 0
+    #: The `event_id` of revision ``revision - 1``, which this one replaces (None for 0).
+    supersedes: str | None = None
 
     def __post_init__(self) -> None:
         if not self.event_id:
             raise ValueError("event_id must not be empty")
         if not self.request_id:
             raise ValueError("request_id must not be empty")
+        if isinstance(self.revision, bool) or not isinstance(self.revision, int):
+            raise ValueError(f"revision must be an int, got {self.revision!r}")
+        if not 0 <= self.revision < 1 << 31:
+            raise ValueError(f"revision must be in [0, 2**31), got {self.revision}")
+        if (self.revision == 0) != (self.supersedes is None):
+            raise ValueError(
+                f"revision {self.revision} with supersedes={self.supersedes!r}: revision 0 "
+                "supersedes nothing, and every later revision names the one it replaces"
+            )
+        if self.supersedes is not None and not isinstance(self.supersedes, str):
+            raise ValueError(f"supersedes must be None or a str, got {self.supersedes!r}")
         if self.provider_request_id is not None and not isinstance(self.provider_request_id, str):
             raise ValueError(
                 f"provider_request_id must be None or a str, got {self.provider_request_id!r}"

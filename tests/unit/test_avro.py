@@ -29,6 +29,7 @@ from streamtally.core.models import (
 )
 from streamtally.errors import InputError
 from streamtally.wire import avro
+from streamtally.wire.billing import event_id
 from streamtally.wire.records import (
     BillingEvent,
     DeadLetter,
@@ -927,7 +928,7 @@ PROVEN = BillingEvent(
 
 def test_billing_provenance_round_trips() -> None:
     data = avro.encode_billing_event(PROVEN)
-    assert avro.writer_of(data).version == 4
+    assert avro.writer_of(data).version == 5
     assert avro.decode_billing_event(data) == PROVEN
     record = avro.decode("BillingEvent", data)
     assert (record["raw_partition"], record["usage_source"]) == (5, "ENGINE_COUNTED")
@@ -990,9 +991,8 @@ def test_billing_event_version_4_adds_provider_request_id_and_the_aborted_source
     """v4 appends `provider_request_id` (null by default) and the UsageSource symbol
     ABORTED, in one version; old readers resolve ABORTED to the enum's default."""
     history = avro.history("BillingEvent")
-    assert [v.version for v in history] == [1, 2, 3, 4]
-    assert avro.current("BillingEvent").version == 4
-    assert avro.current("BillingEvent").fingerprint.hex() == "35e143f773117ac3"
+    assert [v.version for v in history][:4] == [1, 2, 3, 4]
+    assert history[3].fingerprint.hex() == "35e143f773117ac3"
     v3, v4 = history[2].schema, history[3].schema
     names_v3 = [f["name"] for f in v3["fields"]]
     assert [f["name"] for f in v4["fields"]] == [*names_v3, "provider_request_id"]
@@ -1502,3 +1502,71 @@ def test_decode_resolves_older_and_newer_writer_versions(tmp_path: Path) -> None
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
+
+
+# ------------------------------------------------ BillingEvent v5: revisions
+
+
+AMENDED = BillingEvent(
+    **{
+        **_fields(PROVEN),
+        "event_id": event_id("acme", PROVEN.request_id, 1),
+        "tenant": "acme",
+        "revision": 1,
+        "supersedes": event_id("acme", PROVEN.request_id),
+    }
+)
+
+
+def test_billing_event_version_5_adds_revision_and_supersedes() -> None:
+    history = avro.history("BillingEvent")
+    assert [v.version for v in history] == [1, 2, 3, 4, 5]
+    assert avro.current("BillingEvent").version == 5
+    assert avro.current("BillingEvent").fingerprint.hex() == "5a84dd931ca75013"
+    v4, v5 = history[3].schema, history[4].schema
+    assert [f["name"] for f in v5["fields"]] == [
+        *(f["name"] for f in v4["fields"]),
+        "revision",
+        "supersedes",
+    ]
+    assert (_field(v5, "revision")["type"], _field(v5, "revision")["default"]) == ("int", 0)
+    assert _field(v5, "supersedes")["default"] is None
+    for old in (v.schema for v in history[:4]):
+        assert avro.compatibility_errors(old, v5) == []  # backward: old events read
+        assert avro.compatibility_errors(v5, old) == []  # forward: old readers read v5
+    correction = avro.history("BillingCorrection")
+    assert correction[-1].version == 3 == avro.current("BillingCorrection").version
+    assert avro.compatibility_errors(correction[-2].schema, correction[-1].schema) == []
+
+
+def test_a_revision_round_trips_and_has_an_id_of_its_own() -> None:
+    data = avro.encode_billing_event(AMENDED)
+    assert avro.decode_billing_event(data) == AMENDED
+    record = avro.decode("BillingEvent", data)
+    assert (record["revision"], record["supersedes"]) == (1, event_id("acme", PROVEN.request_id))
+    assert AMENDED.event_id != AMENDED.supersedes
+    assert event_id("acme", PROVEN.request_id, 0) == event_id("acme", PROVEN.request_id)
+    assert len({event_id("acme", "r", n) for n in range(5)}) == 5
+
+
+@pytest.mark.parametrize("version", [1, 2, 3, 4])
+def test_a_billing_event_of_before_version_5_reads_as_revision_0(version: int) -> None:
+    record = avro.decode("BillingEvent", avro.encode_billing_event(PROVEN))
+    old = avro.encode("BillingEvent", record, version=version)
+    back = avro.decode_billing_event(old)
+    assert (back.revision, back.supersedes) == (0, None)
+    assert back.event_id == PROVEN.event_id
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"revision": 1}, "revision 1 with supersedes=None"),
+        ({"supersedes": "abc"}, "revision 0 with supersedes='abc'"),
+        ({"revision": -1, "supersedes": "abc"}, "revision must be in"),
+        ({"revision": True, "supersedes": "abc"}, "revision must be an int"),
+    ],
+)
+def test_a_revision_names_what_it_supersedes(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BillingEvent(**{**_fields(PROVEN), **changes})

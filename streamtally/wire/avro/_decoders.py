@@ -217,7 +217,8 @@ def decode_billing_event(data: bytes) -> BillingEvent:
     One written before the provenance fields existed (versions 1 and 2) reads with their
     defaults: `raw_topic`, `raw_partition`, the offsets and `raw_sha256` None and
     `usage_source` UNKNOWN, which say that the event carries no provenance.  One written
-    before `provider_request_id` existed (versions 1 to 3) reads it as None.
+    before `provider_request_id` existed (versions 1 to 3) reads it as None, and one
+    written before revisions (versions 1 to 4) as revision 0, superseding none.
     """
     return _billing_event(read("BillingEvent", data))
 

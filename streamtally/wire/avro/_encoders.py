@@ -237,6 +237,8 @@ def _billing_datum(event: BillingEvent) -> dict[str, Any]:
         "raw_sha256": event.raw_sha256,
         "usage_source": event.usage_source.name,
         "provider_request_id": event.provider_request_id,
+        "revision": event.revision,
+        "supersedes": event.supersedes,
     }
 
 
