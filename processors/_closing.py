@@ -16,11 +16,12 @@ from typing import Any
 from streamtally.core.content import capped_chunk
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.identity import RequestRef, epoch_micros
-from streamtally.core.models import Chunk, Tokens
+from streamtally.core.models import Chunk, Source, Tokens
 from streamtally.core.sse import SseEvent
 from streamtally.errors import InputError
 from streamtally.processors._records import _Open, _Raw
 from streamtally.processors._refusals import _Refusals
+from streamtally.processors.amendable import Amendable
 from streamtally.processors.limits import CHUNK_CONTENT_BYTES, PERMANENT_ERRORS
 from streamtally.processors.outputs import Closed, CloseReason, Completed, Outputs
 from streamtally.wire import avro
@@ -46,11 +47,17 @@ class _Closing(_Refusals):
     ) -> None:
         """Apply the next record of a request; an END closes it unless it is `closing` already."""
         record, position = raw.record, raw.position
+        # A record an amended request had already (`_Open.uncounted`): applied again, not
+        # counted or written again.
+        fresh = not state.uncounted or record.seq not in state.uncounted
+        if not fresh:
+            state.uncounted.discard(record.seq)
         state.next_seq = record.seq + 1
         state.last_time = record.received_at
         if record.kind is EventKind.END:
-            state.records += 1
-            self.counters.applied += 1
+            if fresh:
+                state.records += 1
+                self.counters.applied += 1
             state.applied(raw)
             if not closing:
                 if record.cancelled:  # the client went away: unfinished choices `cancelled`
@@ -60,7 +67,7 @@ class _Closing(_Refusals):
         event: Any
         if isinstance(record, RawSseEvent):
             if record.event == PART_EVENT:
-                self._part(out, ref, state, raw, closing=closing)
+                self._part(out, ref, state, raw, closing=closing, fresh=fresh)
                 return
             data = record.data
             if state.parts:  # the last record of an event sent in parts: the event, joined
@@ -94,18 +101,26 @@ class _Closing(_Refusals):
                 request_id=ref.request_id,
             )
             return
-        state.records += 1
-        self.counters.applied += 1
+        if fresh:
+            state.records += 1
+            self.counters.applied += 1
         state.applied(raw)
         for chunk in chunks:
             state.fold.add(chunk)
-        if values is not None:
+        if values is not None and fresh:
             out.chunks.extend(shown)
             out.chunk_values.extend(values)
             out.chunk_refs.extend([ref] * len(shown))
 
     def _part(
-        self, out: Outputs, ref: RequestRef, state: _Open, raw: _Raw, *, closing: bool
+        self,
+        out: Outputs,
+        ref: RequestRef,
+        state: _Open,
+        raw: _Raw,
+        *,
+        closing: bool,
+        fresh: bool = True,
     ) -> None:
         """A part record (`PART_EVENT`): its data kept for the event it is a part of.
 
@@ -120,8 +135,9 @@ class _Closing(_Refusals):
             return
         state.parts.append(data)
         state.part_bytes = size
-        state.records += 1
-        self.counters.applied += 1
+        if fresh:
+            state.records += 1
+            self.counters.applied += 1
         state.applied(raw)
 
     def _too_big(
@@ -204,7 +220,7 @@ class _Closing(_Refusals):
                 source=state.source,
                 request_id=ref.request_id,
             )
-        closed = Closed(state.max_offset, reason, False, epoch_micros(state.latest))
+        closed = Closed(state.max_offset, reason, False, epoch_micros(state.latest), state.revision)
         self._close(out, ref, state, message, closed)
 
     def _close(
@@ -221,9 +237,31 @@ class _Closing(_Refusals):
         policy = self.content
         stored = tokens if policy.keeps_content else policy.tokens(tokens)
         tokens_value = avro.encode_tokens(stored)
-        billing, billing_value = self._bill(tokens, state.tenant, when, _provenance(state))
-        self._remember(ref, Closed(closed.offset, closed.reason, True, closed.last_received))
+        billing, billing_value = self._bill(
+            tokens, state.tenant, when, _provenance(state), state.revision
+        )
+        done = Closed(closed.offset, closed.reason, True, closed.last_received, closed.revision)
+        self._remember(ref, done)
         self.counters.requests_completed += 1
+        if state.revision:
+            self.counters.requests_amended += 1
+        amendable: bytes | None = None
+        if closed.amendable:  # later records may still come: kept for them
+            topic, partition = state.topic_partition
+            kept = Amendable(
+                state.revision,
+                closed.offset,
+                topic,
+                partition,
+                not Source(state.source).is_sse,
+                billing,
+                tuple(state.kept),
+                done.marker(),
+            )
+            self._keep_amendable(ref, kept)
+            amendable = kept.encode()
+        else:
+            self._drop_amendable(ref)
         if values is not None:
             out.chunks.extend(shown)
             out.chunk_values.extend(values)
@@ -237,11 +275,19 @@ class _Closing(_Refusals):
                 state.duplicates,
                 tokens_value=tokens_value,
                 billing_value=billing_value,
+                amendable=amendable,
+                supersedes=state.previous,
+                supersedes_marker=state.previous_marker,
             )
         )
 
     def _bill(
-        self, tokens: Tokens, tenant: str, when: datetime, provenance: Provenance | None = None
+        self,
+        tokens: Tokens,
+        tenant: str,
+        when: datetime,
+        provenance: Provenance | None = None,
+        revision: int = 0,
     ) -> tuple[BillingEvent, bytes]:
         """The request's billing event and its Avro value; never fails on the price.
 
@@ -252,7 +298,7 @@ class _Closing(_Refusals):
         unpriced too.
         """
         try:
-            billing = bill(tokens, tenant, when, self.prices, provenance)
+            billing = bill(tokens, tenant, when, self.prices, provenance, revision=revision)
             value = avro.encode_billing_event(billing)
         except PERMANENT_ERRORS as exc:
             log.warning(
@@ -262,7 +308,7 @@ class _Closing(_Refusals):
                 ascii(tokens.model),
                 exc,
             )
-            billing = bill(tokens, tenant, when, self._no_prices, provenance)
+            billing = bill(tokens, tenant, when, self._no_prices, provenance, revision=revision)
             value = avro.encode_billing_event(billing)
         if not billing.priced:  # counted once, whichever way it was billed
             self.counters.unpriced += 1

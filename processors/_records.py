@@ -12,9 +12,10 @@ from typing import NamedTuple
 from streamtally.core.fold import Fold
 from streamtally.core.identity import RequestRef
 from streamtally.core.normalize import Normalizer
+from streamtally.processors.amendable import KeptRecord
 from streamtally.processors.outputs import Closed, Position
 from streamtally.wire.provenance import RawDigest
-from streamtally.wire.records import RawEngineOutput, RawSseEvent
+from streamtally.wire.records import BillingEvent, RawEngineOutput, RawSseEvent
 
 RawRecord = RawSseEvent | RawEngineOutput
 
@@ -64,10 +65,25 @@ class _Open:
     part_bytes: int = 0
     #: Why the request closes at a limit other than its record count (None: that one).
     limit_reason: str | None = None
+    #: The records applied, kept for amendments should it close without its END
+    #: (`processors.amendable`).
+    kept: list[KeptRecord] = field(default_factory=list)
+    #: Which bill of the request its close makes (0: the first; n: its n-th amendment),
+    #: and the bill of revision n - 1 it supersedes.
+    revision: int = 0
+    previous: BillingEvent | None = None
+    #: The close marker of that revision (the store records this close only over it).
+    previous_marker: str | None = None
+    #: The offset the superseded revision closed at: records up to it are its replays.
+    floor: int = -1
+    #: Sequence numbers of records an amended request had already, applied again without
+    #: being counted or written again (those after a gap wait here for the missing one).
+    uncounted: set[int] = field(default_factory=set)
 
     def applied(self, raw: _Raw) -> None:
         """Count `raw` (just applied) into the request's provenance."""
         self.digest.add(raw.value)
+        self.kept.append(KeptRecord(raw.position.offset, raw.record.seq, raw.value))
         offset = raw.position.offset
         first = self.first_offset
         if first is None:

@@ -18,12 +18,16 @@ from streamtally.core.content import FULL, ContentPolicy
 from streamtally.core.identity import RequestRef, call_request_id
 from streamtally.core.pricing import PriceTable
 from streamtally.processors._records import _Open, _Raw
+from streamtally.processors.amendable import Amendable
 from streamtally.processors.clock import InputClock
 from streamtally.processors.limits import Limits
 from streamtally.processors.outputs import Closed, Counters
 
 #: How many closed requests are remembered locally (Redis remembers them all).
 CLOSED_MEMORY = 200_000
+#: Bytes of record values of amendable requests kept locally (Redis keeps them all for the
+#: state TTL; one evicted here is asked of Redis when a record for it comes).
+AMENDABLE_MEMORY_BYTES = 64 << 20
 
 
 class _ProcessorState:
@@ -84,6 +88,12 @@ class _ProcessorState:
         #: A request id's latest call, when it is not the request of that id itself (a new
         #: call of a closed request's id: `RequestProcessor.arrive`), by the id's request.
         self._calls: OrderedDict[RequestRef, RequestRef] = OrderedDict()
+        #: Requests closed at their timeout or over a gap, as their next revision starts
+        #: from (`processors.amendable`), most recent last, and the bytes they hold.
+        self._amendable: OrderedDict[RequestRef, Amendable] = OrderedDict()
+        self._amendable_bytes = 0
+        #: Requests asked of the store for their amendable state and not found (expired).
+        self._not_amendable: set[RequestRef] = set()
 
     @property
     def open_requests(self) -> int:
@@ -124,6 +134,57 @@ class _ProcessorState:
                     RequestRef(ref.tenant, call_request_id(ref.request_id, record.received_at))
                 )
         return refs
+
+    def to_amend(self, raws: Iterable[_Raw | None]) -> set[RequestRef]:
+        """Requests the records `raws` would amend whose state is not held here: ask the
+        store for it (`learn_amendable`) before they `arrive`.
+
+        Those closed at their timeout or over a gap (as last known) with a record after
+        their close, and those whose next revision an earlier run decided on but did not
+        write (it starts from the revision before).
+        """
+        wanted: set[RequestRef] = set()
+        for raw in raws:
+            if raw is None:
+                continue
+            ref = raw.ref
+            if self._calls:
+                ref = self._calls.get(ref, ref)
+            if ref in self._open or ref in self._amendable or ref in wanted:
+                continue
+            closed = self._closed.get(ref)
+            if closed is not None:
+                if closed.amendable and raw.position.offset > closed.offset:
+                    wanted.add(ref)
+                continue
+            pending = self._pending_close.get(ref)
+            if pending is not None and pending.revision > 0:
+                wanted.add(ref)
+        return wanted
+
+    def learn_amendable(self, ref: RequestRef, amendable: Amendable | None) -> None:
+        """What the store keeps of `ref` for its amendments (None: nothing, it expired)."""
+        if amendable is None:
+            self._not_amendable.add(ref)
+        else:
+            self._keep_amendable(ref, amendable)
+
+    def _keep_amendable(self, ref: RequestRef, amendable: Amendable) -> None:
+        old = self._amendable.pop(ref, None)
+        if old is not None:
+            self._amendable_bytes -= old.size
+        self._amendable[ref] = amendable
+        self._amendable_bytes += amendable.size
+        self._not_amendable.discard(ref)
+        while self._amendable_bytes > AMENDABLE_MEMORY_BYTES and len(self._amendable) > 1:
+            _, evicted = self._amendable.popitem(last=False)
+            self._amendable_bytes -= evicted.size
+
+    def _drop_amendable(self, ref: RequestRef) -> Amendable | None:
+        old = self._amendable.pop(ref, None)
+        if old is not None:
+            self._amendable_bytes -= old.size
+        return old
 
     def learn_closed(self, ref: RequestRef, closed: Closed) -> None:
         """An earlier run closed `ref` (applied) or decided to (not yet applied)."""

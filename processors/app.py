@@ -244,6 +244,13 @@ def create_app(
             for ref, closed in found.items():
                 processor.learn_closed(ref, closed)
 
+    async def learn_amendable(refs: set[RequestRef]) -> None:
+        """Ask Redis what the batch's late records need to amend their requests with."""
+        if refs:
+            found = await sinks().find_amendable(sorted(refs))
+            for ref, state in found.items():
+                processor.learn_amendable(ref, state)
+
     tps: dict[tuple[str, int], TopicPartition] = {}
     sse_topic = topics.raw_sse.name
 
@@ -294,6 +301,7 @@ def create_app(
         # A record's request is (tenant, request id), known only from its body.
         raws = processor.take_batch(messages, examined, outputs)
         await learn(processor.to_learn(raws))
+        await learn_amendable(processor.to_amend(raws))
         holds = processor.arrive_batch(outputs, messages, raws, tps, TopicPartition)
         # Written while the next batch is applied; its records are held once it is durable.
         await writes.submit(outputs, holds)

@@ -54,23 +54,39 @@ class Closed:
     reason: CloseReason
     applied: bool = True
     last_received: int | None = None
+    #: Which bill of the request this close made (0: the first; n: its n-th amendment).
+    revision: int = 0
 
     def marker(self) -> str:
-        """``"offset reason"``, and `` last_received`` when known (the Redis close marker)."""
-        if self.last_received is None:
-            return f"{self.offset} {self.reason.value}"
-        return f"{self.offset} {self.reason.value} {self.last_received}"
+        """``"offset reason"``, `` last_received`` when known (``-`` when not, before a
+        revision), and `` revision`` when it is not 0 (the Redis close marker)."""
+        text = f"{self.offset} {self.reason.value}"
+        if self.last_received is not None:
+            text += f" {self.last_received}"
+        elif self.revision:
+            text += " -"
+        if self.revision:
+            text += f" {self.revision}"
+        return text
 
     @classmethod
     def from_marker(cls, text: str, *, applied: bool) -> Closed:
         offset, _, rest = text.partition(" ")
-        reason, _, received = rest.partition(" ")
+        reason, _, rest = rest.partition(" ")
+        received, _, revision = rest.partition(" ")
         return cls(
             int(offset),
             CloseReason(reason or "end"),
             applied,
-            int(received) if received else None,
+            int(received) if received and received != "-" else None,
+            int(revision) if revision else 0,
         )
+
+    @property
+    def amendable(self) -> bool:
+        """Whether records after it may amend the request: it closed without its END
+        marker, at its timeout or over a gap (`processors.amendable`)."""
+        return self.reason is CloseReason.TIMEOUT or self.reason is CloseReason.GAP
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +103,13 @@ class Completed:
     #: `tokens` and `billing` as their topics' Avro values (encoded once, here).
     tokens_value: bytes = b""
     billing_value: bytes = b""
+    #: For a request closed at its timeout or over a gap: its encoded
+    #: `processors.amendable.Amendable`, kept for its amendments (None: not amendable).
+    amendable: bytes | None = None
+    #: For an amendment (`billing.revision` > 0): the bill it supersedes, and that
+    #: bill's close marker (the store records this close only over it).
+    supersedes: BillingEvent | None = None
+    supersedes_marker: str | None = None
 
     @property
     def ref(self) -> RequestRef:
@@ -142,6 +165,8 @@ class Counters:
     revoked: int = 0
     requests_completed: int = 0
     requests_timed_out: int = 0
+    #: Closes that billed an amendment (a revision > 0), counted in `requests_completed` too.
+    requests_amended: int = 0
     #: Requests billed at 0 because no price applied (or the cost overflowed the record).
     unpriced: int = 0
 

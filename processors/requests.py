@@ -75,6 +75,7 @@ from streamtally.core.normalize import Normalizer
 from streamtally.errors import InputError
 from streamtally.processors._closing import _Closing
 from streamtally.processors._records import RawRecord, _Open, _Raw
+from streamtally.processors.amendable import Amendable
 from streamtally.processors.clock import input_time
 from streamtally.processors.limits import Limits
 from streamtally.processors.outputs import (
@@ -298,6 +299,108 @@ class RequestProcessor(_Closing):
         self.arrive_as(out, raw, call)
         return call
 
+    def _amend(
+        self,
+        out: Outputs,
+        raw: _Raw,
+        ref: RequestRef,
+        closed: Closed | None,
+        pending: Closed | None,
+    ) -> _Open | None:
+        """A record after the close of `ref`: the request opened again as its next
+        revision (its records so far applied again, silently), or None when the record
+        was dead-lettered: the request closed at its END or a limit, its amendable state
+        is gone, or the record is one it had.
+
+        `closed`: its close as known (the record is after it); `pending`: instead, the
+        close of its next revision an earlier run decided and did not write.
+        """
+        record, key, value, position = raw.record, raw.key, raw.value, raw.position
+        source, request_id = record.source.value, record.request_id
+        last = closed if closed is not None else pending
+        assert last is not None
+        if closed is not None and not closed.amendable:
+            late = InputError(
+                f"event for request {raw.ref}, which is already closed (at its "
+                f"{closed.reason.value}: nothing comes after it)"
+            )
+            self._dead(out, late, key, value, position, source=source, request_id=request_id)
+            return None
+        revision = last.revision if closed is not None else last.revision - 1
+        kept = self._amendable.get(ref)
+        if kept is None or kept.revision != revision:
+            gone = InputError(
+                f"event for request {raw.ref}, closed at its {last.reason.value} and no "
+                f"longer amendable: its state (revision {revision}) is not kept any more "
+                "(older than STREAMTALLY_STATE_TTL)"
+            )
+            self._dead(out, gone, key, value, position, source=source, request_id=request_id)
+            return None
+        if closed is not None and record.seq in kept.seqs:
+            again = InputError(
+                f"event seq {record.seq} of request {raw.ref}, which it had when it closed "
+                f"at its {closed.reason.value}: a duplicate, nothing to amend"
+            )
+            self._dead(out, again, key, value, position, source=source, request_id=request_id)
+            return None
+        refused = self._refused_by_limits(record.tenant)
+        if refused is not None:
+            self._dead(out, refused, key, value, position, source=source, request_id=request_id)
+            return None
+        return self._reopen(ref, raw, kept, pending)
+
+    def _reopen(self, ref: RequestRef, raw: _Raw, kept: Amendable, pending: Closed | None) -> _Open:
+        """Open `ref` again as revision ``kept.revision + 1``: its kept records applied
+        in sequence order through a new `Normalizer` and `Fold` (those after a missing
+        one wait for it), counted and written nothing of (they were, at its first close).
+        """
+        decode = avro.decode_raw_engine_output if kept.engine else avro.decode_raw_sse_event
+        records = sorted(((decode(k.value), k) for k in kept.records), key=lambda pair: pair[0].seq)
+        first = records[0][0] if records else raw.record
+        record = raw.record
+        self._open_by_tenant[record.tenant] += 1
+        self._closed.pop(ref, None)
+        state = self._open[ref] = _Open(
+            normalizer=Normalizer(
+                first.source,
+                ref.request_id,
+                model=first.model if isinstance(first, RawEngineOutput) else None,
+            ),
+            fold=Fold(ref.request_id, first.source, max_text_bytes=self.limits.text_bytes),
+            tenant=record.tenant,
+            source=first.source.value,
+            next_seq=0,
+            last_time=first.received_at,
+            latest=first.received_at,
+            last_input=0.0,
+            max_offset=raw.position.offset,
+            topic_partition=(kept.topic, kept.partition),
+            close_at=pending if pending is not None else self._pending_close.pop(ref, None),
+            revision=kept.revision + 1,
+            previous=kept.bill,
+            previous_marker=kept.marker,
+            floor=kept.closed_offset,
+        )
+        if pending is not None:
+            self._pending_close.pop(ref, None)
+        state.uncounted = {again.seq for again, _ in records}
+        counters = self.counters
+        dead = counters.dead_lettered
+        silent = Outputs()
+        for again, k in records:
+            position = Position(kept.topic, kept.partition, k.offset)
+            one = _Raw(again, position, None, k.value, RequestRef(again.tenant, again.request_id))
+            if again.seq == state.next_seq:
+                self._apply(silent, ref, state, one, closing=True)
+                while state.next_seq in state.waiting:
+                    self._apply(silent, ref, state, state.waiting.pop(state.next_seq), closing=True)
+            elif again.seq > state.next_seq:
+                state.waiting[again.seq] = one
+        counters.dead_lettered = dead  # (none: each was applied before, and is again)
+        for again, _ in records:
+            state.latest = max(state.latest, again.received_at)
+        return state
+
     def call_of(self, raw: _Raw) -> RequestRef:
         """The request a record belongs to: its (tenant, request id), or a new call of it.
 
@@ -340,14 +443,27 @@ class RequestProcessor(_Closing):
             tp, position.offset, input_time(record.received_at.timestamp(), position.timestamp)
         )
         closed = self._closed.get(ref)
+        state: _Open | None
         if closed is not None:
             if position.offset <= closed.offset:
                 self.counters.replayed += 1
                 return
-            late = InputError(f"event for request {raw.ref}, which is already closed")
-            self._dead(out, late, key, value, position, source=source, request_id=request_id)
-            return
-        state = self._open.get(ref)
+            state = self._amend(out, raw, ref, closed, None)
+            if state is None:
+                return
+        else:
+            state = self._open.get(ref)
+            if state is None:
+                pending = self._pending_close.get(ref)
+                if pending is not None and pending.revision > 0:
+                    # An earlier run decided this request's next revision and did not
+                    # write it: it starts again from the revision before.
+                    state = self._amend(out, raw, ref, None, pending)
+                    if state is None:
+                        return
+            if state is not None and position.offset <= state.floor:
+                self.counters.replayed += 1  # a record of the revision it supersedes
+                return
         if state is None and record.kind is EventKind.END and record.seq == 0:
             # An end marker that is a request's first record: no event to bill (a phantom
             # 0-cost request otherwise).  (A later END ahead of its events waits for them.)

@@ -31,8 +31,10 @@ from redis.exceptions import RedisError
 
 from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
+from streamtally.errors import InputError
+from streamtally.processors.amendable import Amendable
 from streamtally.processors.requests import Closed, Outputs
-from streamtally.store import RedisSink, RedisStore
+from streamtally.store import RedisSink, RedisStore, amended_request
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.kafka import idempotent_producer
@@ -152,9 +154,14 @@ class RedisOutputs:
         self._dead: list[str] = []
 
     async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
-        conflicts = await self.store.mark_closing(
-            {done.ref: done.closed.marker() for done in outputs.completed}
-        )
+        firsts = {d.ref: d.closed.marker() for d in outputs.completed if not d.billing.revision}
+        conflicts = await self.store.mark_closing(firsts)
+        amending = {
+            d.ref: (d.closed.marker(), d.supersedes_marker or "")
+            for d in outputs.completed
+            if d.billing.revision
+        }
+        conflicts.update(await self.store.mark_amending(amending))
         for ref, marker in conflicts.items():
             log.warning(
                 "request %s of tenant %s was closed as %r already (by the partition's other "
@@ -167,6 +174,18 @@ class RedisOutputs:
 
     def add(self, outputs: Outputs) -> None:
         for done in outputs.completed:
+            if done.supersedes is not None:  # an amendment: revision n over n - 1
+                self._sink.amend(
+                    amended_request(
+                        done.tokens,
+                        done.billing,
+                        done.supersedes,
+                        records=done.records,
+                        duplicates=done.duplicates,
+                        amendable=done.amendable,
+                    )
+                )
+                continue
             self._sink.add(
                 done.tokens,
                 done.billing,
@@ -174,6 +193,8 @@ class RedisOutputs:
                 records=done.records,
                 duplicates=done.duplicates,
             )
+            if done.amendable is not None:
+                self._sink.keep(done.ref, done.amendable)
         self._dead.extend(
             self.store.position_of(letter.topic, letter.partition, letter.offset)
             for letter in outputs.dead_letters
@@ -195,6 +216,27 @@ class RedisOutputs:
         found = await self.store.closed_markers(refs)
         return {r: Closed.from_marker(m, applied=a) for r, (m, a) in found.items()}
 
+    async def amendable(self, refs: list[RequestRef]) -> dict[RequestRef, Amendable | None]:
+        """What each of `refs` keeps for its amendments; None: nothing (expired), or
+        something that is not an amendable state (logged: the request is not amended)."""
+        found = await self.store.amendable_states(refs)
+        states: dict[RequestRef, Amendable | None] = {}
+        for ref in refs:
+            data = found.get(ref)
+            if data is None:
+                states[ref] = None
+                continue
+            try:
+                states[ref] = Amendable.decode(data)
+            except InputError as exc:
+                log.error("the amendable state of %s is unreadable: %s", ref, exc)
+                states[ref] = None
+        return states
+
+
+async def _no_amendable(refs: list[RequestRef]) -> dict[RequestRef, Amendable | None]:
+    return dict.fromkeys(refs)  # no memory beyond this process
+
 
 async def _no_lookup(refs: list[RequestRef]) -> dict[RequestRef, Closed]:
     del refs  # no memory beyond this process
@@ -204,9 +246,13 @@ async def _no_lookup(refs: list[RequestRef]) -> dict[RequestRef, Closed]:
 class Sinks:
     """The sinks of a worker, written in order, plus where closed requests are looked up."""
 
-    def __init__(self, *sinks: Sink, lookup: Any = _no_lookup) -> None:
+    def __init__(
+        self, *sinks: Sink, lookup: Any = _no_lookup, amendable: Any = _no_amendable
+    ) -> None:
         self._sinks = sinks
         self.lookup = lookup
+        #: Where the amendable states of requests closed at their timeout are looked up.
+        self.amendable = amendable
         self._write_failing = False
         self._probe_failing = False
         #: Monotonic time the stores last all answered (a write, a lookup or a probe).
@@ -255,6 +301,16 @@ class Sinks:
         """The lookup of closed requests, retried as the writes are."""
         found: dict[RequestRef, Closed] = await retry(
             lambda: self.lookup(refs), "closed-request lookup", self._health, self._failed("redis")
+        )
+        return found
+
+    async def find_amendable(self, refs: list[RequestRef]) -> dict[RequestRef, Amendable | None]:
+        """The lookup of amendable states (`processors.amendable`), retried as the writes are."""
+        found: dict[RequestRef, Amendable | None] = await retry(
+            lambda: self.amendable(refs),
+            "amendable-state lookup",
+            self._health,
+            self._failed("redis"),
         )
         return found
 

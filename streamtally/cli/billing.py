@@ -118,7 +118,8 @@ def event_json(event: BillingEvent) -> dict[str, Any]:
 
     The provenance fields (BillingEvent v3) are null, and `usage_source` "unknown", for
     an event written before them; `provider_request_id` (v4) is null before v4, and when
-    the request's stream named no id of its own.
+    the request's stream named no id of its own; `revision` (v5) is 0 and `supersedes`
+    null before v5 (see `BillingEvent.revision`: the highest revision stands).
     """
     return {
         "event_id": event.event_id,
@@ -140,6 +141,8 @@ def event_json(event: BillingEvent) -> dict[str, Any]:
         "raw_sha256": event.raw_sha256,
         "usage_source": event.usage_source.value,
         "provider_request_id": event.provider_request_id,
+        "revision": event.revision,
+        "supersedes": event.supersedes,
     }
 
 

@@ -152,7 +152,9 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         )
         del app  # the sinks have their own batching producer
         kafka = KafkaSink(settings.kafka, topics)
-        return Sinks(kafka, redis_outputs, lookup=redis_outputs.lookup)
+        return Sinks(
+            kafka, redis_outputs, lookup=redis_outputs.lookup, amendable=redis_outputs.amendable
+        )
 
     pipeline = create_app(settings, make_sinks, on_failure=_stop_this_worker)
     logging.getLogger(STATUS_LOGGER).info(

@@ -40,7 +40,7 @@ from streamtally.store.scripts import (
     FLUSH_SCRIPT,
     FinishedRequest,
 )
-from streamtally.store.sink import RedisSink, finished_request
+from streamtally.store.sink import RedisSink, amended_request, finished_request
 
 __all__ = [
     "COST_FIELDS",
@@ -60,6 +60,7 @@ __all__ = [
     "RedisClient",
     "RedisSink",
     "RedisStore",
+    "amended_request",
     "closed_key",
     "day_of",
     "finished_request",

@@ -45,7 +45,21 @@ when read.  A dead-lettered record lives in ``crc32(position) % 16``.
 
 ``st:{T}:closed:{ref}`` (string, expires after the state TTL)
     ``"offset reason"``, the close decision of the request, written once
-    (SET NX) before its outputs leave.
+    (SET NX) before its outputs leave; ``"offset reason last_received"``
+    since new calls, and ``"offset reason last_received revision"`` (with
+    ``-`` for an unknown ``last_received``) for an amendment's close, which
+    replaces the marker of the revision before it, and only that one.
+
+``st:{T}:revision:{ref}`` (string, expires after the state TTL)
+    The latest revision of the request's bill applied (its Tokens, its usage
+    row): a decimal integer, written with each amendment.  Absent: revision 0
+    when the Tokens key exists.
+
+``st:{T}:amend:{ref}`` (string, binary, expires after the state TTL)
+    For a request whose latest revision closed at its timeout or over a gap:
+    what its next revision starts from (`streamtally.processors.amendable`:
+    zlib-compressed, its applied raw records and its bill).  Deleted when an
+    amendment closes at its END.
 
 ``st:{T}:usage:{day}:{tenant}:{model}`` (hash, never expires)
     This shard's part of one usage row. `day` is the UTC date of
@@ -118,6 +132,7 @@ __all__ = [
     "STATS_FIELDS",
     "UNKNOWN_MODEL",
     "UNPRICED_FIELD",
+    "amend_key",
     "closed_key",
     "closed_pattern",
     "correction_key",
@@ -127,6 +142,7 @@ __all__ = [
     "parse_row_member",
     "parse_tokens_key",
     "position_of",
+    "revision_key",
     "row_member",
     "rows_key",
     "shard_of",
@@ -226,6 +242,16 @@ def tokens_key(ref: RequestRef) -> str:
 def closed_key(ref: RequestRef) -> str:
     """``st:{T}:closed:{ref}``: the close decision of `ref`, in its shard."""
     return f"{_tag(shard_of(ref))}closed:{ref.text}"
+
+
+def revision_key(ref: RequestRef) -> str:
+    """``st:{T}:revision:{ref}``: the latest revision of `ref`'s bill applied."""
+    return f"{_tag(shard_of(ref))}revision:{ref.text}"
+
+
+def amend_key(ref: RequestRef) -> str:
+    """``st:{T}:amend:{ref}``: what `ref`'s next revision starts from (if it may have one)."""
+    return f"{_tag(shard_of(ref))}amend:{ref.text}"
 
 
 def dead_key(position: str) -> str:

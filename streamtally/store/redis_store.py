@@ -32,6 +32,7 @@ from streamtally.store.layout import (
     ROW_FIELDS,
     SHARDS,
     STATS_FIELDS,
+    amend_key,
     closed_key,
     closed_pattern,
     correction_key,
@@ -39,6 +40,7 @@ from streamtally.store.layout import (
     guard_key,
     parse_row_member,
     parse_tokens_key,
+    revision_key,
     row_member,
     rows_key,
     shard_of,
@@ -52,12 +54,17 @@ from streamtally.store.layout import (
 )
 from streamtally.store.rows import day_filter, reply_text, usage_row
 from streamtally.store.scripts import (
+    AMEND_CLOSE_SCRIPT,
+    AMEND_SCRIPT,
     CLOSE_ONCE_SCRIPT,
     CORRECT_ROW_SCRIPT,
     DEAD_LETTER_SCRIPT,
     FLUSH_SCRIPT,
+    AmendedRequest,
     FinishedRequest,
     ShardCall,
+    amend_call,
+    amend_close_calls,
     close_once_calls,
     dead_letter_calls,
     flush_calls,
@@ -92,6 +99,8 @@ class RedisStore:
         self._dead = client.register_script(DEAD_LETTER_SCRIPT)
         self._close_once = client.register_script(CLOSE_ONCE_SCRIPT)
         self._correct_row = client.register_script(CORRECT_ROW_SCRIPT)
+        self._amend_close = client.register_script(AMEND_CLOSE_SCRIPT)
+        self._amend = client.register_script(AMEND_SCRIPT)
 
     @classmethod
     def from_url(
@@ -230,6 +239,57 @@ class RedisStore:
             for index, marker in zip(flat[::2], flat[1::2], strict=True):
                 conflicts[refs[call.indexes[int(index) - 1]]] = reply_text(marker)
         return conflicts
+
+    async def mark_amending(
+        self, decisions: Mapping[RequestRef, tuple[str, str]]
+    ) -> dict[RequestRef, str]:
+        """Record amendments' close decisions (request -> (marker, the superseded
+        revision's marker)) before their outputs are sent.
+
+        An amendment's decision replaces the marker of the revision it supersedes and
+        nothing else: returns the requests found decided with another marker (another
+        owner decided that revision, or a later one), whose outputs must not be written.
+        """
+        if not decisions:
+            return {}
+        refs = list(decisions)
+        rows = [(shard_of(ref), closed_key(ref), *decisions[ref]) for ref in refs]
+        calls = amend_close_calls(rows, self._ttl_s)
+        conflicts: dict[RequestRef, str] = {}
+        for call, flat in zip(calls, await self._run(self._amend_close, calls), strict=True):
+            for index, marker in zip(flat[::2], flat[1::2], strict=True):
+                conflicts[refs[call.indexes[int(index) - 1]]] = reply_text(marker)
+        return conflicts
+
+    async def apply_amendments(self, batch: Sequence[AmendedRequest]) -> list[bool]:
+        """Apply amendments, each once (`AMEND_SCRIPT`), in order: True when this call
+        applied it, False when that revision (or a later one) was applied before."""
+        flags = []
+        for amendment in batch:
+            keys, argv = amend_call(amendment, self._ttl_s)
+            flags.append(bool(await self._amend(keys=keys, args=argv)))
+        return flags
+
+    async def keep_amendable(self, states: Mapping[RequestRef, bytes]) -> None:
+        """Keep what requests closed at their timeout or over a gap need for an amendment
+        (`streamtally.processors.amendable`), for the state TTL.  Idempotent: a replay
+        writes the same bytes again."""
+        if not states:
+            return
+        async with self._client.pipeline(transaction=False) as pipe:
+            for ref, state in states.items():
+                pipe.set(amend_key(ref), state, ex=self._ttl_s or None)
+            await pipe.execute()
+
+    async def amendable_states(self, refs: Sequence[RequestRef]) -> dict[RequestRef, bytes]:
+        """The amendable states kept of `refs` (absent: none kept, or expired)."""
+        if not refs:
+            return {}
+        async with self._client.pipeline(transaction=False) as pipe:
+            for ref in refs:
+                pipe.get(amend_key(ref))
+            replies = await pipe.execute()
+        return {ref: bytes(value) for ref, value in zip(refs, replies, strict=True) if value}
 
     async def apply_requests(self, batch: Sequence[FinishedRequest]) -> list[bool]:
         """Apply finished requests: one atomic, idempotent script call per shard.
@@ -441,11 +501,17 @@ class RedisStore:
             for ref in refs:
                 pipe.get(closed_key(ref))
                 pipe.exists(tokens_key(ref))
+                pipe.get(revision_key(ref))
             replies = await pipe.execute()
         found: dict[RequestRef, tuple[str, bool]] = {}
-        for ref, marker, exists in zip(refs, replies[::2], replies[1::2], strict=True):
+        for i, ref in enumerate(refs):
+            marker, exists, revision = replies[3 * i : 3 * i + 3]
             if marker is not None:
-                found[ref] = (reply_text(marker), bool(exists))
+                text = reply_text(marker)
+                # Applied: the Tokens of revision 0, or the revision the marker names.
+                wanted = _marker_revision(text)
+                applied = bool(exists) and int(reply_text(revision) if revision else 0) >= wanted
+                found[ref] = (text, applied)
         return found
 
     async def closed_count(self) -> int:
@@ -472,3 +538,9 @@ class RedisStore:
                 field = reply_text(name)
                 out[field] = out.get(field, 0) + int(value)
         return out
+
+
+def _marker_revision(marker: str) -> int:
+    """The revision a close marker names (its fourth field; absent: 0)."""
+    fields = marker.split(" ")
+    return int(fields[3]) if len(fields) > 3 else 0

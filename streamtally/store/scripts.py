@@ -3,8 +3,11 @@
 `FLUSH_SCRIPT` applies finished requests of ONE shard in one atomic, idempotent
 call; `CLOSE_ONCE_SCRIPT` records close decisions of one shard, write-once;
 `DEAD_LETTER_SCRIPT` counts dead-lettered raw records of one shard once per
-source position.  Every key a call touches carries its shard's hash tag
-(`streamtally.store.layout`), so each call touches one hash slot and runs on
+source position; `AMEND_CLOSE_SCRIPT` records the close decision of an
+amendment over the marker of the revision it supersedes, and `AMEND_SCRIPT`
+applies one amendment (`AmendedRequest`) once.  Every key a call touches
+carries its shard's hash tag (`streamtally.store.layout`), so each call
+touches one hash slot and runs on
 Redis Cluster as on one Redis.  The texts are a contract too: a script's SHA1
 names it in Redis's script cache, and the argument order below is what the
 texts read.
@@ -36,13 +39,18 @@ from typing import Final
 from streamtally.store.layout import LAYOUT_VERSION, guard_key, rows_key, stats_key
 
 __all__ = [
+    "AMEND_CLOSE_SCRIPT",
+    "AMEND_SCRIPT",
     "ARGS_PER_REQUEST",
     "CLOSE_ONCE_SCRIPT",
     "CORRECT_ROW_SCRIPT",
     "DEAD_LETTER_SCRIPT",
     "FLUSH_SCRIPT",
+    "AmendedRequest",
     "FinishedRequest",
     "ShardCall",
+    "amend_call",
+    "amend_close_calls",
     "close_once_calls",
     "dead_letter_calls",
     "flush_calls",
@@ -225,6 +233,117 @@ return conflicts
 """
 )
 
+AMEND_CLOSE_SCRIPT: Final = (
+    """
+-- KEYS[1] st:{T}:layout, KEYS[2..] st:{T}:closed:{ref} of the amendments deciding
+-- ARGV[1] the layout version, ARGV[2] the state TTL in seconds,
+-- ARGV[3..] per amendment: its marker, then the marker of the revision it supersedes
+-- An amendment's close decision replaces the marker of the revision it supersedes, and
+-- only that one: one decision per revision, whoever made it first.  Returns, flat, the
+-- index (1-based) of every amendment found decided with ANOTHER marker, and that marker.
+"""
+    + _PRELUDE
+    + """
+local refused = layout_is(KEYS[1], ARGV[1])
+if refused then return refused end
+local ttl = tonumber(ARGV[2])
+local conflicts = {}
+for i = 2, #KEYS do
+  local marker, previous = ARGV[2 * i - 1], ARGV[2 * i]
+  local current = redis.call('GET', KEYS[i])
+  if current == previous then
+    set(KEYS[i], marker, ttl, false)
+  elseif current ~= marker then
+    conflicts[#conflicts + 1] = i - 1
+    conflicts[#conflicts + 1] = current or ''
+  end
+end
+return conflicts
+"""
+)
+
+AMEND_SCRIPT: Final = (
+    """
+-- KEYS[1] st:{T}:layout, KEYS[2] st:{T}:usage:rows, KEYS[3] st:{T}:stats,
+-- KEYS[4] st:{T}:tokens:{ref}, KEYS[5] st:{T}:revision:{ref}, KEYS[6] st:{T}:amend:{ref},
+-- KEYS[7] the superseded bill's row part, KEYS[8] the amendment's row part
+-- ARGV[1] the layout version, ARGV[2] the state TTL in seconds, ARGV[3] the revision,
+-- ARGV[4] the Tokens JSON, ARGV[5] the amendment's row member,
+-- ARGV[6..13] the superseded bill: the five usage fields, cost_units, cost_pico, unpriced,
+-- ARGV[14..21] the amendment's: the same eight, ARGV[22] records, ARGV[23] duplicates,
+-- ARGV[24] its amendable state ('' : none, the key is deleted)
+-- Applies revision n once, and only over revision n - 1: the Tokens replaced, the
+-- superseded bill taken off its row part and the amendment added to its own (the same
+-- row, or another day's or model's), the records counted, the revision recorded.
+-- Returns 1 when it applied it, 0 when revision n or a later one was applied before.
+"""
+    + _PRELUDE
+    + """
+local PICO = 1000000000000
+local FIELDS = {'input_tokens', 'output_tokens', 'reasoning_tokens', 'cached_tokens',
+                'cache_write_tokens'}
+local refused = layout_is(KEYS[1], ARGV[1])
+if refused then return refused end
+local ttl = tonumber(ARGV[2])
+local revision = tonumber(ARGV[3])
+for _, k in ipairs({KEYS[7], KEYS[8]}) do
+  local t = redis.call('TYPE', k)
+  if type(t) == 'table' then t = t['ok'] end
+  if t ~= 'none' and t ~= 'hash' then
+    return redis.error_reply('streamtally: ' .. k .. ' is a ' .. t .. ', not a hash')
+  end
+end
+local applied = redis.call('GET', KEYS[5])
+if applied then
+  applied = tonumber(applied)
+elseif redis.call('EXISTS', KEYS[4]) == 1 then
+  applied = 0
+else
+  applied = -1
+end
+if applied >= revision then return 0 end
+if applied ~= revision - 1 then
+  return redis.error_reply('streamtally: revision ' .. revision .. ' of ' .. KEYS[4] ..
+                           ' over revision ' .. applied .. ', not ' .. (revision - 1))
+end
+
+local function add(key, a, sign)
+  for j = 1, 5 do
+    local v = tonumber(ARGV[a + j - 1])
+    if v ~= 0 then redis.call('HINCRBY', key, FIELDS[j], sign * v) end
+  end
+  redis.call('HINCRBY', key, 'requests', sign)
+  local unpriced = tonumber(ARGV[a + 7])
+  if unpriced ~= 0 then redis.call('HINCRBY', key, 'unpriced_requests', sign * unpriced) end
+  local units = sign * tonumber(ARGV[a + 5])
+  local pico = tonumber(redis.call('HGET', key, 'cost_pico') or '0') + sign * tonumber(ARGV[a + 6])
+  if pico >= PICO then
+    pico = pico - PICO
+    units = units + 1
+  elseif pico < 0 then
+    pico = pico + PICO
+    units = units - 1
+  end
+  if units ~= 0 then redis.call('HINCRBY', key, 'cost_units', units) end
+  redis.call('HSET', key, 'cost_pico', string.format('%d', pico))
+end
+
+add(KEYS[7], 6, -1)
+add(KEYS[8], 14, 1)
+redis.call('SADD', KEYS[2], ARGV[5])
+redis.call('HINCRBY', KEYS[3], 'records', ARGV[22])
+redis.call('HINCRBY', KEYS[3], 'duplicates', ARGV[23])
+set(KEYS[4], ARGV[4], ttl, false)
+set(KEYS[5], ARGV[3], ttl, false)
+if ARGV[24] == '' then
+  redis.call('DEL', KEYS[6])
+else
+  set(KEYS[6], ARGV[24], ttl, false)
+end
+return 1
+"""
+)
+
 CORRECT_ROW_SCRIPT: Final = (
     """
 -- KEYS[1] st:{T}:layout, KEYS[2] st:{T}:usage:rows, KEYS[3] st:{T}:usage:{day}:{tenant}:{model},
@@ -315,6 +434,60 @@ class FinishedRequest:
 
 
 @dataclass(frozen=True, slots=True)
+class AmendedRequest:
+    """One amendment as `AMEND_SCRIPT` takes it: revision n of a request's bill, replacing
+    revision n - 1 (`superseded`) in the usage rows.
+
+    Built by `streamtally.store.amended_request`, which checks the values.
+    """
+
+    shard: int
+    revision: int
+    tokens_key: str
+    revision_key: str
+    amend_key: str
+    #: The superseded bill's part of its row, and the amendment's (the same key, or not).
+    superseded_key: str
+    usage_key: str
+    tokens_json: str
+    row_member: str
+    #: The five usage counts, whole cost units, cost remainder and unpriced (0 or 1) of
+    #: the superseded bill, then of the amendment.
+    superseded: tuple[int, int, int, int, int, int, int, int]
+    amended: tuple[int, int, int, int, int, int, int, int]
+    records: int
+    duplicates: int
+    #: Its amendable state (`streamtally.processors.amendable`), if it may have a next.
+    amendable: bytes | None
+
+    def keys(self) -> list[str]:
+        return [
+            guard_key(self.shard),
+            rows_key(self.shard),
+            stats_key(self.shard),
+            self.tokens_key,
+            self.revision_key,
+            self.amend_key,
+            self.superseded_key,
+            self.usage_key,
+        ]
+
+    def argv(self, ttl: str) -> list[str | bytes]:
+        return [
+            LAYOUT_VERSION,
+            ttl,
+            str(self.revision),
+            self.tokens_json,
+            self.row_member,
+            *(str(v) for v in self.superseded),
+            *(str(v) for v in self.amended),
+            str(self.records),
+            str(self.duplicates),
+            b"" if self.amendable is None else self.amendable,
+        ]
+
+
+@dataclass(frozen=True, slots=True)
 class ShardCall:
     """One script call on one shard: its KEYS and ARGV, and which inputs it carries.
 
@@ -374,3 +547,24 @@ def dead_letter_calls(marks: Sequence[tuple[int, str]], ttl_s: int) -> list[Shar
         keys = [guard_key(shard), stats_key(shard), *(marks[i][1] for i in indexes)]
         calls.append(ShardCall(shard, keys, [LAYOUT_VERSION, ttl], indexes))
     return calls
+
+
+def amend_close_calls(
+    decisions: Sequence[tuple[int, str, str, str]], ttl_s: int
+) -> list[ShardCall]:
+    """The `AMEND_CLOSE_SCRIPT` calls recording `decisions` ((shard, closed key, marker,
+    superseded marker) each)."""
+    calls = []
+    ttl = _ttl(ttl_s)
+    for shard, indexes in sorted(_by_shard([d[0] for d in decisions]).items()):
+        keys = [guard_key(shard), *(decisions[i][1] for i in indexes)]
+        argv = [LAYOUT_VERSION, ttl]
+        for i in indexes:
+            argv += [decisions[i][2], decisions[i][3]]
+        calls.append(ShardCall(shard, keys, argv, indexes))
+    return calls
+
+
+def amend_call(amendment: AmendedRequest, ttl_s: int) -> tuple[list[str], list[str | bytes]]:
+    """The KEYS and ARGV of the `AMEND_SCRIPT` call applying `amendment`."""
+    return amendment.keys(), amendment.argv(_ttl(ttl_s))

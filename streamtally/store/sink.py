@@ -20,8 +20,10 @@ from streamtally.core.models import Tokens
 from streamtally.core.money import cost_parts
 from streamtally.store.layout import (
     UNKNOWN_MODEL,
+    amend_key,
     closed_key,
     day_of,
+    revision_key,
     row_member,
     shard_of,
     tokens_json,
@@ -29,10 +31,10 @@ from streamtally.store.layout import (
     usage_key,
 )
 from streamtally.store.redis_store import RedisStore
-from streamtally.store.scripts import FinishedRequest
+from streamtally.store.scripts import AmendedRequest, FinishedRequest
 from streamtally.wire.records import BillingEvent
 
-__all__ = ["RedisSink", "finished_request"]
+__all__ = ["RedisSink", "amended_request", "finished_request"]
 
 _INT64_MAX: Final = 2**63 - 1
 
@@ -102,6 +104,66 @@ def finished_request(
     )
 
 
+def _bill_values(billing: BillingEvent) -> tuple[int, int, int, int, int, int, int, int]:
+    """A bill's five usage counts, whole cost units, cost remainder and unpriced (0/1)."""
+    units, pico = cost_parts(billing.cost)
+    if abs(units) > _INT64_MAX:
+        raise ValueError(f"{billing.request_id}: cost {billing.cost} is too large to count")
+    counts = billing.usage_counts()
+    return (
+        *(_counter(name, value) for name, value in counts.items()),  # type: ignore[return-value]
+        units,
+        pico,
+        0 if billing.priced else 1,
+    )
+
+
+def amended_request(
+    tokens: Tokens,
+    billing: BillingEvent,
+    superseded: BillingEvent,
+    *,
+    records: int = 0,
+    duplicates: int = 0,
+    amendable: bytes | None = None,
+) -> AmendedRequest:
+    """What the amend script takes for revision ``billing.revision`` of a request, which
+    replaces `superseded` (its revision before) in the usage rows.
+
+    Raises ValueError when the bills are not of one request, revision after revision,
+    or `billing` is not the billing event of `tokens`, or a value cannot be counted.
+    """
+    if billing.revision < 1 or superseded.revision != billing.revision - 1:
+        raise ValueError(
+            f"{tokens.request_id}: revision {billing.revision} does not follow revision "
+            f"{superseded.revision}"
+        )
+    if (superseded.tenant, superseded.request_id) != (billing.tenant, billing.request_id):
+        raise ValueError(f"{tokens.request_id}: the superseded bill is of another request")
+    if billing.supersedes != superseded.event_id:
+        raise ValueError(f"{tokens.request_id}: the amendment supersedes another bill")
+    plain = finished_request(tokens, billing, records=records, duplicates=duplicates)
+    ref = RequestRef(billing.tenant, tokens.request_id)
+    shard = shard_of(ref)
+    model = superseded.model or UNKNOWN_MODEL
+    return AmendedRequest(
+        shard=shard,
+        revision=billing.revision,
+        tokens_key=plain.tokens_key,
+        revision_key=revision_key(ref),
+        amend_key=amend_key(ref),
+        superseded_key=usage_key(shard, day_of(superseded.event_time), billing.tenant, model),
+        usage_key=plain.usage_key,
+        tokens_json=plain.tokens_json,
+        row_member=plain.row_member,
+        superseded=_bill_values(superseded),
+        amended=_bill_values(billing),
+        records=plain.records,
+        duplicates=plain.duplicates,
+        amendable=amendable,
+    )
+
+
 class RedisSink:
     """Batches finished requests and writes them to Redis: atomic per shard, idempotent.
 
@@ -111,10 +173,21 @@ class RedisSink:
     def __init__(self, store: RedisStore) -> None:
         self._store = store
         self._pending: list[FinishedRequest] = []
+        #: Amendable states of requests in `_pending`, written once they are applied.
+        self._states: dict[RequestRef, bytes] = {}
+        self._amendments: list[AmendedRequest] = []
 
     def __len__(self) -> int:
         """How many requests wait for the next flush."""
-        return len(self._pending)
+        return len(self._pending) + len(self._amendments)
+
+    def keep(self, ref: RequestRef, amendable: bytes) -> None:
+        """Keep `ref`'s amendable state, with the next `flush` (after its request's apply)."""
+        self._states[ref] = amendable
+
+    def amend(self, amendment: AmendedRequest) -> None:
+        """Queue one amendment for the next `flush` (applied after the requests added)."""
+        self._amendments.append(amendment)
 
     def add(
         self,
@@ -148,9 +221,16 @@ class RedisSink:
         is written, and a retry of a batch that was (partly) applied, say when the reply
         was lost, reports False for the requests already applied.
         """
-        if not self._pending:
-            return []
         batch = list(self._pending)
-        flags = await self._store.apply_requests(batch)
+        flags = await self._store.apply_requests(batch) if batch else []
         del self._pending[: len(batch)]
+        # A failure below leaves these queued: a retry writes the same states and applies
+        # each amendment at most once (the script checks its revision).
+        if self._states:
+            await self._store.keep_amendable(self._states)
+            self._states = {}
+        if self._amendments:
+            amendments = list(self._amendments)
+            await self._store.apply_amendments(amendments)
+            del self._amendments[: len(amendments)]
         return flags

@@ -142,6 +142,7 @@ def price_request(
     event_time: datetime,
     prices: PriceTable,
     provenance: Provenance | None = None,
+    *,
     revision: int = 0,
 ) -> Billed:
     """The billing event of the finished request `tokens`, and the quote behind its cost.
@@ -236,11 +237,12 @@ def bill(
     event_time: datetime,
     prices: PriceTable,
     provenance: Provenance | None = None,
+    *,
     revision: int = 0,
 ) -> BillingEvent:
     """The billing event of the finished request `tokens` (unpriced: cost 0, priced False);
     `revision` n > 0: its n-th amendment, superseding revision n - 1."""
-    return price_request(tokens, tenant, event_time, prices, provenance, revision).event
+    return price_request(tokens, tenant, event_time, prices, provenance, revision=revision).event
 
 
 def _carried(cost: Decimal) -> bool:

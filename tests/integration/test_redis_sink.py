@@ -32,6 +32,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.core.pricing import PriceTable
 from streamtally.ops.rebuild import TokensRecord, apply, join
+from streamtally.processors.outputs import Closed, CloseReason
 from streamtally.store import (
     LAYOUT_KEY,
     LAYOUT_VERSION,
@@ -41,6 +42,7 @@ from streamtally.store import (
     LayoutError,
     RedisSink,
     RedisStore,
+    amended_request,
     closed_key,
     layout_v2,
     row_member,
@@ -1176,3 +1178,72 @@ async def test_a_row_correction_is_added_once_and_keeps_the_row_writable(
             correction_key(other_shard, "d" * 32),
             correction_key(third_shard, "e" * 32),
         )
+
+
+# --------------------------------------------------------------------------- amendments
+
+
+def _bill_of(tenant: str, rid: str, usage: Usage, when: datetime, revision: int) -> BillingEvent:
+    return bill(make_tokens(rid, usage, MODEL), tenant, when, PRICES, revision=revision)
+
+
+async def test_an_amendment_moves_the_bill_from_its_row_to_the_next_once(
+    own_client: aioredis.Redis, own_store: RedisStore
+) -> None:
+    """Revision 0 on one day's row, revision 1 (the same request, closed the next day)
+    on the next day's: the first row loses exactly the first bill (its cost borrowing a
+    unit), the second gains the second; applying it again changes nothing."""
+    store = own_store
+    ref = RequestRef("acme", "amended")
+    day1 = datetime(2026, 3, 1, 23, 59, tzinfo=UTC)
+    day2 = datetime(2026, 3, 2, 0, 1, tzinfo=UTC)
+    first = _bill_of("acme", ref.request_id, Usage(input_tokens=400_001), day1, 0)
+    other = _bill_of("acme", "other", Usage(input_tokens=799_999), day1, 0)
+    amended = _bill_of(
+        "acme", ref.request_id, Usage(input_tokens=400_000, output_tokens=7), day2, 1
+    )
+    assert amended.supersedes == first.event_id
+    tokens0 = make_tokens(ref.request_id, first.usage, MODEL)
+    tokens1 = make_tokens(ref.request_id, amended.usage, MODEL)
+    other_tokens = make_tokens("other", other.usage, MODEL)
+    marker0 = Closed(3, CloseReason.TIMEOUT, True, 1, 0).marker()
+    marker1 = Closed(9, CloseReason.END, True, 2, 1).marker()
+    sink = RedisSink(store)
+    assert await store.mark_closing({ref: marker0}) == {}
+    sink.add(tokens0, first, closed=marker0, records=3)
+    sink.add(other_tokens, other, closed="5 end", records=2)
+    sink.keep(ref, b"state of revision 0")
+    assert await sink.flush() == [True, True]
+    assert await store.amendable_states([ref]) == {ref: b"state of revision 0"}
+    assert await store.closed_markers([ref]) == {ref: (marker0, True)}
+
+    # The amendment's decision replaces revision 0's marker, and only that one.
+    assert await store.mark_amending({ref: (marker1, "elsewhere")}) == {ref: marker0}
+    assert await store.mark_amending({ref: (marker1, marker0)}) == {}
+    assert await store.mark_amending({ref: (marker1, marker0)}) == {}  # the same again
+    assert await store.closed_markers([ref]) == {ref: (marker1, False)}  # decided, not applied
+    change = amended_request(tokens1, amended, first, records=6, duplicates=1, amendable=None)
+    assert await store.apply_amendments([change]) == [True]
+    assert await store.closed_markers([ref]) == {ref: (marker1, True)}
+    assert await store.amendable_states([ref]) == {}  # closed at its END: nothing to keep
+    before = await store.usage_rows()
+    assert await store.apply_amendments([change]) == [False]  # a replay: applied once
+    assert await store.usage_rows() == before
+    by_day = {row["day"]: row for row in before}
+    # The first day keeps the other request only; their costs summed to whole units (3.00),
+    # so taking the first's 1.0000025 off borrows a unit.
+    assert first.cost + other.cost == 3
+    assert (by_day["2026-03-01"]["requests"], by_day["2026-03-01"]["input_tokens"]) == (1, 799_999)
+    assert Decimal(by_day["2026-03-01"]["cost"]) == other.cost
+    assert (by_day["2026-03-02"]["requests"], by_day["2026-03-02"]["output_tokens"]) == (1, 7)
+    assert Decimal(by_day["2026-03-02"]["cost"]) == amended.cost
+    stats = await store.stats()
+    assert (stats["records"], stats["duplicates"], stats["requests"]) == (11, 1, 2)
+    assert json.loads(await own_client.get(tokens_key(ref)))["usage"]["output_tokens"] == 7
+    # An amendment over a revision that was never applied is refused, writing nothing.
+    skipped = _bill_of("acme", "never", Usage(input_tokens=1), day2, 1)
+    base = _bill_of("acme", "never", Usage(), day1, 0)
+    never = make_tokens("never", skipped.usage, MODEL)
+    with pytest.raises(ResponseError, match="over revision -1"):
+        await store.apply_amendments([amended_request(never, skipped, base)])
+    assert await store.usage_rows() == before

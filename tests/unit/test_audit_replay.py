@@ -303,10 +303,14 @@ def test_a_request_is_closed_where_the_worker_decided() -> None:
     def at_three(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
         return {req.ref: (f"{early} timeout", True)}
 
+    # The rest came after that close at its timeout: it amends the request (revision 1),
+    # still open at the snapshot (no end marker came), as in the worker.
     outcomes, machine = replay(records, markers=at_three)
     (closed,) = outcomes.bills
-    assert closed.event_time == req.times[2]
-    assert machine.processor.counters.dead_lettered == len(records) - 3
+    assert (closed.event_time, closed.revision) == (req.times[2], 0)
+    assert [p[0] for p in outcomes.partials] == [req.ref]
+    assert machine.processor.counters.dead_lettered == 0
+    assert machine.processor.counters.applied == len(records)
 
 
 def test_a_marker_before_a_request_makes_its_records_late() -> None:
@@ -434,5 +438,6 @@ def test_a_new_call_is_closed_where_the_worker_decided() -> None:
     outcomes, _ = replay(records, markers=markers)
     new = next(b for b in outcomes.bills if b.request_id == new_ref.request_id)
     assert new.last_offset == closed_at
-    assert new.finish_reason.value == "error"
-    assert outcomes.partials == []
+    assert (new.finish_reason.value, new.revision) == ("error", 0)
+    # Its record after that close amends it: open again (revision 1) at the snapshot.
+    assert [p[0] for p in outcomes.partials] == [new_ref]

@@ -675,14 +675,24 @@ def test_a_timeout_decided_by_an_earlier_run_is_replayed_to_the_same_outputs(fil
     s = sample(file)
     prefix = max(1, len(s.records) // 2)
     original, replay = _timed_out_then_replayed(s, prefix)
-    a, b = original.only(s.request_id), replay.only(s.request_id)
+    # The late records amend it: revision 0 at the timeout, revision 1 at its END.
+    (a, amended_a), (b, amended_b) = (
+        original.completed(s.request_id),
+        replay.completed(s.request_id),
+    )
     assert b.tokens == a.tokens
     assert b.tokens.error == TIMED_OUT
     assert avro.encode_billing_event(b.billing) == avro.encode_billing_event(a.billing)
     assert avro.encode_tokens(b.tokens) == avro.encode_tokens(a.tokens)
     assert b.closed == a.closed
     assert (b.records, b.duplicates) == (a.records, a.duplicates)
-    # Everything else too: the chunks and the late records' dead letters.
+    assert (amended_a.billing.revision, amended_a.billing.supersedes) == (1, a.billing.event_id)
+    assert amended_a.tokens.error is None
+    assert amended_a.tokens == s.expected()
+    assert amended_a.records == len(s.records) - prefix
+    assert amended_b.closed == amended_a.closed
+    assert original.processor.counters.dead_lettered == 0
+    # Everything else too: the chunks and the amendment.
     assert replay.encoded() == original.encoded()
 
 
