@@ -193,6 +193,23 @@ class _ProcessorState:
         else:
             self._pending_close[ref] = closed
 
+    def closed_elsewhere(self, ref: RequestRef, closed: Closed) -> None:
+        """Another owner of its partition decided `ref`'s close first (`closed`, applied or
+        not yet): that decision stands, not the one this process made (whose outputs were
+        not written).  Its later records are judged by it: replays up to its offset,
+        late after."""
+        self._pending_close.pop(ref, None)
+        self._remember(ref, closed)
+
+    def forget_closed(self, refs: Iterable[RequestRef]) -> None:
+        """Forget these closes (decided elsewhere, not known applied, of a partition this
+        worker no longer owns): should the partition come back, their records are read
+        again and Redis asked, so the request is closed and applied where it was decided
+        instead of its records being dropped as replays of a close nobody applied."""
+        for ref in refs:
+            self._closed.pop(ref, None)
+            self._pending_close.pop(ref, None)
+
     def _release(self, tenant: str) -> None:
         left = self._open_by_tenant[tenant] - 1
         if left > 0:

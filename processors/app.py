@@ -17,7 +17,10 @@ Committing is what makes a crash harmless: a record is committed only when its
 request is closed and its outputs are durable, and only with every record
 before it in its partition (`CommitGate`), so a restarted worker re-reads every
 record of every request that was open, and nothing of the requests it had
-finished.
+finished.  A request whose close the partition's other owner decided first
+(after a rebalance; `Sinks.write` writes nothing of it here) counts as closed
+once that close is applied, which the worker asks Redis at every write until it
+is; never on the decision alone (`processors.commits`).
 """
 
 from __future__ import annotations
@@ -99,6 +102,9 @@ class Pipeline:
     writes: WriteBehind | None = None
     #: The app's timers by name (create_app registers them with faust): what they run.
     timers: dict[str, Callable[[], Awaitable[None]]] = field(default_factory=dict)
+    #: What the consumer's rebalance listener calls with the partitions revoked (set by
+    #: create_app; agent tests call it as a rebalance would).
+    revoked: Callable[[set[TopicPartition]], Awaitable[None]] | None = None
 
 
 class _Boot(BootStrategy):
@@ -206,18 +212,55 @@ def create_app(
     async def finish(outputs: Outputs, holds: Holds) -> None:
         """Write the outputs, then hold the batch's records and commit those now done."""
         written = await sinks().write(outputs)
-        metrics.written(written)
+        metrics.written(written.outputs)
         # Only now, with the batch's outputs durable, may its records be released.
         for tp, offset, ref, span in holds:
             gate.hold(tp, offset, ref, span)
-        # A request whose close another owner decided first keeps its records held:
-        # they are not committed here (that owner, or the next, accounts for them).
+        completed = written.outputs.completed
         gate.finished(
-            [done.ref for done in written.completed],
-            {done.ref: done.closed.offset for done in written.completed},
+            [done.ref for done in completed], {done.ref: done.closed.offset for done in completed}
         )
+        # A request whose close another owner decided first: its records are released as
+        # that owner's, once its close is applied (asked at every write until it is).
+        gate.elsewhere(written.elsewhere)
+        if written.elsewhere or gate.waiting_elsewhere():
+            await closed_elsewhere(written.elsewhere)
         if gate.release() and pipeline.source is not None and pipeline.broken is None:
             await pipeline.source.commit(gate.committable())
+
+    async def closed_elsewhere(new: frozenset[RequestRef]) -> None:
+        """Ask Redis about the requests whose close another owner decided first (`new`:
+        those of this write): release the records of those whose close is applied, their
+        outputs being durable there.
+
+        A decision not (yet) applied keeps its request's records held: its owner may be
+        mid-write, or may have died between the decision and the apply, and a commit past
+        them would bill the request nowhere.  The processor takes the decision as the
+        request's close either way (`RequestProcessor.closed_elsewhere`).
+        """
+        waiting = gate.waiting_elsewhere()
+        found = await sinks().find_closed(sorted(new.union(waiting)))
+        for ref in new:  # also one none of whose records waits here (none is held)
+            if ref in found:
+                processor.closed_elsewhere(ref, found[ref])
+        applied: dict[RequestRef, int] = {}
+        for ref in waiting:
+            closed = found.get(ref)
+            if closed is not None and closed.applied:
+                processor.closed_elsewhere(ref, closed)
+                applied[ref] = closed.offset
+            elif ref in new:
+                log.warning(
+                    "the close of request %s of tenant %s decided by another owner (%s) is "
+                    "not applied yet: its records stay uncommitted until it is (should that "
+                    "owner have died, the rebalance its leaving starts re-reads the "
+                    "partition, and the request is closed where it decided)",
+                    ascii(ref.request_id),
+                    ascii(ref.tenant),
+                    "its marker is gone" if closed is None else repr(closed.marker()),
+                )
+        if applied:
+            gate.finished(list(applied), applied)
 
     def fail(exc: BaseException) -> None:
         """The first failure of a batch or a close: commit nothing more, and stop."""
@@ -344,6 +387,8 @@ def create_app(
         async with pipeline.batch_lock:
             await _revoke(tps)
 
+    pipeline.revoked = revoked
+
     async def _revoke(tps: set[TopicPartition]) -> None:
         # The batch written behind: its records held, what is done committed (a write that
         # failed broke the pipeline: nothing is committed below).
@@ -353,7 +398,9 @@ def create_app(
                 {tp: o for tp, o in gate.committable().items() if tp in tps}
             )
         dropped = processor.drop_partitions({(tp.topic, tp.partition) for tp in tps})
-        gate.drop(tps, dropped)  # the next owner re-reads them
+        # The next owner re-reads them; a close decided elsewhere and not applied is
+        # forgotten, so that, read again here, it is asked about and closed where decided.
+        processor.forget_closed(gate.drop(tps, dropped))
 
     async def consume_raw_topics() -> None:
         source = RawSource(settings, topics, revoked, pipeline.revocations)

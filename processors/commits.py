@@ -14,6 +14,20 @@ closing offset is done, so the committed offset never lies inside a new call's
 offsets.  A reader that starts from the committed offset (a restarted worker,
 the partition's next owner) then always meets a new call's first record before
 its later ones, which belong to it only through that first record.
+
+Closes decided elsewhere: after a rebalance two owners of a partition can close one
+request, and the first close decision written to Redis stands (`Sinks.write` writes
+nothing of the other).  The records of a request whose close another owner decided
+are released as that owner's, but only once that close is *applied* (its Tokens, usage
+and billing durable): a decision alone may be one whose owner died before applying it,
+and a commit past its records would leave the request billed by nobody.  So the worker
+marks such a request `elsewhere` (its records stay held), asks Redis about the requests
+`waiting_elsewhere` at every write, and calls `finished` for those applied.  One never
+applied (its decider died between the decision and the apply) keeps its partition's
+committed offset at or before its first record until the partition is revoked (the
+decider's leaving the group rebalances it): `drop` hands it back, the processor forgets
+its close, and whoever reads the partition next reads the request from its first
+record, finds the decision in Redis and closes it there, writing the outputs.
 """
 
 from __future__ import annotations
@@ -56,6 +70,9 @@ class CommitGate:
         self._ready: dict[Hashable, int] = {}
         #: The last offset held per partition since it was (re)assigned.
         self._last: dict[Hashable, int] = {}
+        #: Requests whose close another owner decided, not yet known applied: their
+        #: partition (their records stay held until `finished`).
+        self._elsewhere: dict[RequestRef, Hashable] = {}
 
     def __len__(self) -> int:
         """Records held, done or not."""
@@ -95,8 +112,11 @@ class CommitGate:
         """These requests are closed and their outputs durable: their records are done.
 
         `closed_at`: each request's closing offset, for the new calls among them.
+        Also for a request closed `elsewhere`, once that close is applied (never before:
+        see the module docstring).
         """
         for request in requests:
+            self._elsewhere.pop(request, None)
             for held in self._open.pop(request, ()):
                 held.done = True
             first = self._spans.pop(request, None)
@@ -104,6 +124,24 @@ class CommitGate:
                 end = closed_at.get(request, -1)
                 if end > first.offset:
                     first.until = end
+
+    def elsewhere(self, requests: Iterable[RequestRef]) -> None:
+        """Another owner decided these requests' close first (their outputs here were not
+        written): their records stay held until `finished` is told that close is applied.
+        A request with no record held here (none waits on it) is not kept."""
+        for request in requests:
+            held = self._open.get(request)
+            if not held:
+                continue
+            first = held[0]
+            for tp, queue in self._queues.items():  # rare: a scan is cheap enough
+                if any(record is first for record in queue):
+                    self._elsewhere[request] = tp
+                    break
+
+    def waiting_elsewhere(self) -> list[RequestRef]:
+        """The requests `elsewhere` whose close is not yet known applied, sorted."""
+        return sorted(self._elsewhere)
 
     def release(self) -> dict[Hashable, int]:
         """Per partition, the offset to commit (all records below it done), when it moved."""
@@ -122,15 +160,25 @@ class CommitGate:
         """Every partition's offset to commit, as of the last `release`."""
         return dict(self._ready)
 
-    def drop(self, tps: Iterable[Hashable], requests: Iterable[RequestRef]) -> None:
-        """A rebalance took these partitions: forget their records (the next owner re-reads)."""
-        for tp in tps:
+    def drop(self, tps: Iterable[Hashable], requests: Iterable[RequestRef]) -> list[RequestRef]:
+        """A rebalance took these partitions: forget their records (the next owner re-reads).
+
+        `requests`: their open requests.  Returns the requests closed `elsewhere` of these
+        partitions that were still waited for: their close is not known applied, so the
+        processor must forget it (`RequestProcessor.forget_closed`) and ask Redis again
+        when it meets their records.
+        """
+        gone = set(tps)
+        for tp in gone:
             self._queues.pop(tp, None)
             self._ready.pop(tp, None)
             self._last.pop(tp, None)
-        for request in requests:
+        waited = sorted(r for r, tp in self._elsewhere.items() if tp in gone)
+        for request in [*requests, *waited]:
             self._open.pop(request, None)
             self._spans.pop(request, None)
+            self._elsewhere.pop(request, None)
+        return waited
 
 
 def _span_done(queue: deque[_Held]) -> bool:

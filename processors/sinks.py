@@ -13,6 +13,14 @@ Only then does the worker acknowledge the records of the finished requests,
 so a crash at any point replays them, and a replay writes the same bytes
 (every output is computed from the raw records alone) while Redis counts each
 request once.
+
+One close decision per request: a request whose close another owner of its
+partition decided first (after a rebalance) gets none of its outputs written
+here; `write` names it in `Written.elsewhere`.  Its records are not this
+worker's to release on its own word: they may be committed only once that
+other close is applied (its Tokens in Redis, `find_closed` says ``applied``),
+never on the decision alone, which a worker that died before applying it
+leaves behind (`processors.commits`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import redis.asyncio as aioredis
@@ -39,9 +48,21 @@ from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.kafka import idempotent_producer
 
-__all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks", "retry"]
+__all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks", "Written", "retry"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Written:
+    """What `Sinks.write` made durable, and which closes it left to another owner."""
+
+    #: The outputs written: the batch's, less the completions of `elsewhere`.
+    outputs: Outputs
+    #: Requests whose close another owner decided first (a different close marker was
+    #: there): nothing of their close is written here, and their records may be released
+    #: only once that owner's close is applied (`CommitGate.elsewhere`).
+    elsewhere: frozenset[RequestRef] = frozenset()
 
 
 class Sink(Protocol):
@@ -165,7 +186,8 @@ class RedisOutputs:
         for ref, marker in conflicts.items():
             log.warning(
                 "request %s of tenant %s was closed as %r already (by the partition's other "
-                "owner): its close here is not written",
+                "owner): its close here is not written, its records are released once that "
+                "close is applied",
                 ascii(ref.request_id),
                 ascii(ref.tenant),
                 marker,
@@ -271,14 +293,17 @@ class Sinks:
                 if stop is not None:
                     await stop()
 
-    async def write(self, outputs: Outputs) -> Outputs:
+    async def write(self, outputs: Outputs) -> Written:
         """Make the outputs durable, retrying each step until it succeeds.
 
         Every step is idempotent, so a retry after a lost reply is harmless;
         a broker or Redis that is down stalls the worker instead of losing data.
+        The completions of requests whose close was decided otherwise already (by the
+        partition's other owner) are left out and named in `Written.elsewhere`: the
+        caller must not take them for done before that close is applied.
         """
         if not outputs:
-            return outputs
+            return Written(outputs)
         async with self._lock:
             decided_otherwise: set[RequestRef] = set()
             for sink in self._sinks:
@@ -295,10 +320,11 @@ class Sinks:
                 sink.add(outputs)
             for sink in self._sinks:
                 await retry(sink.flush, type(sink).__name__, self._health, self._failed(sink))
-        return outputs
+        return Written(outputs, frozenset(decided_otherwise))
 
     async def find_closed(self, refs: list[RequestRef]) -> dict[RequestRef, Closed]:
-        """The lookup of closed requests, retried as the writes are."""
+        """The lookup of closed requests, retried as the writes are: per request that has
+        a close marker, the decision and whether it was applied (`Closed.applied`)."""
         found: dict[RequestRef, Closed] = await retry(
             lambda: self.lookup(refs), "closed-request lookup", self._health, self._failed("redis")
         )

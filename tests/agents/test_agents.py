@@ -20,9 +20,17 @@ from aiokafka import TopicPartition
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
+from streamtally.core.pricing import PriceTable
 from streamtally.processors.app import Pipeline, create_app
 from streamtally.processors.clock import InputClock
-from streamtally.processors.requests import Outputs
+from streamtally.processors.requests import (
+    Closed,
+    CloseReason,
+    Completed,
+    Outputs,
+    Position,
+    RequestProcessor,
+)
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, RawMessage
 from streamtally.producers import raw_records
@@ -483,3 +491,173 @@ async def test_a_write_hanging_through_an_outage_is_not_taken_for_quiet_time() -
         await watch()
     await close_quiet()
     assert processor.counters.requests_timed_out == 2
+
+
+class _SharedRedis:
+    """A sink and a lookup over what Redis holds for two owners of one partition: close
+    decisions (write-once, as ``mark_closing``) and which closes were applied (Tokens).
+
+    The other owner's decisions are put in by the test (`decided`, `applied`); this worker's
+    go through `begin`, and its flush applies what it wrote."""
+
+    def __init__(self) -> None:
+        self.decided: dict[RequestRef, Closed] = {}
+        self.applied: set[RequestRef] = set()
+        self.written: list[Completed] = []
+        self._added: list[Completed] = []
+
+    async def begin(self, outputs: Outputs) -> set[RequestRef]:
+        conflicts = set()
+        for done in outputs.completed:
+            first = self.decided.setdefault(done.ref, done.closed)
+            if first.marker() != done.closed.marker():
+                conflicts.add(done.ref)
+        return conflicts
+
+    def add(self, outputs: Outputs) -> None:
+        self._added.extend(outputs.completed)
+
+    async def flush(self) -> None:
+        for done in self._added:
+            if done.ref not in self.applied:  # the first Tokens written wins
+                self.applied.add(done.ref)
+                self.written.append(done)
+        self._added = []
+
+    async def lookup(self, refs: list[RequestRef]) -> dict[RequestRef, Closed]:
+        return {
+            ref: Closed.from_marker(self.decided[ref].marker(), applied=ref in self.applied)
+            for ref in refs
+            if ref in self.decided
+        }
+
+
+class _TwoOwners:
+    """One raw partition read by this worker (a pipeline with `_SharedRedis`), whose
+    request ``r`` another owner closes first, by timeout, before its END."""
+
+    def __init__(self) -> None:
+        self.redis = _SharedRedis()
+        settings = Settings(
+            kafka_bootstrap_servers="127.0.0.1:1",
+            redis_url_setting="redis://127.0.0.1:1/0",
+            request_timeout=30.0,
+        )
+        redis = self.redis
+        self.pipeline = create_app(
+            settings, lambda app: Sinks(redis, lookup=redis.lookup), consume=False
+        )
+        self.source = _CommitLog()
+        self.pipeline.source = self.source  # type: ignore[assignment]
+        self.topic = TOPICS.raw_sse.name
+        self.tp = TopicPartition(self.topic, 0)
+        transcript = (SAMPLES / "openai/text_usage.sse").read_bytes()
+        self.records = {
+            rid: raw_records(Source.OPENAI, transcript, tenant="acme", request_id=rid)[1]
+            for rid in ("before", "r", "s", "t")
+        }
+        self.r = RequestRef("acme", "r")
+        self.log: list[RawMessage] = []  # the partition as written, offset = index
+
+    def messages(self, rid: str, part: slice = slice(None)) -> tuple[RawMessage, ...]:
+        """Records of `rid` appended to the partition (at its next offsets)."""
+        appended = tuple(
+            RawMessage(self.topic, 0, len(self.log) + i, 1_790_000_000.0, rid.encode(), v)
+            for i, v in enumerate(self.records[rid][part])
+        )
+        self.log.extend(appended)
+        return appended
+
+    async def feed(self, *messages: RawMessage) -> None:
+        """One batch through the agent's own function, its write finished."""
+        fetched = FetchedBatch(self.pipeline.revocations.generation, messages)
+
+        async def stream() -> Any:
+            yield fetched
+
+        await self.pipeline.agents["process-raw"].fun(stream())
+
+    def other_owner_times_out_r(self, first: int) -> Completed:
+        """Another owner read r's records up to (not with) its END, from offset `first`,
+        and closed it by timeout: its close (`.closed`: its decision, as it writes it)."""
+        wall = _Wall()
+        other = RequestProcessor(PriceTable.default(), timeout=1.0, clock=wall)
+        out = Outputs()
+        for m in self.log[first : first + len(self.records["r"]) - 1]:
+            other.handle_sse(m.key, m.value, Position(m.topic, 0, m.offset, m.timestamp), out)
+        wall.now += 10
+        [theirs] = other.expire().completed
+        assert theirs.closed.reason is CloseReason.TIMEOUT
+        return theirs
+
+    def committed(self) -> int | None:
+        return self.source.commits[-1][self.tp] if self.source.commits else None
+
+
+async def test_records_of_a_request_closed_and_applied_by_another_owner_are_released() -> None:
+    """After a rebalance another owner closed r first (by timeout) and applied its close; this
+    worker's close of r at its END is not written.  r's records are released as that owner's:
+    the partition goes on committing past r.  (Before, they stayed held: the partition
+    committed nothing more until a rebalance or restart.)"""
+    two = _TwoOwners()
+    await two.feed(*two.messages("before"))
+    end_of_before = len(two.log)
+    assert two.committed() == end_of_before
+    await two.feed(*two.messages("r", slice(-1)))  # r is open here
+    assert two.committed() == end_of_before
+    two.redis.decided[two.r] = two.other_owner_times_out_r(end_of_before).closed
+    two.redis.applied.add(two.r)  # ... and applied: its Tokens, usage and bill are durable
+    await two.feed(*two.messages("r", slice(-1, None)), *two.messages("s"))
+    assert two.committed() == len(two.log)  # past r and s
+    await two.feed(*two.messages("t"))
+    assert two.committed() == len(two.log)
+    assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "t"]
+    assert two.pipeline.processor.counters.requests_completed == 4  # r closed here too
+    assert len(two.pipeline.gate) == 0
+
+
+async def test_a_close_decided_elsewhere_is_committed_past_only_once_it_is_applied() -> None:
+    """The other owner decided r's close but has not applied it (mid-write, or dead): this
+    worker commits nothing past r's first record, and asks Redis at every write; once the
+    close is applied (here: seen by the next timer pass) the partition commits on."""
+    two = _TwoOwners()
+    await two.feed(*two.messages("before"))
+    r_first = len(two.log)
+    await two.feed(*two.messages("r", slice(-1)))
+    two.redis.decided[two.r] = two.other_owner_times_out_r(r_first).closed  # not applied
+    await two.feed(*two.messages("r", slice(-1, None)), *two.messages("s"))
+    await two.feed(*two.messages("t"))
+    assert two.committed() == r_first  # s and t done, but behind r
+    assert two.pipeline.gate.waiting_elsewhere() == [two.r]
+    await two.pipeline.timers["close-quiet-requests"]()
+    assert two.committed() == r_first  # still not applied: still held
+    two.redis.applied.add(two.r)  # the other owner's write goes through
+    await two.pipeline.timers["close-quiet-requests"]()
+    assert two.committed() == len(two.log)
+    assert two.pipeline.gate.waiting_elsewhere() == []
+    assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "t"]
+
+
+async def test_a_close_decided_elsewhere_and_never_applied_is_closed_where_decided() -> None:
+    """The other owner died between its decision and its apply: r's records stay held.  Its
+    leaving rebalances the group: the partition is revoked, read again from the committed
+    offset (r's first record), and r, asked about again, is closed where the other owner
+    decided (same offset, same reason, same marker) and applied here: billed once, and the
+    partition commits on."""
+    two = _TwoOwners()
+    await two.feed(*two.messages("before"))
+    r_first = len(two.log)
+    await two.feed(*two.messages("r", slice(-1)))
+    theirs = two.other_owner_times_out_r(r_first)
+    two.redis.decided[two.r] = theirs.closed
+    await two.feed(*two.messages("r", slice(-1, None)), *two.messages("s"))
+    assert two.committed() == r_first
+    assert two.pipeline.revoked is not None
+    await two.pipeline.revoked({two.tp})
+    assert two.pipeline.gate.waiting_elsewhere() == []
+    await two.feed(*two.log[r_first:])  # read again from the committed offset
+    assert two.committed() == len(two.log)
+    [r_bill] = [done for done in two.redis.written if done.ref == two.r]
+    assert r_bill.closed.marker() == theirs.closed.marker()
+    assert (r_bill.tokens, r_bill.billing_value) == (theirs.tokens, theirs.billing_value)
+    assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "r"]

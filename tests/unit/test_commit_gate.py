@@ -355,6 +355,46 @@ def test_drop_of_a_partition_but_not_its_request_keeps_the_request_elsewhere() -
     assert gate.committable() == {TP_B: 1}
 
 
+def test_a_request_closed_elsewhere_holds_its_records_until_that_close_is_applied() -> None:
+    """Another owner decided r1's close first: its records are released as that owner's,
+    only once `finished` is told that close is applied; until then the partition commits
+    nothing past r1, and the records after it wait."""
+    parts = Partitions()
+    gate = parts.gate
+    parts.hold(TP_A, None)  # 0
+    parts.hold(TP_A, R1)  # 1
+    parts.hold(TP_A, R1)  # 2
+    parts.hold(TP_A, None)  # 3: the record that closed r1 here
+    parts.hold(TP_A, R2)  # 4
+    gate.finished([R2])
+    gate.elsewhere([R1, NOBODY])  # nobody holds nothing here: nothing to wait for
+    assert gate.waiting_elsewhere() == [R1]
+    assert gate.release() == {TP_A: 1}  # up to r1's first record, not past it
+    parts.hold(TP_A, None)  # 5: later batches go on coming
+    assert gate.release() == {}
+    gate.finished([R1])  # r1's close is applied where it was decided
+    assert gate.waiting_elsewhere() == []
+    assert gate.release() == {TP_A: 6}
+
+
+def test_drop_hands_back_the_requests_closed_elsewhere_it_stopped_waiting_for() -> None:
+    """A revoke forgets the partition; the requests closed elsewhere on it, whose close was
+    never applied, are handed back (the processor forgets their close: read again, they are
+    asked about and closed where decided).  Those of partitions kept stay waited for."""
+    parts = Partitions()
+    gate = parts.gate
+    parts.hold(TP_A, R1)
+    parts.hold(TP_B, R2)
+    parts.hold(TP_C, R3)
+    gate.elsewhere([R1, R2])
+    assert gate.drop({TP_A, TP_C}, [R3]) == [R1]
+    assert gate.waiting_elsewhere() == [R2]
+    gate.finished([R1])  # forgotten: harmless
+    gate.finished([R2])
+    assert gate.waiting_elsewhere() == []
+    assert gate.release() == {TP_B: 1}
+
+
 def test_drop_of_nothing_or_of_an_unknown_partition_is_harmless() -> None:
     parts = Partitions()
     gate = parts.gate

@@ -216,8 +216,9 @@ class DecidedSink:
         return None
 
 
-async def test_a_close_decided_otherwise_is_never_written_and_its_records_stay_held() -> None:
-    """One close decision per request: a second, different one writes no second bill."""
+async def test_a_close_decided_otherwise_is_never_written_and_is_named_as_elsewhere() -> None:
+    """One close decision per request: a second, different one writes no second bill, and
+    the write names the request as closed elsewhere (its records wait for that close)."""
     from streamtally.core.pricing import PriceTable
     from streamtally.processors.requests import Position, RequestProcessor
     from streamtally.producers import raw_records
@@ -238,7 +239,8 @@ async def test_a_close_decided_otherwise_is_never_written_and_its_records_stay_h
     assert [c.tokens.request_id for c in out.completed] == ["mine", "theirs"]
     sink = DecidedSink({RequestRef("t", "theirs")})
     written = await Sinks(sink).write(out)
-    assert [c.tokens.request_id for c in written.completed] == ["mine"]
+    assert [c.tokens.request_id for c in written.outputs.completed] == ["mine"]
+    assert written.elsewhere == {RequestRef("t", "theirs")}
     assert [c.tokens.request_id for c in sink.added[0].completed] == ["mine"]
 
 
