@@ -866,7 +866,8 @@ async def _serve(
         f"broke off); refused: {refused}; {proxy.oversize} bodies over --max-body-bytes "
         f"teed as their usage; unmetered {sum(done.unmetered.values())}; not "
         f"tapped for their encoding {sum(proxy.tees.stats.undecodable.values())}; records "
-        f"appended to the spool {stats.appended}, sent {stats.sent}, failed {stats.failed}, "
+        f"appended to the spool {stats.appended} ({stats.keepalives} keep-alives), sent "
+        f"{stats.sent}, failed {stats.failed}, "
         f"left in the spool {stats.spool_bytes} bytes"
     )
     return 0
