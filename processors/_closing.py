@@ -1,5 +1,10 @@
 """Closing requests: their records applied in order, their close, their billing event.
 
+A keep-alive record (`KEEPALIVE_EVENT`: the tap's call is still in flight) is applied
+like any record (it takes its sequence number, counts as applied, is in the provenance
+digest and moves the request's last time) and makes no chunk: the fold and the bill are
+what they would be without it.
+
 A request closes at its END marker, by timeout, over a gap or at a limit
 (`CloseReason`: its record count, or an event sent in parts past
 `Limits.event_bytes`); its outputs (Tokens, billing event, last chunks) are
@@ -63,6 +68,11 @@ class _Closing(_Refusals):
                 if record.cancelled:  # the client went away: unfinished choices `cancelled`
                     state.fold.cancel()
                 self._finish(out, ref, state, CloseReason.END)
+            return
+        if record.is_keepalive:  # the call is in flight: applied, nothing to fold
+            state.records += 1
+            self.counters.applied += 1
+            state.applied(raw)
             return
         event: Any
         if isinstance(record, RawSseEvent):
@@ -193,10 +203,13 @@ class _Closing(_Refusals):
                 self._apply(out, ref, state, state.waiting.pop(seq), closing=True)
             state.fold.fail(
                 f"raw events missing from seq {first_missing}: closed after "
-                f"{self.timeout:g}s without them"
+                f"{self.timeout_of(state.source):g}s without them"
             )
         elif reason is CloseReason.TIMEOUT:
-            message = f"request timed out: no end-of-stream marker within {self.timeout:g}s"
+            message = (
+                "request timed out: no end-of-stream marker within "
+                f"{self.timeout_of(state.source):g}s"
+            )
         elif reason is CloseReason.LIMIT:
             message = state.limit_reason or (
                 f"request closed at its record limit ({self.limits.records_per_request} records)"

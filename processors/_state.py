@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from collections import Counter as CounterOf
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable, Mapping
 
 from streamtally.core.content import FULL, ContentPolicy
 from streamtally.core.identity import RequestRef, call_request_id
@@ -68,12 +68,16 @@ class _ProcessorState:
         timeout: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
         limits: Limits | None = None,
+        timeouts: Mapping[str, float] | None = None,
     ) -> None:
         self.prices = prices
         #: The same table without a single price (same versions and dates): what an
         #: unpriceable request is billed by.
         self._no_prices = prices.without_prices()
+        #: Seconds a request may stay quiet before it closes (`timeout_of`): `timeouts` by
+        #: source name (``STREAMTALLY_REQUEST_TIMEOUTS``), else `timeout`.
         self.timeout = timeout
+        self.timeouts: dict[str, float] = dict(timeouts or {})
         self.limits = Limits() if limits is None else limits
         self._open_by_tenant: CounterOf[str] = CounterOf()
         self.counters = Counters()
@@ -98,6 +102,10 @@ class _ProcessorState:
     @property
     def open_requests(self) -> int:
         return len(self._open)
+
+    def timeout_of(self, source: str) -> float:
+        """Seconds a request of `source` (its name: ``anthropic``) may stay quiet."""
+        return self.timeouts.get(source, self.timeout)
 
     # -- what the agent asks Redis about ------------------------------------------------
 

@@ -181,6 +181,7 @@ def create_app(
     processor = RequestProcessor(
         PriceTable.load_or_default(settings.prices_path),
         timeout=settings.request_timeout,
+        timeouts=settings.request_timeouts,
         limits=Limits.from_settings(settings),
     )
     if settings.tenant_keys_path is not None:  # a bad file: InputError, one line, exit 2

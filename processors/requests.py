@@ -6,8 +6,11 @@
 requests, neither can close or bill the other), applies each raw record in
 sequence order, and
 closes a request at its end-of-stream marker or when it has been quiet for
-longer than the timeout.  The faust agents (`processors.app`) only move
-bytes between topics, Redis and this class; `streamtally fold` runs the same
+longer than the timeout (its source's, `timeout_of`: ``STREAMTALLY_REQUEST_TIMEOUTS``
+over ``STREAMTALLY_REQUEST_TIMEOUT``; a keep-alive record, `KEEPALIVE_EVENT`, is a record
+like any other, so a call its producer still keeps alive never goes quiet).  The faust
+agents (`processors.app`) only move bytes between topics, Redis and this class;
+`streamtally fold` runs the same
 `Normalizer` and `Fold`, so the pipeline and the command cannot disagree.
 
 Replays.  The worker acknowledges a request's raw records only once the
@@ -275,15 +278,18 @@ class RequestProcessor(_Closing):
         return out
 
     def expire(self) -> Outputs:
-        """Close every request that has been quiet for longer than the timeout."""
+        """Close every request that has been quiet for longer than its timeout (its
+        source's, `timeout_of`)."""
         out = Outputs()
         clock = self.input_clock
         clock.tick(self.live)
         timeout = self.timeout
+        timeouts = self.timeouts
         quiet = []
         for ref, state in self._open.items():
             now = clock.now(state.topic_partition)
-            if now is not None and now - state.last_input > timeout:
+            limit = timeouts.get(state.source, timeout) if timeouts else timeout
+            if now is not None and now - state.last_input > limit:
                 quiet.append(ref)
         for ref in quiet:
             state = self._open[ref]
@@ -342,6 +348,13 @@ class RequestProcessor(_Closing):
                 f"at its {closed.reason.value}: a duplicate, nothing to amend"
             )
             self._dead(out, again, key, value, position, source=source, request_id=request_id)
+            return None
+        if closed is not None and record.is_keepalive:
+            idle = InputError(
+                f"keep-alive of request {raw.ref} after its close at its "
+                f"{closed.reason.value}: no billable information, nothing to amend"
+            )
+            self._dead(out, idle, key, value, position, source=source, request_id=request_id)
             return None
         refused = self._refused_by_limits(record.tenant)
         if refused is not None:
@@ -464,10 +477,15 @@ class RequestProcessor(_Closing):
             if state is not None and position.offset <= state.floor:
                 self.counters.replayed += 1  # a record of the revision it supersedes
                 return
-        if state is None and record.kind is EventKind.END and record.seq == 0:
-            # An end marker that is a request's first record: no event to bill (a phantom
-            # 0-cost request otherwise).  (A later END ahead of its events waits for them.)
-            lone = InputError(f"end marker of request {ref}, which has no events")
+        if (
+            state is None
+            and record.seq == 0
+            and (record.kind is EventKind.END or record.is_keepalive)
+        ):
+            # An end marker (or a keep-alive) that is a request's first record: no event to
+            # bill (a phantom 0-cost request otherwise).  (A later one waits for its events.)
+            what = "end marker" if record.kind is EventKind.END else "keep-alive"
+            lone = InputError(f"{what} of request {ref}, which has no events")
             self._dead(out, lone, key, value, position, source=source, request_id=request_id)
             return
         if state is None:

@@ -37,6 +37,29 @@ default).  A SIGKILLed process loses nothing it appended: a `Tap` opened on
 the same directory sends from the cursor again (the records sent twice are
 duplicates the worker drops).
 
+Keep-alives. A call can be silent for minutes while it is alive (a reasoning model
+thinking before its first token or between two), and the worker closes a request as
+timed out once it has been quiet for its request timeout
+(``STREAMTALLY_REQUEST_TIMEOUT``, 300 s by default, or its source's,
+``STREAMTALLY_REQUEST_TIMEOUTS``). So while a request is in flight (between its first
+record and its END: for the proxy, while the upstream call is), the tap appends a
+keep-alive record for it whenever it produced no record for `keepalive_s` (30 s by
+default; None turns them off): a `RawSseEvent` whose event is `KEEPALIVE_EVENT`
+(``streamtally.keepalive``, no data), or for an engine source a `RawEngineOutput` EVENT
+without a payload. It takes the next sequence number of the call, as its events do (one
+background task looks at the calls once a second, or four times per `keepalive_s` when
+that is shorter; each append is one synchronous step, so it never falls between the
+records of one event), never waits for room in the spool (as an END marker), and the
+worker applies it as activity with no chunk: the bill is the same. `keepalive_s` must be
+well below the worker's request timeout (the tap cannot know it; a third of it at most
+leaves room for a slow broker), and an engine source's worker must be of a version that
+knows keep-alives (upgrade workers first: an older one refuses an engine keep-alive and
+waits for its sequence number; it makes nothing of an SSE one, as of any event without
+data). A request not yet sending (its id awaited), one numbered by its caller
+(`event(..., seq=n)`) and one `suspend`ed get none. A request a caller forgot to end
+stops being kept alive once it is garbage (weakly referenced): the worker then times it
+out.
+
 Backpressure.  `spool_bytes` (1 GiB by default) bounds the bytes not yet
 acknowledged.  `Tap.full` is True from 90 % of it on (`spool_headroom_bytes`):
 a proxy refuses new calls then; an event of a call in flight waits while the
@@ -79,9 +102,13 @@ response goes on upstream, and a later call (or the worker's timeout) ends it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import math
+import time
 import uuid
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -109,6 +136,7 @@ from streamtally.wire.records import PART_BYTES, PART_EVENT, RawEngineOutput, Ra
 from streamtally.wire.tenant_keys import ProducerKey
 
 __all__ = [
+    "DEFAULT_KEEPALIVE_S",
     "DEFAULT_SPOOL_BYTES",
     "DEFAULT_SPOOL_SYNC_MS",
     "Sender",
@@ -127,6 +155,12 @@ DEFAULT_SPOOL_BYTES: Final = DEFAULT_MAX_BYTES
 DEFAULT_SPOOL_SYNC_MS: Final = DEFAULT_SYNC_INTERVAL_S * 1000
 #: Default events a request without a given id holds until the provider's id shows.
 DEFAULT_ID_WAIT_EVENTS = 16
+#: Default seconds without a record after which a request in flight gets a keep-alive
+#: record: well below the worker's default request timeout (300 s).
+DEFAULT_KEEPALIVE_S: Final = 30.0
+#: Seconds between two looks at the requests in flight, at most (a quarter of
+#: `keepalive_s` when that is shorter).
+KEEPALIVE_TICK_S: Final = 1.0
 
 
 def utf8_slices(data: str, size: int) -> list[str]:
@@ -170,8 +204,9 @@ class TapStats:
     #: Requests ended, and those of them ended as cancelled.
     requests: int = 0
     cancelled: int = 0
-    #: Records appended to the spool.
+    #: Records appended to the spool, and the keep-alive records among them.
     appended: int = 0
+    keepalives: int = 0
     #: Bytes in the spool not yet acknowledged by Kafka, and the age of the oldest of them.
     spool_bytes: int = 0
     oldest_unsent_age_s: float = 0.0
@@ -198,9 +233,14 @@ class Tap:
         clock: Callable[[], datetime] = utc_now,
         options: AdapterOptions | None = None,
         key: ProducerKey | None = None,
+        keepalive_s: float | None = DEFAULT_KEEPALIVE_S,
     ) -> None:
         if spool_bytes < 1:
             raise ValueError(f"spool_bytes must be >= 1, got {spool_bytes}")
+        if keepalive_s is not None and not (math.isfinite(keepalive_s) and keepalive_s > 0):
+            raise ValueError(
+                f"keepalive_s must be a finite number of seconds > 0 (None: off), got {keepalive_s}"
+            )
         if not spool_sync_ms > 0:
             raise ValueError(f"spool_sync_ms must be > 0, got {spool_sync_ms}")
         if sender is None:
@@ -225,6 +265,11 @@ class Tap:
         self._spool_sender: SpoolSender | None = None
         #: Records not encoded or not spooled (the sender counts those Kafka refused).
         self._failed = 0
+        #: Seconds without a record before a request in flight gets a keep-alive (None: off).
+        self.keepalive_s = keepalive_s
+        #: The requests that may need keep-alives (weakly: a request dropped unended goes).
+        self._requests: weakref.WeakSet[TapRequest] = weakref.WeakSet()
+        self._keepalive_task: asyncio.Task[None] | None = None
 
     @property
     def spool(self) -> Spool:
@@ -276,6 +321,10 @@ class Tap:
             await spool.close()
             raise
         self._spool, self._spool_sender = spool, spool_sender
+        if self.keepalive_s is not None:
+            self._keepalive_task = asyncio.create_task(
+                self._keep_alive_loop(self.keepalive_s), name="streamtally-tap-keepalive"
+            )
         return self
 
     async def close(self, timeout: float = 30.0) -> None:
@@ -285,6 +334,11 @@ class Tap:
         spool, spool_sender = self._spool, self._spool_sender
         if spool is None or spool_sender is None or spool.closed:
             return
+        task, self._keepalive_task = self._keepalive_task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         await spool_sender.drain(timeout)
@@ -322,7 +376,35 @@ class Tap:
         """One request's tap, an async context manager (see `TapRequest`)."""
         if not tenant:
             raise ValueError("tenant must not be empty")
-        return TapRequest(self, source, tenant=tenant, request_id=request_id, model=model)
+        request = TapRequest(self, source, tenant=tenant, request_id=request_id, model=model)
+        self._requests.add(request)
+        return request
+
+    # ------------------------------------------------------------------ keep-alives
+
+    def keep_alive(self, now: float | None = None) -> int:
+        """Append a keep-alive record for every request in flight that produced no record
+        for `keepalive_s` seconds by `now` (`time.monotonic`; the default: now); returns
+        how many.  The background task calls it; nothing to do when keep-alives are off."""
+        interval = self.keepalive_s
+        if interval is None or self._spool is None or self._spool.closed:
+            return 0
+        at = time.monotonic() if now is None else now
+        sent = 0
+        for request in list(self._requests):
+            if request._keep_alive(at, interval):
+                sent += 1
+        return sent
+
+    async def _keep_alive_loop(self, interval: float) -> None:
+        tick = max(0.01, min(KEEPALIVE_TICK_S, interval / 4))
+        while True:
+            await asyncio.sleep(tick)
+            self.keep_alive()
+
+    def _forget(self, request: TapRequest) -> None:
+        """`request` ended or was suspended: no more keep-alives for it."""
+        self._requests.discard(request)
 
     # ------------------------------------------------------------------ spooling
 
@@ -378,6 +460,10 @@ class TapRequest:
         #: None once it is known, or once an event came through `event` (no bytes).
         self._raw: bytearray | None = bytearray() if self._request_id is None else None
         self._ended = False
+        #: `time.monotonic` when its last record was appended (keep-alives are timed by it).
+        self._last_append = time.monotonic()
+        #: Its caller numbers its events (`event(..., seq=n)`): the tap sends no keep-alive.
+        self._numbered = False
 
     @property
     def request_id(self) -> str | None:
@@ -442,6 +528,8 @@ class TapRequest:
             raise ValueError("received_at must be an aware datetime")
         if self._ended:
             raise RuntimeError("the request has ended")
+        self._numbered = True  # the numbers are the caller's: no keep-alive can take one
+        self.tap._forget(self)
         received = self.tap.clock() if received_at is None else received_at
         await self.tap._wait_for_room()
         self._send([event], received, seq)
@@ -551,6 +639,55 @@ class TapRequest:
             return
         for i, value in enumerate(values):
             self.tap._put(self, request_id, first + i, value)
+        self._last_append = time.monotonic()
+
+    def _keep_alive(self, now: float, interval: float) -> bool:
+        """A keep-alive record if the request is in flight and produced no record for
+        `interval` seconds by `now`; whether one was appended.
+
+        In flight: its first record sent (its id known), not ended or suspended, not
+        numbered by its caller.  Synchronous, so it cannot fall between the records of
+        one event (`_send` is synchronous too); it never waits for room in the spool.
+        """
+        if self._ended or self._numbered or self._seq == 0 or self._request_id is None:
+            return False
+        if now - self._last_append < interval:
+            return False
+        request_id, seq = self._request_id, self._seq
+        self._seq += 1
+        self._last_append = now
+        received = self.tap.clock()
+        try:
+            if self.source.is_sse:
+                value = avro.encode_raw_sse_event(
+                    RawSseEvent.keepalive(
+                        request_id=request_id,
+                        seq=seq,
+                        source=self.source,
+                        tenant=self.tenant,
+                        received_at=received,
+                    )
+                )
+            else:
+                value = avro.encode_raw_engine_output(
+                    RawEngineOutput.keepalive(
+                        request_id=request_id,
+                        seq=seq,
+                        source=self.source,
+                        tenant=self.tenant,
+                        received_at=received,
+                        model=self.model,
+                    )
+                )
+        except Exception as exc:  # noqa: BLE001 - counted and logged (the worker sees the gap)
+            self.tap._failed += 1
+            log.error(
+                "tap: keep-alive %d of request %s could not be encoded: %r", seq, request_id, exc
+            )
+            return False
+        self.tap._put(self, request_id, seq, value)
+        self.tap._stats.keepalives += 1
+        return True
 
     def _encode(self, event: Any, request_id: str, seq: int, received: datetime) -> bytes:
         if self.source.is_sse:
@@ -588,6 +725,7 @@ class TapRequest:
         if not cancelled:
             self._drain_bytes()
         self._ended = True
+        self.tap._forget(self)
         if self._request_id is None:
             if self._held and self._raw is not None:
                 self._request_id = fallback_request_id(bytes(self._raw))
@@ -637,6 +775,7 @@ class TapRequest:
         if self._ended:
             return
         self._ended = True
+        self.tap._forget(self)
         log.info(
             "tap: request %s (%s, tenant %s) left open after %d events",
             self._request_id,

@@ -14,6 +14,7 @@ variable                            meaning                                     
 ``STREAMTALLY_NAMESPACE``           prefix of topic names and the consumer group    ``streamtally``
 ``STREAMTALLY_PRICES``              price table (JSON)                              packaged
 ``STREAMTALLY_REQUEST_TIMEOUT``     seconds a request may stay quiet                ``300``
+``STREAMTALLY_REQUEST_TIMEOUTS``    per source: ``anthropic=600,vllm=900``          none
 ``STREAMTALLY_BATCH_SIZE``          raw records per worker batch                    ``2000``
 ``STREAMTALLY_WEB_HOST``            the worker's /metrics, /health, /ready address  ``127.0.0.1``
 ``STREAMTALLY_WEB_PORT``            their port (``0``: no server)                   ``6066``
@@ -44,6 +45,7 @@ from one (an editable install), else ``$XDG_STATE_HOME/streamtally`` (or
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -69,8 +71,10 @@ __all__ = [
     "ENV_REDIS_CLUSTER",
     "ENV_REDIS_URL",
     "LOCAL_HOST",
+    "SOURCE_NAMES",
     "VARIABLES",
     "Settings",
+    "parse_request_timeouts",
     "project_root",
 ]
 
@@ -126,6 +130,34 @@ class Settings(BaseSettings):
     request_timeout: float = Field(
         300.0, gt=0, validation_alias=_env("STREAMTALLY_REQUEST_TIMEOUT", "request_timeout")
     )
+    #: Seconds a request of a source may stay quiet, over `request_timeout`, by source name:
+    #: ``anthropic=600,openai-responses=3600`` (`parse_request_timeouts`).
+    request_timeouts: dict[str, float] = Field(
+        default_factory=dict,
+        validation_alias=_env("STREAMTALLY_REQUEST_TIMEOUTS", "request_timeouts"),
+    )
+
+    @field_validator("request_timeouts", mode="before")
+    @classmethod
+    def _timeouts_parsed(cls, value: object) -> object:
+        """The variable's text parsed; a mapping (built in code) checked the same way."""
+        if isinstance(value, str):
+            return parse_request_timeouts(value)
+        if isinstance(value, Mapping):
+            return parse_request_timeouts(
+                ",".join(f"{name}={seconds}" for name, seconds in value.items())
+            )
+        return value
+
+    def timeout_of(self, source: str) -> float:
+        """Seconds a request of `source` (its name) may stay quiet before it closes."""
+        return self.request_timeouts.get(source, self.request_timeout)
+
+    @property
+    def longest_request_timeout(self) -> float:
+        """The longest of `request_timeout` and the per-source ones."""
+        return max([self.request_timeout, *self.request_timeouts.values()])
+
     #: Raw records taken per batch (one Redis round trip and one produce flush each).
     batch_size: int = Field(
         2000, ge=1, le=100_000, validation_alias=_env("STREAMTALLY_BATCH_SIZE", "batch_size")
@@ -392,6 +424,45 @@ class Settings(BaseSettings):
             return root / ".stack"
         base = self.xdg_state_home or Path.home() / ".local" / "state"
         return base / "streamtally"
+
+
+#: The sources a request timeout can be set for: `streamtally.core.models.Source`'s values
+#: (settings sit below core; tests/unit/test_settings.py checks that they agree).
+SOURCE_NAMES: Final = (
+    "openai",
+    "openai-responses",
+    "anthropic",
+    "gemini",
+    "dynamo",
+    "vllm",
+    "atomr",
+)
+
+
+def parse_request_timeouts(text: str) -> dict[str, float]:
+    """``STREAMTALLY_REQUEST_TIMEOUTS``: comma-separated ``source=seconds`` pairs (blank:
+    none); a `ValueError` names what is wrong: a pair without ``=``, an unknown source, one
+    given twice, seconds that are not a finite number > 0."""
+    found: dict[str, float] = {}
+    for item in text.split(","):
+        pair = item.strip()
+        if not pair:
+            continue
+        name, sep, number = (part.strip() for part in pair.partition("="))
+        if not sep:
+            raise ValueError(f"{pair!r} is not source=seconds (e.g. anthropic=600)")
+        if name not in SOURCE_NAMES:
+            raise ValueError(f"unknown source {name!r}: one of {', '.join(SOURCE_NAMES)}")
+        if name in found:
+            raise ValueError(f"source {name!r} is given twice")
+        try:
+            seconds = float(number)
+        except ValueError:
+            seconds = math.nan
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ValueError(f"{name}={number!r}: seconds must be a finite number > 0")
+        found[name] = seconds
+    return found
 
 
 def _variables() -> dict[str, str]:

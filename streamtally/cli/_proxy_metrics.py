@@ -124,6 +124,11 @@ class ProxyCollector(Collector):
         yield _counter(
             t + "records_appended", "Raw records written to the tap's spool.", tap.appended
         )
+        yield _counter(
+            t + "keepalives",
+            "Keep-alive records written to the spool for calls in flight that were silent.",
+            tap.keepalives,
+        )
         spool = GaugeMetricFamily(
             t + "spool_bytes", "Bytes in the tap's spool not yet acknowledged by Kafka."
         )

@@ -33,7 +33,10 @@ usage is asked for it, and the client gets the stream it would have had
 client that goes away does not stop the call: the upstream is still read and
 teed to its end, for at most ``--drain-seconds``, and the request closes
 `cancelled` with the provider's usage; when the bound cuts the upstream
-first, it is billed with what came (``usage_source`` says so).  An upstream
+first, it is billed with what came (``usage_source`` says so).  While a
+call is in flight and its upstream silent (a reasoning model thinking), the
+tap keeps it alive in the worker: a keep-alive record every
+``--keepalive-seconds`` without a record (`streamtally.producers.tap`).  An upstream
 that breaks off ends the request plainly (the worker closes it `error`) and
 breaks the client's response off too.
 
@@ -92,7 +95,7 @@ from streamtally.cli.produce import add_key_file_argument, producer_key
 from streamtally.connection import KafkaConnection
 from streamtally.errors import InputError, StackError
 from streamtally.producers import Tap
-from streamtally.producers.tap import default_spool_dir
+from streamtally.producers.tap import DEFAULT_KEEPALIVE_S, default_spool_dir
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
@@ -706,6 +709,17 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         f"seconds, so its usage is billed (default: {DEFAULT_DRAIN_S:g}; 0: cut at once)",
     )
     parser.add_argument(
+        "--keepalive-seconds",
+        type=seconds,
+        default=DEFAULT_KEEPALIVE_S,
+        metavar="S",
+        help="while a tapped call is in flight and produced no record for S seconds, the "
+        "tap sends a keep-alive record, so that the worker does not close a call waiting "
+        "on a slow upstream (a reasoning model) as timed out (default: "
+        f"{DEFAULT_KEEPALIVE_S:g}; 0: none); keep it well below the worker's "
+        "STREAMTALLY_REQUEST_TIMEOUT",
+    )
+    parser.add_argument(
         "--max-request-bytes",
         type=positive,
         default=DEFAULT_MAX_REQUEST_BYTES,
@@ -823,6 +837,7 @@ async def _serve(
         spool_dir=spool_dir,
         spool_bytes=args.spool_bytes,
         spool_sync_ms=args.spool_sync_ms,
+        keepalive_s=args.keepalive_seconds or None,
     ) as tap:
         proxy = ProxyServer(args.upstream, tap, api_keys=api_keys, options=proxy_options)
         try:
@@ -851,7 +866,8 @@ async def _serve(
         f"broke off); refused: {refused}; {proxy.oversize} bodies over --max-body-bytes "
         f"teed as their usage; unmetered {sum(done.unmetered.values())}; not "
         f"tapped for their encoding {sum(proxy.tees.stats.undecodable.values())}; records "
-        f"appended to the spool {stats.appended}, sent {stats.sent}, failed {stats.failed}, "
+        f"appended to the spool {stats.appended} ({stats.keepalives} keep-alives), sent "
+        f"{stats.sent}, failed {stats.failed}, "
         f"left in the spool {stats.spool_bytes} bytes"
     )
     return 0
@@ -911,6 +927,10 @@ def options(args: argparse.Namespace) -> ProxyOptions:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     if not 0 < args.spool_sync_ms <= 10_000:
         raise InputError("--spool-sync-ms must be a number of milliseconds in (0, 10000]")
+    if args.keepalive_seconds and not 0.1 <= args.keepalive_seconds <= 24 * 3600:
+        raise InputError(
+            "--keepalive-seconds must be 0 (none) or a number of seconds in [0.1, 86400]"
+        )
     proxy_options = options(args)  # checked before anything starts
     key = producer_key(args, settings)
     api_keys = None if args.api_keys is None else ApiKeyTenants.load(args.api_keys)

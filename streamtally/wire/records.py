@@ -22,6 +22,7 @@ __all__ = [
     "COST_PRECISION",
     "COST_SCALE",
     "ENGINE_PAYLOAD_TYPES",
+    "KEEPALIVE_EVENT",
     "PART_BYTES",
     "PART_EVENT",
     "BillingEvent",
@@ -112,6 +113,16 @@ PART_EVENT: Final = "streamtally.part"
 #: UTF-8 bytes of data a part record carries at most (the tap's slice size): far below the
 #: raw topics' ``max.message.bytes`` (`streamtally.topics`), so that a part always fits.
 PART_BYTES: Final = 512 << 10
+#: The `event` of an SSE keep-alive record: the tap sends one (``data`` empty) for a call
+#: in flight that produced no record for a while, so that the worker does not take a call
+#: waiting on a slow upstream (a reasoning model) for one whose producer died.  The worker
+#: applies it in sequence order (counted, in the provenance, no chunk) and it moves the
+#: request's quiet time; nothing else.  An engine keep-alive is an EVENT without a payload
+#: (`RawEngineOutput.is_keepalive`).  No schema change: the name is reserved, no provider
+#: sends it.  A worker older than it feeds an SSE keep-alive to the adapter, which makes
+#: nothing of an event without data (the same bill); it refuses an engine one and then
+#: waits for its sequence number (closed over the gap): upgrade workers first.
+KEEPALIVE_EVENT: Final = "streamtally.keepalive"
 
 
 def _check_common(request_id: str, seq: int, received_at: datetime) -> None:
@@ -157,6 +168,25 @@ class RawSseEvent:
         """True for the END marker of a request cancelled mid-stream."""
         return self.kind is EventKind.END and self.event == CANCELLED_END
 
+    @property
+    def is_keepalive(self) -> bool:
+        """True for a keep-alive record (`KEEPALIVE_EVENT`): the call is still in flight."""
+        return self.kind is EventKind.EVENT and self.event == KEEPALIVE_EVENT
+
+    @classmethod
+    def keepalive(
+        cls, *, request_id: str, seq: int, source: Source, tenant: str, received_at: datetime
+    ) -> RawSseEvent:
+        """A keep-alive record of a request in flight (`KEEPALIVE_EVENT`, no data)."""
+        return cls(
+            request_id=request_id,
+            seq=seq,
+            source=source,
+            tenant=tenant,
+            received_at=received_at,
+            event=KEEPALIVE_EVENT,
+        )
+
     @classmethod
     def end(
         cls,
@@ -188,8 +218,9 @@ class RawEngineOutput:
     line of that engine parses to (fields streamtally does not keep are
     dropped on encoding; absent ones decode as their default): a Dynamo
     `LLMEngineOutput` for `dynamo`, a vLLM `RequestOutput` for `vllm`, an atomr
-    `TokenChunk` for `atomr`.  It is None exactly for the `END` marker.
-    Being a dict, it makes the record unhashable.
+    `TokenChunk` for `atomr`.  It is None for the `END` marker, and for a keep-alive:
+    an EVENT without a payload (`is_keepalive`, see `KEEPALIVE_EVENT`; no schema change,
+    the payload is a union with null).  Being a dict, it makes the record unhashable.
     """
 
     request_id: str
@@ -211,12 +242,36 @@ class RawEngineOutput:
             raise ValueError(f"source {self.source.value!r} is not an engine source")
         if self.kind is EventKind.END and self.payload is not None:
             raise ValueError("an END marker carries no payload")
-        if self.kind is EventKind.EVENT and self.payload is None:
-            raise ValueError("an EVENT needs a payload")
         if not isinstance(self.cancelled, bool) or (
             self.cancelled and self.kind is not EventKind.END
         ):
             raise ValueError("only an END marker can be cancelled (a bool)")
+
+    @property
+    def is_keepalive(self) -> bool:
+        """True for a keep-alive record: an EVENT without a payload (`KEEPALIVE_EVENT`)."""
+        return self.kind is EventKind.EVENT and self.payload is None
+
+    @classmethod
+    def keepalive(
+        cls,
+        *,
+        request_id: str,
+        seq: int,
+        source: Source,
+        tenant: str,
+        received_at: datetime,
+        model: str | None = None,
+    ) -> RawEngineOutput:
+        """A keep-alive record of a request in flight: an EVENT without a payload."""
+        return cls(
+            request_id=request_id,
+            seq=seq,
+            source=source,
+            tenant=tenant,
+            received_at=received_at,
+            model=model,
+        )
 
     @property
     def payload_type(self) -> str:

@@ -503,12 +503,21 @@ class _SharedRedis:
     def __init__(self) -> None:
         self.decided: dict[RequestRef, Closed] = {}
         self.applied: set[RequestRef] = set()
+        #: The latest revision applied per request (its Tokens written).
+        self.revisions: dict[RequestRef, int] = {}
         self.written: list[Completed] = []
         self._added: list[Completed] = []
 
     async def begin(self, outputs: Outputs) -> set[RequestRef]:
         conflicts = set()
         for done in outputs.completed:
+            if done.billing.revision:  # an amendment: over its superseded revision's marker
+                current = self.decided.get(done.ref)
+                if current is not None and current.marker() == done.supersedes_marker:
+                    self.decided[done.ref] = done.closed
+                elif current is None or current.marker() != done.closed.marker():
+                    conflicts.add(done.ref)
+                continue
             first = self.decided.setdefault(done.ref, done.closed)
             if first.marker() != done.closed.marker():
                 conflicts.add(done.ref)
@@ -519,17 +528,24 @@ class _SharedRedis:
 
     async def flush(self) -> None:
         for done in self._added:
-            if done.ref not in self.applied:  # the first Tokens written wins
+            revision = done.billing.revision
+            if self._applied_revision(done.ref) == revision - 1:  # each once, in order: the
+                self.revisions[done.ref] = revision  # first Tokens written wins
                 self.applied.add(done.ref)
                 self.written.append(done)
         self._added = []
 
+    def _applied_revision(self, ref: RequestRef) -> int:
+        return self.revisions.get(ref, 0 if ref in self.applied else -1)
+
     async def lookup(self, refs: list[RequestRef]) -> dict[RequestRef, Closed]:
-        return {
-            ref: Closed.from_marker(self.decided[ref].marker(), applied=ref in self.applied)
-            for ref in refs
-            if ref in self.decided
-        }
+        found = {}
+        for ref in refs:
+            if ref in self.decided:
+                decided = self.decided[ref]
+                applied = self._applied_revision(ref) >= decided.revision
+                found[ref] = Closed.from_marker(decided.marker(), applied=applied)
+        return found
 
 
 class _TwoOwners:
@@ -657,7 +673,14 @@ async def test_a_close_decided_elsewhere_and_never_applied_is_closed_where_decid
     assert two.pipeline.gate.waiting_elsewhere() == []
     await two.feed(*two.log[r_first:])  # read again from the committed offset
     assert two.committed() == len(two.log)
-    [r_bill] = [done for done in two.redis.written if done.ref == two.r]
+    # r closed as the other owner decided (revision 0); its END, after that close, amends
+    # it (revision 1: the whole stream).
+    r_bill, r_amended = [done for done in two.redis.written if done.ref == two.r]
     assert r_bill.closed.marker() == theirs.closed.marker()
     assert (r_bill.tokens, r_bill.billing_value) == (theirs.tokens, theirs.billing_value)
-    assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "r"]
+    assert (r_amended.billing.revision, r_amended.billing.supersedes) == (
+        1,
+        theirs.billing.event_id,
+    )
+    assert r_amended.tokens.finish_reason.value == "stop"
+    assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "r", "r"]

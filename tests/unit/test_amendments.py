@@ -15,7 +15,9 @@ from streamtally.errors import InputError
 from streamtally.processors._records import _Raw
 from streamtally.processors.amendable import Amendable, KeptRecord
 from streamtally.processors.requests import Closed, CloseReason, Completed, Refused
+from streamtally.wire import avro
 from streamtally.wire.billing import event_id
+from streamtally.wire.records import RawSseEvent
 from tests.unit.test_requests import SEVERAL, TIMED_OUT, Run, Sample, position, sample
 
 
@@ -186,3 +188,26 @@ def test_the_amendable_state_round_trips_and_refuses_garbage() -> None:
         Amendable.decode(zlib.compress(b"something else"))
     with pytest.raises(InputError, match="truncated"):
         Amendable.decode(zlib.compress(zlib.decompress(first.amendable)[:-5]))
+
+
+def test_a_keepalive_after_the_timeout_amends_nothing() -> None:
+    s = sample("openai/text_usage.sse")
+    run = Run()
+    run.send_all(s, [0, 1, 2])
+    (first,) = run.expire().completed
+    assert first.closed.reason is CloseReason.TIMEOUT
+    alive = RawSseEvent.keepalive(
+        request_id=s.request_id,
+        seq=3,
+        source=s.source,
+        tenant=s.tenant,
+        received_at=s.received_at(3),
+    )
+    out = run.feed(s.source, avro.encode_raw_sse_event(alive), 3, key=s.key)
+    (dead,) = out.dead_letters
+    assert "no billable information, nothing to amend" in dead.reason
+    assert not run.processor.is_open(s.ref)
+    # The rest of the stream still amends it.
+    run.send_all(s, list(range(3, len(s.records))), first=4)
+    assert [d.billing.revision for d in run.completed(s.request_id)] == [0, 1]
+    assert run.completed(s.request_id)[1].tokens == s.expected()

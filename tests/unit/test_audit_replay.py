@@ -165,11 +165,13 @@ def replay(
     markers: Callable[[list[RequestRef]], Mapping[RequestRef, tuple[str, bool]]] = no_markers,
     committed: Mapping[tuple[str, int], int] | None = None,
     trust: TenantTrust | None = None,
+    timeouts: Mapping[str, float] | None = None,
 ) -> tuple[Recorder, Replay]:
     outcomes = Recorder()
     processor = RequestProcessor(
         PRICES,
         timeout=TIMEOUT,
+        timeouts=timeouts,
         clock=lambda: 0.0,
         limits=Limits(open_requests=sys.maxsize, open_per_tenant=sys.maxsize),
     )
@@ -441,3 +443,102 @@ def test_a_new_call_is_closed_where_the_worker_decided() -> None:
     assert (new.finish_reason.value, new.revision) == ("error", 0)
     # Its record after that close amends it: open again (revision 1) at the snapshot.
     assert [p[0] for p in outcomes.partials] == [new_ref]
+
+
+def with_keepalives(req: Request, after: int, times: list[datetime]) -> Request:
+    """`req` with a keep-alive record at each of `times` after its record `after`, renumbered
+    (what the tap sends while the call is silent)."""
+    decoded = [avro.decode_raw_sse_event(value) for value in req.records]
+    alive = [
+        RawSseEvent.keepalive(
+            request_id=req.ref.request_id,
+            seq=0,
+            source=req.source,
+            tenant=req.ref.tenant,
+            received_at=at,
+        )
+        for at in times
+    ]
+    records = decoded[: after + 1] + alive + decoded[after + 1 :]
+    values = [
+        avro.encode_raw_sse_event(dataclasses.replace(r, seq=i)) for i, r in enumerate(records)
+    ]
+    return dataclasses.replace(req, records=values, times=[r.received_at for r in records])
+
+
+def test_keepalives_replay_as_the_worker_applied_them() -> None:
+    """A call silent for three timeouts, kept alive: the replay closes it by its END and bills
+    the fold of its transcript, with the keep-alives in its provenance, as the worker did;
+    without them it closes by timeout; with its source's own longer timeout it does not."""
+    silence = timedelta(seconds=3 * TIMEOUT)
+    plain = request("anthropic/text_end_turn.sse", "thinking")
+    # Its first two events, then the rest after the silence.
+    decoded = [avro.decode_raw_sse_event(value) for value in plain.records]
+    decoded[2:] = [dataclasses.replace(r, received_at=r.received_at + silence) for r in decoded[2:]]
+    thinking = dataclasses.replace(
+        plain,
+        records=[avro.encode_raw_sse_event(r) for r in decoded],
+        times=[r.received_at for r in decoded],
+    )
+    kept = with_keepalives(
+        thinking,
+        1,
+        [T0 + timedelta(seconds=s) for s in range(30, int(silence.total_seconds()), 30)],
+    )
+    # Other calls on the partition move its clock through the silence.
+    movers = [
+        request("openai/text_usage.sse", f"m{i}", tenant="globex", start=T0 + timedelta(seconds=s))
+        for i, s in enumerate(range(45, int(silence.total_seconds()), 45))
+    ]
+
+    def batches(req: Request) -> list[list[TopicRecord]]:
+        """In receive-time order, one batch per second of input (each ends in an expiry)."""
+        log = Log()
+        placed: list[tuple[datetime, TopicRecord]] = []
+        for one in (req, *movers):
+            put = log.put(one)
+            placed += [(one.times[i], record) for i, record in enumerate(put)]
+        placed.sort(key=lambda pair: pair[0])
+        out: dict[int, list[TopicRecord]] = {}
+        for at, record in placed:
+            out.setdefault(int(at.timestamp()), []).append(record)
+        ordered = [record for batch in out.values() for record in batch]
+        renumbered = [
+            dataclasses.replace(record, offset=offset) for offset, record in enumerate(ordered)
+        ]
+        by_offset = iter(renumbered)
+        return [[next(by_offset) for _ in batch] for batch in out.values()]
+
+    def bill_of(outcomes: Recorder, request_id: str) -> BillingEvent:
+        (found,) = [e for e in outcomes.bills if e.request_id == request_id]
+        return found
+
+    outcomes, _ = replay(*batches(kept))
+    billed = bill_of(outcomes, "thinking")
+    assert billed.finish_reason == plain.expected().finish_reason
+    assert billed.usage == plain.expected().usage
+    assert billed.event_time == plain.times[-1] + silence  # its END's time
+    kept_values = b"".join(len(v).to_bytes(8, "big") + v for v in kept.records)
+    assert billed.raw_sha256 == hashlib.sha256(kept_values).hexdigest()
+    assert len(outcomes.bills) == 1 + len(movers)
+    assert (outcomes.partials, outcomes.dead) == ([], [])
+    # Without them: closed by timeout in the silence, then amended by the rest (revision 1).
+    outcomes, _ = replay(*batches(thinking))
+    first, amended = sorted(
+        (e for e in outcomes.bills if e.request_id == "thinking"), key=lambda e: e.revision
+    )
+    assert (first.finish_reason.value, first.revision) == ("error", 0)
+    assert (amended.usage, amended.revision) == (plain.expected().usage, 1)
+    # Without them, but with the source's own timeout longer than the silence: its END.
+    outcomes, _ = replay(*batches(thinking), timeouts={"anthropic": 4 * TIMEOUT})
+    assert bill_of(outcomes, "thinking").usage == plain.expected().usage
+    assert bill_of(outcomes, "thinking").finish_reason == plain.expected().finish_reason
+
+
+def test_the_audit_replays_with_the_workers_request_timeouts() -> None:
+    from streamtally.ops.audit._run import replay_processor
+    from streamtally.settings import Settings
+
+    settings = Settings(request_timeout=120, request_timeouts={"anthropic": 900})
+    processor = replay_processor(settings, PRICES)
+    assert (processor.timeout_of("anthropic"), processor.timeout_of("openai")) == (900, 120)

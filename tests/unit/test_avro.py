@@ -31,6 +31,7 @@ from streamtally.errors import InputError
 from streamtally.wire import avro
 from streamtally.wire.billing import event_id
 from streamtally.wire.records import (
+    KEEPALIVE_EVENT,
     BillingEvent,
     DeadLetter,
     EventKind,
@@ -574,6 +575,34 @@ def test_raw_engine_output_end_marker(source: Source) -> None:
     assert avro.decode("RawEngineOutput", avro.encode_raw_engine_output(end))["payload"] is None
 
 
+@pytest.mark.parametrize("source", [Source.OPENAI, Source.VLLM, Source.DYNAMO, Source.ATOMR])
+def test_a_keepalive_round_trips_in_the_current_schemas(source: Source) -> None:
+    fields: dict[str, Any] = {
+        "request_id": "req-k",
+        "seq": 4,
+        "source": source,
+        "tenant": "acme",
+        "received_at": T0,
+    }
+    if source.is_sse:
+        sse = RawSseEvent.keepalive(**fields)
+        assert (sse.kind, sse.event, sse.data, sse.is_keepalive) == (
+            EventKind.EVENT,
+            KEEPALIVE_EVENT,
+            "",
+            True,
+        )
+        assert avro.decode_raw_sse_event(avro.encode_raw_sse_event(sse)) == sse
+        assert not RawSseEvent(**fields, data="{}").is_keepalive
+        assert not RawSseEvent.end(**fields).is_keepalive
+        return
+    engine = RawEngineOutput.keepalive(**fields, model="m")
+    assert (engine.kind, engine.payload, engine.is_keepalive) == (EventKind.EVENT, None, True)
+    # written with the released schema (the payload is a union with null): no new version
+    assert avro.decode_raw_engine_output(avro.encode_raw_engine_output(engine)) == engine
+    assert not RawEngineOutput.end(**fields).is_keepalive
+
+
 def test_a_cancelled_engine_end_round_trips_and_older_versions_read_not_cancelled() -> None:
     end = RawEngineOutput.end(
         request_id="req-9", seq=3, source=Source.VLLM, tenant="acme", received_at=T0
@@ -694,8 +723,10 @@ def test_engine_payload_must_match_its_source() -> None:
             kind=EventKind.END,
             payload=VLLM_LINES[0],
         )
-    with pytest.raises(ValueError, match="needs a payload"):
-        RawEngineOutput(request_id="r", seq=0, source=Source.VLLM, tenant="t", received_at=T0)
+    # an EVENT without a payload is a keep-alive (`KEEPALIVE_EVENT`), not an output
+    assert RawEngineOutput(
+        request_id="r", seq=0, source=Source.VLLM, tenant="t", received_at=T0
+    ).is_keepalive
     # a vLLM payload in a dynamo record does not fit LLMEngineOutput
     wrong = RawEngineOutput(
         request_id="r", seq=0, source=Source.DYNAMO, tenant="t", received_at=T0, payload={}

@@ -10,6 +10,7 @@ in sequence order whatever the order of arrival, up to `Limits.event_bytes`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -295,6 +296,31 @@ async def test_an_event_over_the_limit_closes_its_request_deterministically() ->
     out, _ = worker(sender.records, limits=Limits(event_bytes=len(body.encode())))
     assert out.completed[0].tokens.usage.output_tokens == 34567
     assert not out.dead_letters
+
+
+async def test_a_keepalive_between_the_parts_of_an_event_leaves_the_event_whole() -> None:
+    """The tap never puts one there (an event's records are appended in one step), but a
+    keep-alive is no part: the worker keeps the event's parts for its last record."""
+    body = big_body(2 * PART_BYTES + 7)
+    sender = await tapped(SseEvent(body))
+    records = [avro.decode_raw_sse_event(value) for _, value in sender.records]
+    alive = RawSseEvent.keepalive(
+        request_id=records[0].request_id,
+        seq=1,
+        source=Source.OPENAI,
+        tenant="acme",
+        received_at=records[0].received_at,
+    )
+    records.insert(1, alive)
+    renumbered = [
+        (r.request_id, avro.encode_raw_sse_event(dataclasses.replace(r, seq=i)))
+        for i, r in enumerate(records)
+    ]
+    out, _ = worker(renumbered)
+    (done,) = out.completed
+    assert out.dead_letters == []
+    assert done.tokens == expected(body)
+    assert done.records == 5
 
 
 def test_parts_without_their_last_record_are_not_billed_silently() -> None:

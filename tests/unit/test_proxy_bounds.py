@@ -232,6 +232,10 @@ def test_options_are_checked(option: dict[str, object]) -> None:
         ["--budget-ms", "inf"],
         ["--budget-ms", "-1"],
         ["--drain-seconds", "nan"],
+        ["--keepalive-seconds", "nan"],
+        ["--keepalive-seconds", "-1"],
+        ["--keepalive-seconds", "0.01"],
+        ["--keepalive-seconds", "100000"],
         ["--header-timeout", "0"],
         ["--max-connections", "0"],
         ["--max-request-bytes", "-5"],
@@ -248,6 +252,33 @@ def test_the_command_refuses_bad_options_in_one_line(
     err = capsys.readouterr().err
     assert err.count("\n") == 1, err
     assert argv[0] in err or "finite" in err or "whole number" in err or "seconds" in err
+
+
+@pytest.mark.parametrize(
+    ("argv", "keepalive_s"), [([], 30.0), (["--keepalive-seconds", "0"], None)]
+)
+def test_the_command_gives_its_tap_the_keepalive_interval(
+    argv: list[str], keepalive_s: float | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from streamtally.cli import proxy
+
+    given: dict[str, object] = {}
+
+    class Stop(Exception):
+        pass
+
+    def tap(*args: object, **kwargs: object) -> Tap:
+        given.update(kwargs)
+        raise Stop
+
+    async def topics(*args: object) -> None:
+        return None
+
+    monkeypatch.setattr(proxy, "Tap", tap)
+    monkeypatch.setattr(proxy, "ensure_topics", topics)
+    with pytest.raises(Stop):
+        main(["proxy", "--upstream", "http://127.0.0.1:9", *argv])
+    assert given["keepalive_s"] == keepalive_s
 
 
 def test_describe_hides_what_an_http_client_quotes() -> None:
@@ -424,6 +455,7 @@ async def test_a_full_spool_refuses_new_calls_before_forwarding_and_keeps_the_re
         assert tap.stats.spool_bytes >= 5 * len(body)
         assert f"streamtally_tap_spool_bytes {float(tap.stats.spool_bytes)}" in text
         assert "streamtally_tap_spool_oldest_unsent_seconds" in text
+        assert "streamtally_tap_keepalives_total 0.0" in text
         assert 'streamtally_proxy_calls_refused_total{reason="spool_full"}' in text
         appended = tap.stats.appended
         sender.hold = False

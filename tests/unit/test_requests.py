@@ -1251,3 +1251,136 @@ def test_examining_a_message_changes_nothing_taking_it_counts_it_in() -> None:
     assert processor.counters.dead_lettered == 3
     assert [d.offset for d in out.dead_letters] == [1, 2, 3]
     assert out.dead_letters[0].request_id == "ex-1"  # decoded: named in its dead letter
+
+
+# --------------------------------------------------------------------------- keep-alives
+
+
+def keepalive_of(s: Sample, seq: int, at: datetime) -> bytes:
+    """A keep-alive record of `s`'s request (what the tap sends for a call in flight)."""
+    if s.source.is_sse:
+        return avro.encode_raw_sse_event(
+            RawSseEvent.keepalive(
+                request_id=s.request_id, seq=seq, source=s.source, tenant=s.tenant, received_at=at
+            )
+        )
+    return avro.encode_raw_engine_output(
+        RawEngineOutput.keepalive(
+            request_id=s.request_id,
+            seq=seq,
+            source=s.source,
+            tenant=s.tenant,
+            received_at=at,
+            model=s.model,
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    "file", ["openai/text_usage.sse", "anthropic/text_end_turn.sse", "dynamo/eos_with_usage.jsonl"]
+)
+def test_keepalives_keep_a_silent_request_open_and_change_nothing_of_its_bill(file: str) -> None:
+    s = sample(file)
+    half = max(1, (len(s.records) - 1) // 2)
+    last = s.received_at(half - 1)
+    # The first half, a silence of 2.25 timeouts kept alive twice, then the rest.
+    records = with_inserted(s, half, keepalive_of(s, half, last + timedelta(seconds=45)))
+    records = with_inserted(
+        dataclasses.replace(s, records=records),
+        half + 1,
+        keepalive_of(s, half + 1, last + timedelta(seconds=90)),
+    )
+    run = Run()
+    for offset in range(half):
+        run.feed(s.source, records[offset], offset, key=s.key)
+    assert run.expire(after=TIMEOUT * 0.75) == Outputs()
+    run.feed(s.source, records[half], half, key=s.key)
+    assert run.expire(after=TIMEOUT * 0.75) == Outputs()
+    run.feed(s.source, records[half + 1], half + 1, key=s.key)
+    assert run.expire(after=TIMEOUT * 0.75) == Outputs()
+    assert run.processor.is_open(s.ref)
+    for offset in range(half + 2, len(records)):
+        run.feed(s.source, records[offset], offset, key=s.key)
+
+    done = run.only(s.request_id)
+    assert done.closed.reason is CloseReason.END  # closed once, by its END
+    assert run.out.dead_letters == []
+    assert done.tokens == s.expected()  # the fold of the transcript, keep-alives or not
+    assert seqs_of(run, s.request_id) == list(range(done.tokens.chunks))  # no chunk of theirs
+    assert done.records == len(records)  # applied: in = processed
+    assert run.processor.counters.requests_timed_out == 0
+    # Provenance: every applied record, the keep-alives included, in seq order.
+    assert done.billing.raw_sha256 == sha256_of(records)
+    # The bill is the one of the same request without keep-alives (but its provenance).
+    plain = Run()
+    plain.send_all(s)
+    alone = plain.only(s.request_id).billing
+    assert dataclasses.replace(done.billing, raw_sha256=alone.raw_sha256, last_offset=0) == (
+        dataclasses.replace(alone, last_offset=0)
+    )
+
+
+def test_a_request_without_keepalives_times_out_in_the_same_silence() -> None:
+    """The control of the test above: the same silence, nothing in it, closes the request."""
+    s = sample("openai/text_usage.sse")
+    half = (len(s.records) - 1) // 2
+    run = Run()
+    run.send_all(s, list(range(half)))
+    assert run.expire(after=TIMEOUT * 0.75) == Outputs()
+    out = run.expire(after=TIMEOUT * 0.75)
+    (done,) = out.completed
+    assert done.closed.reason is CloseReason.TIMEOUT
+
+
+def test_a_keepalive_is_a_record_like_any_other_duplicate_late_or_lone() -> None:
+    s = sample("openai/text_usage.sse")
+    n = len(s.records)
+    at = s.received_at(2)
+    alive = keepalive_of(s, 2, at)
+    records = with_inserted(s, 2, alive)
+    run = Run()
+    run.send_all(s, [0, 1])
+    run.feed(s.source, records[2], 2, key=s.key)
+    run.feed(s.source, records[2], 3, key=s.key)  # re-sent: a duplicate
+    for offset in range(3, n + 1):
+        run.feed(s.source, records[offset], offset + 1, key=s.key)
+    done = run.only(s.request_id)
+    assert (done.records, done.duplicates) == (n + 1, 1)
+    assert done.tokens == s.expected()
+    # After its END: late, dead-lettered with its bytes, the request closed once.
+    late = keepalive_of(s, n + 1, at)
+    (letter,) = run.feed(s.source, late, n + 2, key=s.key).dead_letters
+    assert "already closed" in letter.reason
+    assert letter.value == late
+    assert len(run.completed(s.request_id)) == 1
+    # A request's first record: nothing to bill, no request opened (as a lone END marker).
+    other = sample("openai/text_usage.sse", request_id="lone-keepalive")
+    lone = keepalive_of(other, 0, at)
+    (letter,) = run.feed(other.source, lone, n + 3, key=other.key).dead_letters
+    assert "keep-alive of request" in letter.reason
+    assert not run.processor.is_open(other.ref)
+    assert run.expire().completed == []
+
+
+def test_a_source_of_its_own_times_out_after_its_own_timeout() -> None:
+    """``STREAMTALLY_REQUEST_TIMEOUTS``: anthropic requests may stay quiet ten times longer."""
+    openai = sample("openai/text_usage.sse")
+    anthropic = sample("anthropic/text_end_turn.sse")
+    run = Run()
+    run.processor = RequestProcessor(
+        PRICES, timeout=TIMEOUT, clock=run.clock, timeouts={"anthropic": TIMEOUT * 10}
+    )
+    assert run.processor.timeout_of("anthropic") == TIMEOUT * 10
+    assert run.processor.timeout_of("openai") == TIMEOUT
+    run.send_all(openai, [0, 1])
+    run.send_all(anthropic, [0, 1], first=2)
+    (closed,) = run.expire(after=TIMEOUT + 1).completed  # the default: openai's
+    assert closed.tokens.request_id == openai.request_id
+    assert run.processor.is_open(anthropic.ref)
+    assert run.expire(after=TIMEOUT * 8).completed == []
+    (late,) = run.expire(after=TIMEOUT * 2).completed
+    assert late.tokens.request_id == anthropic.request_id
+    assert late.closed.reason is CloseReason.TIMEOUT
+    assert late.tokens.error == (
+        f"request timed out: no end-of-stream marker within {TIMEOUT * 10:g}s"
+    )

@@ -125,3 +125,49 @@ def test_only_the_settings_module_reads_the_environment() -> None:
         if str(path.relative_to(ROOT)) not in allowed and reads.search(path.read_text("utf-8"))
     ]
     assert offenders == []
+
+
+def test_request_timeouts_per_source_override_the_default() -> None:
+    settings = Settings.load(
+        {
+            "STREAMTALLY_REQUEST_TIMEOUT": "120",
+            "STREAMTALLY_REQUEST_TIMEOUTS": " anthropic=600 , openai-responses=3600.5,",
+        }
+    )
+    assert settings.request_timeouts == {"anthropic": 600.0, "openai-responses": 3600.5}
+    assert settings.timeout_of("anthropic") == 600.0
+    assert settings.timeout_of("openai") == 120.0
+    assert settings.longest_request_timeout == 3600.5
+    assert Settings.load({}).request_timeouts == {}
+    assert Settings.load({}).longest_request_timeout == 300.0
+    # Built in code: checked the same way.
+    assert Settings(request_timeouts={"vllm": 5}).request_timeouts == {"vllm": 5.0}
+    with pytest.raises(ValueError, match="unknown source 'claude'"):
+        Settings(request_timeouts={"claude": 5})
+
+
+@pytest.mark.parametrize(
+    ("value", "says"),
+    [
+        ("antropic=600", "unknown source 'antropic': one of openai, openai-responses,"),
+        ("anthropic", "'anthropic' is not source=seconds"),
+        ("anthropic=600,anthropic=700", "source 'anthropic' is given twice"),
+        ("anthropic=0", "seconds must be a finite number > 0"),
+        ("anthropic=-5", "seconds must be a finite number > 0"),
+        ("anthropic=inf", "seconds must be a finite number > 0"),
+        ("anthropic=ten", "seconds must be a finite number > 0"),
+    ],
+)
+def test_a_bad_request_timeouts_value_says_what_is_wrong(value: str, says: str) -> None:
+    with pytest.raises(InputError) as caught:
+        Settings.load({"STREAMTALLY_REQUEST_TIMEOUTS": value})
+    message = str(caught.value)
+    assert message.startswith(f"bad setting: STREAMTALLY_REQUEST_TIMEOUTS={value!r}: ")
+    assert says in message
+
+
+def test_the_sources_a_timeout_is_set_for_are_the_sources() -> None:
+    from streamtally.core.models import Source
+    from streamtally.settings import SOURCE_NAMES
+
+    assert tuple(source.value for source in Source) == SOURCE_NAMES

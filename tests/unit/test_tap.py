@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import gc
 import json
+import math
 import os
+import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -33,7 +36,7 @@ from streamtally.producers.tap import default_spool_dir
 from streamtally.settings import Settings
 from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
-from streamtally.wire.records import EventKind, RawSseEvent
+from streamtally.wire.records import KEEPALIVE_EVENT, EventKind, RawSseEvent
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
 TEXT = SAMPLES / "openai" / "text_usage.sse"
@@ -490,3 +493,150 @@ async def test_a_request_with_a_given_id_may_number_its_events_itself() -> None:
         ("resp_given", 3, EventKind.END),  # after the highest number sent
         ("resp_left", 5, EventKind.EVENT),
     ]
+
+
+# --------------------------------------------------------------------------- keep-alives
+
+
+def later(seconds: float) -> float:
+    """`time.monotonic` as it will be `seconds` from now (what `Tap.keep_alive` is told)."""
+    return time.monotonic() + seconds
+
+
+async def test_a_quiet_request_in_flight_gets_keepalives_in_its_own_sequence() -> None:
+    events = events_of(TEXT)
+    sender = FakeSender()
+    async with Tap(sender=sender, keepalive_s=30.0) as tap:
+        async with tap.request(Source.OPENAI, tenant="acme", request_id="call-1") as req:
+            for event in events[:2]:
+                await req.event(event)
+            assert tap.keep_alive(later(20)) == 0  # not quiet for keepalive_s yet
+            assert tap.keep_alive(later(31)) == 1  # quiet: one keep-alive
+            assert tap.keep_alive(later(31)) == 0  # ... which is a record: quiet again from it
+            assert tap.keep_alive(later(62)) == 1
+            for event in events[2:]:
+                await req.event(event)
+            assert tap.keep_alive(later(20)) == 0  # its events count as records too
+        assert tap.keep_alive(later(3600)) == 0  # ended: none after its END
+        assert tap.stats.keepalives == 2
+    records = sender.decoded()
+    assert [r.seq for r in records] == list(range(len(events) + 3))
+    kept = [i for i, r in enumerate(records) if r.is_keepalive]
+    assert kept == [2, 3]
+    assert all((records[i].event, records[i].data) == (KEEPALIVE_EVENT, "") for i in kept)
+    assert records[-1].kind is EventKind.END
+    assert tap.stats.appended == len(records)
+    # The worker bills the same as without them; it counts them as applied records.
+    (tokens,), out = worker_tokens(sender)
+    assert tokens == as_called(fold_stream(Source.OPENAI, events), tokens.model_copy())
+    (done,) = out.completed
+    assert done.records == len(records)
+    assert out.dead_letters == []
+
+
+async def test_no_keepalive_before_the_first_record_after_the_end_or_when_off() -> None:
+    events = events_of(TEXT)
+    sender = FakeSender()
+    async with Tap(sender=sender, keepalive_s=30.0) as tap:
+        unnamed = tap.request(Source.OPENAI, tenant="acme")  # its id awaited: nothing sent
+        idle = tap.request(Source.OPENAI, tenant="acme", request_id="idle")  # no record yet
+        numbered = tap.request(Source.OPENAI, tenant="acme", request_id="resp_1")
+        await numbered.event(events[0], seq=0)  # numbered by its caller
+        suspended = tap.request(Source.OPENAI, tenant="acme", request_id="left")
+        await suspended.event(events[0])
+        suspended.suspend()
+        ended = tap.request(Source.OPENAI, tenant="acme", request_id="ended")
+        await ended.event(events[0])
+        ended.end()
+        assert unnamed.request_id is None
+        assert tap.keep_alive(later(3600)) == 0
+        idle.end()
+        unnamed.end()
+    assert not any(r.is_keepalive for r in sender.decoded())
+    sender = FakeSender()
+    tap = Tap(sender=sender, keepalive_s=None)
+    async with tap, tap.request(Source.OPENAI, tenant="acme", request_id="off") as req:
+        await req.event(events[0])
+        assert tap.keep_alive(later(3600)) == 0
+    assert not any(r.is_keepalive for r in sender.decoded())
+
+
+async def test_the_tap_sends_keepalives_on_its_own_while_the_call_is_silent() -> None:
+    events = events_of(TEXT)
+    sender = FakeSender()
+    async with Tap(sender=sender, keepalive_s=0.05) as tap:
+        async with tap.request(Source.OPENAI, tenant="acme", request_id="call-thinking") as req:
+            await req.event(events[0])
+            began = time.monotonic()
+            await asyncio.sleep(0.4)  # the upstream thinks
+            thought = time.monotonic() - began
+            for event in events[1:]:
+                await req.event(event)
+        quiet = tap.stats.keepalives
+        await asyncio.sleep(0.2)
+        assert tap.stats.keepalives == quiet  # none after its END
+    records = sender.decoded()
+    kept = [r.seq for r in records if r.is_keepalive]
+    # one every 0.05 s (ticks of 0.0125 s), never sooner
+    assert 3 <= len(kept) <= thought / 0.05, (kept, thought)
+    assert kept == list(range(1, 1 + len(kept)))  # between its first and its second event
+    assert [r.seq for r in records] == list(range(len(records)))
+    (tokens,), _ = worker_tokens(sender)
+    assert tokens == as_called(fold_stream(Source.OPENAI, events), tokens.model_copy())
+
+
+async def test_an_engine_request_gets_keepalives_without_a_payload() -> None:
+    lines = [
+        json.loads(line)
+        for line in (SAMPLES / "vllm" / "delta_stop_cached.jsonl").read_bytes().splitlines()
+        if line.strip()
+    ]
+    sender = FakeSender()
+    tap = Tap(sender=sender)
+    async with tap, tap.request(Source.VLLM, tenant="acme", request_id="eng-k", model="m") as req:
+        await req.event(lines[0])
+        assert tap.keep_alive(later(31)) == 1
+        for line in lines[1:]:
+            await req.event(line)
+    records = [avro.decode_raw_engine_output(value) for _, _, value in sender.records]
+    assert [r.seq for r in records] == list(range(len(lines) + 2))
+    assert [r.is_keepalive for r in records] == [False, True] + [False] * len(lines)
+    assert (records[1].payload, records[1].model) == (None, "m")
+
+    def bill_of(values: list[bytes]) -> Any:
+        processor = RequestProcessor(PriceTable.default(), timeout=60.0)
+        out = Outputs()
+        for offset, value in enumerate(values):
+            processor.handle_engine(
+                encode_key("eng-k"), value, Position(TOPICS.raw_engine.name, 0, offset, None), out
+            )
+        assert out.dead_letters == []
+        (done,) = out.completed
+        return done
+
+    kept = bill_of([value for _, _, value in sender.records])
+    without = [r for r in records if not r.is_keepalive]
+    plain = bill_of(
+        [
+            avro.encode_raw_engine_output(dataclasses.replace(r, seq=i))
+            for i, r in enumerate(without)
+        ]
+    )
+    assert kept.tokens == plain.tokens
+    assert (kept.records, plain.records) == (len(records), len(without))
+
+
+async def test_a_request_dropped_without_its_end_is_not_kept_alive() -> None:
+    sender = FakeSender()
+    async with Tap(sender=sender) as tap:
+        req = tap.request(Source.OPENAI, tenant="acme", request_id="forgotten")
+        await req.event(events_of(TEXT)[0])
+        del req
+        gc.collect()
+        assert tap.keep_alive(later(3600)) == 0  # the worker times it out
+
+
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.nan, math.inf])
+def test_keepalive_seconds_must_be_a_positive_number(bad: float) -> None:
+    with pytest.raises(ValueError, match="keepalive_s"):
+        Tap(sender=FakeSender(), keepalive_s=bad)

@@ -6,7 +6,9 @@ audit cannot disagree with the pipeline about what a request is.  What differs i
 what the processor is told:
 
 - its clock is the input alone (no wall time): a partition's clock moves with its records'
-  times, and a request quiet for longer than the timeout by that clock closes;
+  times, and a request quiet for longer than its timeout by that clock closes (the
+  worker's settings: ``STREAMTALLY_REQUEST_TIMEOUT`` and the per-source
+  ``STREAMTALLY_REQUEST_TIMEOUTS``; keep-alive records are records like any other);
 - the close decisions the worker wrote to Redis (`RedisStore.closed_markers`, looked up as
   the worker does for each request it has not seen) are handed over as not yet applied, so
   a request the worker closed by timeout, over a gap or at its record limit is closed

@@ -35,7 +35,7 @@ from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import TopicRecord, read_topic
 from streamtally.wire.tenant_keys import TenantTrust
 
-__all__ = ["AuditOptions", "Progress", "run_audit"]
+__all__ = ["AuditOptions", "Progress", "replay_processor", "run_audit"]
 
 #: `progress(done, total)`: records read so far of the snapshot's, at most twice a second.
 Progress = Callable[[int, int], None]
@@ -66,6 +66,25 @@ class _Meter:
         if self._progress is not None and time.monotonic() >= self._next:
             self._next = time.monotonic() + 0.5
             self._progress(self.done, self.total)
+
+
+def replay_processor(settings: Settings, prices: PriceTable) -> RequestProcessor:
+    """The worker's processor as the replay runs it: the worker's request timeouts (its
+    default and its sources'), its record and size limits, no limit on open requests, and a
+    clock that never moves (the input's times alone close quiet requests)."""
+    return RequestProcessor(
+        prices,
+        timeout=settings.request_timeout,
+        timeouts=settings.request_timeouts,
+        clock=_frozen,
+        limits=Limits(
+            records_per_request=settings.max_records_per_request,
+            open_requests=sys.maxsize,
+            open_per_tenant=sys.maxsize,
+            text_bytes=settings.max_text_bytes,
+            event_bytes=settings.max_event_bytes,
+        ),
+    )
 
 
 def _frozen() -> float:
@@ -107,7 +126,7 @@ async def run_audit(
         servers,
         topics,
         options.window,
-        request_timeout=settings.request_timeout,
+        request_timeout=settings.longest_request_timeout,
         between=read_rows,
     )
     bad_corrections: list[tuple[int, int, str]] = []
@@ -141,19 +160,7 @@ async def run_audit(
         )
     rerating = None if options.rerate is None else Rerating(options.rerate, options.rerate_name)
     ledger = Ledger(index, scope, rerating=rerating)
-    processor = RequestProcessor(
-        prices,
-        timeout=settings.request_timeout,
-        clock=_frozen,
-        limits=Limits(
-            records_per_request=settings.max_records_per_request,
-            open_requests=sys.maxsize,
-            open_per_tenant=sys.maxsize,
-            text_bytes=settings.max_text_bytes,
-            event_bytes=settings.max_event_bytes,
-        ),
-    )
-
+    processor = replay_processor(settings, prices)
     if settings.tenant_keys_path is not None:  # refuse what the worker refused
         processor.trust = TenantTrust.load(settings.tenant_keys_path)
 

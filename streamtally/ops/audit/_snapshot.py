@@ -17,7 +17,8 @@ In this order, so that each later read covers what the earlier ones imply:
 
 When a raw partition is read from its first retained record (the rest deleted by
 retention), the audit cannot see requests from before it: the range's start is moved to
-that record's time plus the request timeout (`Snapshot.window`).
+that record's time plus the request timeout (`Snapshot.window`; the longest one, when
+``STREAMTALLY_REQUEST_TIMEOUTS`` sets some per source).
 """
 
 from __future__ import annotations
