@@ -98,6 +98,8 @@ class _ProcessorState:
         self._amendable_bytes = 0
         #: Requests asked of the store for their amendable state and not found (expired).
         self._not_amendable: set[RequestRef] = set()
+        #: Where earlier runs closed amended requests' later revisions, by revision.
+        self._planned: dict[RequestRef, dict[int, Closed]] = {}
 
     @property
     def open_requests(self) -> int:
@@ -119,6 +121,11 @@ class _ProcessorState:
 
     def is_open(self, ref: RequestRef) -> bool:
         return ref in self._open
+
+    def revision_of(self, ref: RequestRef) -> int:
+        """The revision an open request's close will bill (0 unless it was reopened)."""
+        state = self._open.get(ref)
+        return 0 if state is None else state.revision
 
     def to_learn(self, raws: Iterable[_Raw | None]) -> set[RequestRef]:
         """The requests the records `raws` may belong to: their own (tenant, request id),
@@ -193,6 +200,14 @@ class _ProcessorState:
         if old is not None:
             self._amendable_bytes -= old.size
         return old
+
+    def plan_closes(self, ref: RequestRef, closes: Iterable[Closed]) -> None:
+        """Where an earlier run closed revisions n > 0 of `ref` (the audit's replay: the
+        request's close history): each closes there again when it is reopened."""
+        planned = self._planned.setdefault(ref, {})
+        for closed in closes:
+            if closed.revision > 0:
+                planned[closed.revision] = closed
 
     def learn_closed(self, ref: RequestRef, closed: Closed) -> None:
         """An earlier run closed `ref` (applied) or decided to (not yet applied)."""

@@ -388,7 +388,9 @@ class RequestProcessor(_Closing):
             last_input=0.0,
             max_offset=raw.position.offset,
             topic_partition=(kept.topic, kept.partition),
-            close_at=pending if pending is not None else self._pending_close.pop(ref, None),
+            close_at=pending
+            if pending is not None
+            else self._planned_close(ref, kept.revision + 1),
             revision=kept.revision + 1,
             previous=kept.bill,
             previous_marker=kept.marker,
@@ -413,6 +415,16 @@ class RequestProcessor(_Closing):
         for again, _ in records:
             state.latest = max(state.latest, again.received_at)
         return state
+
+    def _planned_close(self, ref: RequestRef, revision: int) -> Closed | None:
+        """Where an earlier run closed revision `revision` of `ref` (`plan_closes`)."""
+        planned = self._planned.get(ref)
+        if not planned:
+            return None
+        closed = planned.pop(revision, None)
+        if not planned:
+            del self._planned[ref]
+        return closed
 
     def call_of(self, raw: _Raw) -> RequestRef:
         """The request a record belongs to: its (tenant, request id), or a new call of it.

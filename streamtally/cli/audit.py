@@ -62,6 +62,12 @@ discrepancy kinds:
                        an event of before BillingEvent v3 carries none: not compared
   usage_row_mismatch   a Redis usage row (tenant, model, day) differs from the sum of
                        the replayed requests (field names it; request_id is null)
+  unbilled_amendment   records after a close at the timeout (or over a gap) change the
+                       request's bill, but no billing event of that revision exists:
+                       they were dead-lettered instead of amending it (field cost)
+amended requests (records after a close at their timeout billed again as a later
+revision) are counted: each revision is checked as its own billing event, and the rows
+against the revision that stands.
 partial requests (straddling the range, still open or not yet processed at the
 snapshot) are counted, never mismatches; usage rows are checked only for audited
 tenants, whole UTC days inside the range, and days no partial request ended on.
@@ -240,6 +246,11 @@ def format_report(report: Report) -> str:
         f"{rows['mismatched']:,} mismatched ({rows['skipped']:,} not checked: a partial "
         "request may be counted in them)",
     ]
+    if r.get("amended"):
+        lines.append(
+            f"amended: {r['amended']:,} requests billed again after a close at their timeout "
+            "(each revision checked as its own billing event)"
+        )
     aborted = doc["aborted"]
     if aborted["count"]:
         named = ", ".join(

@@ -50,6 +50,11 @@ when read.  A dead-lettered record lives in ``crc32(position) % 16``.
     ``-`` for an unknown ``last_received``) for an amendment's close, which
     replaces the marker of the revision before it, and only that one.
 
+``st:{T}:closes:{ref}`` (string, expires after the state TTL)
+    The close markers of an amended request's earlier revisions, one per line,
+    revision 0 first (each appended as an amendment's marker replaces it): what
+    the audit replays the request's closes from.
+
 ``st:{T}:revision:{ref}`` (string, expires after the state TTL)
     The latest revision of the request's bill applied (its Tokens, its usage
     row): a decimal integer, written with each amendment.  Absent: revision 0
@@ -135,6 +140,7 @@ __all__ = [
     "amend_key",
     "closed_key",
     "closed_pattern",
+    "closes_key",
     "correction_key",
     "day_of",
     "dead_key",
@@ -242,6 +248,11 @@ def tokens_key(ref: RequestRef) -> str:
 def closed_key(ref: RequestRef) -> str:
     """``st:{T}:closed:{ref}``: the close decision of `ref`, in its shard."""
     return f"{_tag(shard_of(ref))}closed:{ref.text}"
+
+
+def closes_key(ref: RequestRef) -> str:
+    """``st:{T}:closes:{ref}``: the close markers of `ref`'s earlier revisions."""
+    return f"{_tag(shard_of(ref))}closes:{ref.text}"
 
 
 def revision_key(ref: RequestRef) -> str:

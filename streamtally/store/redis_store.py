@@ -35,6 +35,7 @@ from streamtally.store.layout import (
     amend_key,
     closed_key,
     closed_pattern,
+    closes_key,
     correction_key,
     dead_key,
     guard_key,
@@ -253,7 +254,7 @@ class RedisStore:
         if not decisions:
             return {}
         refs = list(decisions)
-        rows = [(shard_of(ref), closed_key(ref), *decisions[ref]) for ref in refs]
+        rows = [(shard_of(ref), closed_key(ref), closes_key(ref), *decisions[ref]) for ref in refs]
         calls = amend_close_calls(rows, self._ttl_s)
         conflicts: dict[RequestRef, str] = {}
         for call, flat in zip(calls, await self._run(self._amend_close, calls), strict=True):
@@ -513,6 +514,21 @@ class RedisStore:
                 applied = bool(exists) and int(reply_text(revision) if revision else 0) >= wanted
                 found[ref] = (text, applied)
         return found
+
+    async def close_history(self, refs: Sequence[RequestRef]) -> dict[RequestRef, list[str]]:
+        """For each amended request of `refs`: the close markers of its earlier revisions,
+        revision 0 first (absent: never amended, or expired)."""
+        if not refs:
+            return {}
+        async with self._client.pipeline(transaction=False) as pipe:
+            for ref in refs:
+                pipe.get(closes_key(ref))
+            replies = await pipe.execute()
+        return {
+            ref: reply_text(value).split("\n")
+            for ref, value in zip(refs, replies, strict=True)
+            if value
+        }
 
     async def closed_count(self) -> int:
         """How many requests have a close marker (by SCAN)."""

@@ -235,12 +235,14 @@ return conflicts
 
 AMEND_CLOSE_SCRIPT: Final = (
     """
--- KEYS[1] st:{T}:layout, KEYS[2..] st:{T}:closed:{ref} of the amendments deciding
+-- KEYS[1] st:{T}:layout, then per amendment st:{T}:closed:{ref} and st:{T}:closes:{ref}
 -- ARGV[1] the layout version, ARGV[2] the state TTL in seconds,
 -- ARGV[3..] per amendment: its marker, then the marker of the revision it supersedes
 -- An amendment's close decision replaces the marker of the revision it supersedes, and
--- only that one: one decision per revision, whoever made it first.  Returns, flat, the
--- index (1-based) of every amendment found decided with ANOTHER marker, and that marker.
+-- only that one: one decision per revision, whoever made it first.  The marker replaced
+-- is appended to the request's close history (one marker per line, revision 0 first).
+-- Returns, flat, the index (1-based) of every amendment found decided with ANOTHER
+-- marker, and that marker.
 """
     + _PRELUDE
     + """
@@ -248,13 +250,16 @@ local refused = layout_is(KEYS[1], ARGV[1])
 if refused then return refused end
 local ttl = tonumber(ARGV[2])
 local conflicts = {}
-for i = 2, #KEYS do
-  local marker, previous = ARGV[2 * i - 1], ARGV[2 * i]
-  local current = redis.call('GET', KEYS[i])
+for i = 1, (#KEYS - 1) / 2 do
+  local closed, history = KEYS[2 * i], KEYS[2 * i + 1]
+  local marker, previous = ARGV[2 * i + 1], ARGV[2 * i + 2]
+  local current = redis.call('GET', closed)
   if current == previous then
-    set(KEYS[i], marker, ttl, false)
+    set(closed, marker, ttl, false)
+    local before = redis.call('GET', history)
+    set(history, before and (before .. '\\n' .. previous) or previous, ttl, false)
   elseif current ~= marker then
-    conflicts[#conflicts + 1] = i - 1
+    conflicts[#conflicts + 1] = i
     conflicts[#conflicts + 1] = current or ''
   end
 end
@@ -550,17 +555,18 @@ def dead_letter_calls(marks: Sequence[tuple[int, str]], ttl_s: int) -> list[Shar
 
 
 def amend_close_calls(
-    decisions: Sequence[tuple[int, str, str, str]], ttl_s: int
+    decisions: Sequence[tuple[int, str, str, str, str]], ttl_s: int
 ) -> list[ShardCall]:
-    """The `AMEND_CLOSE_SCRIPT` calls recording `decisions` ((shard, closed key, marker,
-    superseded marker) each)."""
+    """The `AMEND_CLOSE_SCRIPT` calls recording `decisions` ((shard, closed key, history
+    key, marker, superseded marker) each)."""
     calls = []
     ttl = _ttl(ttl_s)
     for shard, indexes in sorted(_by_shard([d[0] for d in decisions]).items()):
-        keys = [guard_key(shard), *(decisions[i][1] for i in indexes)]
+        keys = [guard_key(shard)]
         argv = [LAYOUT_VERSION, ttl]
         for i in indexes:
-            argv += [decisions[i][2], decisions[i][3]]
+            keys += [decisions[i][1], decisions[i][2]]
+            argv += [decisions[i][3], decisions[i][4]]
         calls.append(ShardCall(shard, keys, argv, indexes))
     return calls
 

@@ -42,6 +42,7 @@ CORRECTION_REASONS: Final = frozenset(
         "cost_mismatch",
         "provenance_mismatch",
         "usage_row_mismatch",
+        "unbilled_amendment",
     }
 )
 _HEX: Final = frozenset("0123456789abcdef")

@@ -183,6 +183,13 @@ def test_usage_after_twice_the_timeout_amends_the_bill(
     _check_amended(seen, tenant, request_id)
     # The Tokens in Redis: the fold of the whole transcript, as if it never went quiet.
     assert _tokens(tenant, request_id) == as_called(_folded(), request_id)
+    # The audit agrees, without --correct: both revisions billed, the row as it stands.
+    audit = cli("audit", "--tenant", tenant, "--json")
+    assert audit.code == 0, json.dumps(json.loads(audit.out), indent=1)
+    report = json.loads(audit.out)
+    assert (report["requests"]["replayed"], report["requests"]["amended"]) == (1, 1)
+    assert report["requests"]["matched"] == 2
+    assert report["usage_rows"]["matched"] == 1
     worker.check()
 
 

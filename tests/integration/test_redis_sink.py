@@ -1222,6 +1222,7 @@ async def test_an_amendment_moves_the_bill_from_its_row_to_the_next_once(
     assert await store.mark_amending({ref: (marker1, marker0)}) == {}
     assert await store.mark_amending({ref: (marker1, marker0)}) == {}  # the same again
     assert await store.closed_markers([ref]) == {ref: (marker1, False)}  # decided, not applied
+    assert await store.close_history([ref, RequestRef("acme", "other")]) == {ref: [marker0]}
     change = amended_request(tokens1, amended, first, records=6, duplicates=1, amendable=None)
     assert await store.apply_amendments([change]) == [True]
     assert await store.closed_markers([ref]) == {ref: (marker1, True)}

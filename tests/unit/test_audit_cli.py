@@ -125,6 +125,7 @@ def test_the_json_report_has_the_documented_shape() -> None:
     assert doc["corrections"] is None  # without --correct
     assert set(doc["requests"]) == {
         "replayed",
+        "amended",
         "billed",
         "matched",
         "mismatched",

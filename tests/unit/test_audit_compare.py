@@ -311,6 +311,7 @@ def test_the_ledger_sorts_every_request_into_one_outcome() -> None:
     assert wanted == {event_key(e.event_id) for e in (wrong, twice, forged)}
     assert ledger.counts.to_json() == {
         "replayed": 4,
+        "amended": 0,
         "billed": 5,
         "matched": 1,
         "mismatched": 1,

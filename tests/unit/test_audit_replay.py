@@ -49,10 +49,12 @@ class Recorder:
         self.partials: list[tuple[RequestRef, str, str]] = []
         self.dead: list[RequestRef] = []
 
-    def closed(self, expected: BillingEvent) -> None:
+    def closed(self, expected: BillingEvent, superseded: BillingEvent | None = None) -> None:
+        assert (superseded is None) == (expected.revision == 0)
         self.bills.append(expected)
 
-    def partial(self, ref: RequestRef, day: str, reason: str) -> None:
+    def partial(self, ref: RequestRef, day: str, reason: str, revision: int = 0) -> None:
+        del revision
         self.partials.append((ref, day, reason))
 
     def dead_lettered(self, ref: RequestRef) -> None:
@@ -542,3 +544,29 @@ def test_the_audit_replays_with_the_workers_request_timeouts() -> None:
     settings = Settings(request_timeout=120, request_timeouts={"anthropic": 900})
     processor = replay_processor(settings, PRICES)
     assert (processor.timeout_of("anthropic"), processor.timeout_of("openai")) == (900, 120)
+
+
+def test_an_amended_request_is_closed_where_each_revision_was() -> None:
+    """The worker closed revision 0 at its third record and, records later, revision 1 at
+    its sixth (both by timeout): the close history the audit looks up (one marker per line)
+    makes the replay close each revision at its offset, as the worker did."""
+    req = request("openai/text_usage.sse", "amended")
+    records = Log().put(req, range(len(req.records) - 1))
+    at_three, at_six = records[2].offset, records[5].offset
+
+    def markers(refs: list[RequestRef]) -> Mapping[RequestRef, tuple[str, bool]]:
+        history = f"{at_three} timeout\n{at_six} timeout - 1"
+        return {req.ref: (history, True)} if req.ref in refs else {}
+
+    outcomes, machine = replay(records, markers=markers)
+    first, second = outcomes.bills
+    assert (first.revision, first.last_offset) == (0, at_three)
+    assert (second.revision, second.last_offset, second.supersedes) == (
+        1,
+        at_six,
+        first.event_id,
+    )
+    # What came after revision 1's close amends it again: open at the snapshot.
+    assert [p[0] for p in outcomes.partials] == [req.ref]
+    assert machine.processor.revision_of(req.ref) == 2
+    assert machine.processor.counters.dead_lettered == 0

@@ -86,6 +86,11 @@ class Kind(StrEnum):
     COST_MISMATCH = "cost_mismatch"
     PROVENANCE_MISMATCH = "provenance_mismatch"
     USAGE_ROW_MISMATCH = "usage_row_mismatch"
+    #: Records after a close at the request's timeout (or over a gap) changed its bill in
+    #: the replay, but no billing event of that revision exists: they were dead-lettered
+    #: instead of amending it (its amendable state had expired, or a worker of before
+    #: amendments read them).  A missing bill of its own kind: billable records, unbilled.
+    UNBILLED_AMENDMENT = "unbilled_amendment"
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,9 +242,10 @@ def billing_discrepancies(
 
 
 def missing_billing(expected: BillingEvent) -> Discrepancy:
-    """A request the replay closed and priced, with no billing event: what it should cost."""
+    """A request the replay closed and priced, with no billing event: what it should cost
+    (an amendment's: `Kind.UNBILLED_AMENDMENT`)."""
     return Discrepancy(
-        Kind.MISSING_BILLING,
+        Kind.UNBILLED_AMENDMENT if expected.revision else Kind.MISSING_BILLING,
         expected.request_id,
         expected.tenant,
         expected.model,

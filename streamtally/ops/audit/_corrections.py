@@ -119,8 +119,8 @@ def _bill(
         corrected = ledger.expected_bill(d.event_id)
         if corrected is None:
             raise ValueError(f"no replayed bill for the {d.kind.value} of {d.event_id}")
-        if d.kind is Kind.MISSING_BILLING:
-            superseded = None
+        if d.kind is Kind.MISSING_BILLING or d.kind is Kind.UNBILLED_AMENDMENT:
+            superseded = None  # billed by the correction (an amendment names what it supersedes)
     usage = corrected.usage_counts() if corrected is not None else {}
     return BillingCorrection(
         correction_id=_digest(audit, d.kind.value, d.event_id, d.field, d.found),

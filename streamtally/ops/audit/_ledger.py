@@ -67,6 +67,8 @@ class Scope:
 @dataclass(slots=True)
 class RequestCounts:
     replayed: int = 0
+    #: Of `replayed`, requests the replay amended (billed again as a later revision).
+    amended: int = 0
     billed: int = 0
     matched: int = 0
     mismatched: int = 0
@@ -130,10 +132,18 @@ class Ledger:
 
     # -- the replay's outcomes -----------------------------------------------------------
 
-    def closed(self, expected: BillingEvent) -> None:
-        """A request the replay closed and priced: `expected` is its billing event."""
+    def closed(self, expected: BillingEvent, superseded: BillingEvent | None = None) -> None:
+        """A request the replay closed and priced: `expected` is its billing event; for an
+        amendment (revision n > 0), `superseded` is its revision n - 1, which the replay
+        closed before: the bill that stands moves from one to the other (the rule of
+        `BillingEvent.revision`), in the rows and totals as in Redis."""
         counts = self.counts
-        counts.replayed += 1
+        if superseded is None:
+            counts.replayed += 1
+        else:
+            counts.amended += 1
+            self._rows.setdefault(row_key(superseded), RowSum()).add(superseded, -1)
+            self._totals.setdefault(superseded.tenant, RowSum()).add(superseded, -1)
         if expected.usage_source is UsageSource.ABORTED:
             self.aborted.add(expected)
         self._rows.setdefault(row_key(expected), RowSum()).add(expected)
@@ -156,11 +166,12 @@ class Ledger:
             counts.mismatched += 1
             self._suspects[key] = expected
 
-    def partial(self, ref: RequestRef, day: str, reason: str) -> None:
-        """A request the audit cannot judge; its billing (if any) and its row are not checked."""
+    def partial(self, ref: RequestRef, day: str, reason: str, revision: int = 0) -> None:
+        """A request the audit cannot judge (at `revision`: an amended request open again
+        at the snapshot); its billing (if any) and its row are not checked."""
         self.counts.partial += 1
         self.partial_reasons[reason] += 1
-        self.index.take(event_key(event_id(ref.tenant, ref.request_id)))
+        self.index.take(event_key(event_id(ref.tenant, ref.request_id, revision)))
         self._unsure.add((ref.tenant, day))
 
     def dead_lettered(self, ref: RequestRef) -> None:

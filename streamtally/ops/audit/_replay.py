@@ -48,9 +48,9 @@ Lookup = Callable[[list[RequestRef]], Awaitable[Mapping[RequestRef, tuple[str, b
 
 
 class Outcomes(Protocol):
-    def closed(self, expected: BillingEvent) -> None: ...
+    def closed(self, expected: BillingEvent, superseded: BillingEvent | None = None) -> None: ...
 
-    def partial(self, ref: RequestRef, day: str, reason: str) -> None: ...
+    def partial(self, ref: RequestRef, day: str, reason: str, revision: int = 0) -> None: ...
 
     def dead_lettered(self, ref: RequestRef) -> None: ...
 
@@ -149,6 +149,10 @@ class Replay:
                 )
             else:
                 processor.learn_closed(call, marker)
+        for ref in asked:
+            later = _later_closes(markers.get(ref))
+            if later:  # an amended request: where its later revisions closed
+                processor.plan_closes(ref, later)
         for ref in unknown:
             first = firsts[ref]
             marker = _marker(markers.get(ref))
@@ -193,7 +197,8 @@ class Replay:
     def finish(self) -> None:
         """The end of the snapshot: whatever is still open is partial."""
         for ref, track in self._open.items():
-            self._outcomes.partial(ref, day_of(track.last), "open at the snapshot")
+            revision = self.processor.revision_of(ref)
+            self._outcomes.partial(ref, day_of(track.last), "open at the snapshot", revision)
         for ref, last in self._straddling.items():
             self._outcomes.partial(ref, day_of(last), "straddles the start")
         self._open.clear()
@@ -209,18 +214,29 @@ class Replay:
         billing = completed.billing
         if tp is not None and completed.closed.offset >= self._committed.get(tp, 0):
             day = day_of(billing.event_time)
-            self._outcomes.partial(completed.ref, day, "not yet processed")
+            self._outcomes.partial(completed.ref, day, "not yet processed", billing.revision)
         else:
-            self._outcomes.closed(billing)
+            self._outcomes.closed(billing, completed.supersedes)
 
 
 def _marker(known: tuple[str, bool] | None) -> Closed | None:
     """The close decision a looked-up marker states (as not yet applied), or None: no
     marker, the one `streamtally rebuild` writes (no offset), or not a worker's marker
-    (the records decide)."""
+    (the records decide).  For an amended request the lookup gives its close history, one
+    marker per line (revision 0 first): its first close."""
     if known is None or known[0] == CLOSED_MARKER:
         return None
     try:
-        return Closed.from_marker(known[0], applied=False)
+        return Closed.from_marker(known[0].split("\n", 1)[0], applied=False)
     except ValueError:
         return None
+
+
+def _later_closes(known: tuple[str, bool] | None) -> list[Closed]:
+    """The closes of an amended request's revisions n > 0, from its close history."""
+    if known is None or "\n" not in known[0]:
+        return []
+    try:
+        return [Closed.from_marker(m, applied=False) for m in known[0].split("\n")[1:]]
+    except ValueError:
+        return []

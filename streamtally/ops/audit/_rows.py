@@ -48,13 +48,15 @@ class RowSum:
     usage: list[int] = field(default_factory=lambda: [0] * len(USAGE_FIELDS))
     cost_pico: int = 0
 
-    def add(self, event: BillingEvent) -> None:
-        self.requests += 1
-        self.unpriced_requests += 0 if event.priced else 1
+    def add(self, event: BillingEvent, sign: int = 1) -> None:
+        """Count `event` in (`sign` -1: take it out again, as a revision that supersedes
+        it does)."""
+        self.requests += sign
+        self.unpriced_requests += 0 if event.priced else sign
         for i, value in enumerate(event.usage.counts()):
-            self.usage[i] += value
+            self.usage[i] += sign * value
         units, pico = cost_parts(event.cost)
-        self.cost_pico += units * PICO + pico
+        self.cost_pico += sign * (units * PICO + pico)
 
     def values(self) -> dict[str, Any]:
         """The row's `ROW_FIELDS` as JSON values."""

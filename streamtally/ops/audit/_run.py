@@ -165,7 +165,15 @@ async def run_audit(
         processor.trust = TenantTrust.load(settings.tenant_keys_path)
 
     async def lookup(refs: list[RequestRef]) -> dict[RequestRef, tuple[str, bool]]:
-        return await store.closed_markers(refs)
+        """The close markers of `refs`; an amended request's with its history before it,
+        one marker per line (revision 0 first: `_replay._marker`)."""
+        found = await store.closed_markers(refs)
+        amended = [ref for ref, (marker, _) in found.items() if marker.count(" ") >= 3]
+        history = await store.close_history(amended)
+        for ref, earlier in history.items():
+            marker, applied = found[ref]
+            found[ref] = ("\n".join([*earlier, marker]), applied)
+        return found
 
     replay = Replay(
         processor,
