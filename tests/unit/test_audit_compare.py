@@ -481,3 +481,42 @@ def test_the_index_takes_a_v3_copy_of_a_v2_bill_as_the_same_bill() -> None:
     conflict = other.take(event_key(event().event_id))
     assert conflict is not None
     assert conflict.conflicting
+
+
+def test_an_amendment_moves_the_row_and_one_unbilled_is_its_own_kind() -> None:
+    """Revision 1 of a request supersedes revision 0 in the replay's rows (the row counts
+    the request once, at revision 1); an amendment with no billing event is an
+    `unbilled_amendment`, not a plain missing bill."""
+    zero = event(
+        "late",
+        finish_reason=FinishReason.ERROR,
+        input_tokens=0,
+        output_tokens=0,
+        cached_tokens=0,
+        cost=Decimal("0.000000000000"),
+    )
+    one = event(
+        "late",
+        event_id=event_id("acme", "late", 1),
+        revision=1,
+        supersedes=zero.event_id,
+    )
+    ledger = _ledger(zero, one)
+    ledger.closed(zero)
+    ledger.closed(one, zero)
+    assert ledger.counts.to_json()["replayed"] == 1
+    assert ledger.counts.to_json()["amended"] == 1
+    assert ledger.counts.matched == 2
+    totals = ledger.totals()["acme"]
+    assert (totals["requests"], totals["input_tokens"], totals["cost"]) == (
+        1,
+        1520,
+        "0.001292000000",
+    )
+    # The worker dead-lettered the late records instead: revision 1 billed nowhere.
+    unbilled = _ledger(zero)
+    unbilled.closed(zero)
+    unbilled.closed(one, zero)
+    (found,) = unbilled.discrepancies
+    assert found.kind.value == "unbilled_amendment"
+    assert (found.request_id, found.field, found.expected) == ("late", "cost", "0.001292000000")
