@@ -279,6 +279,7 @@ def test_a_clean_run_reports_no_discrepancy(scene: Scene, tmp_path: Path) -> Non
     r = report["requests"]
     assert r == {
         "replayed": len(everything),
+        "amended": 0,
         "billed": len(everything),
         "matched": len(everything),
         "mismatched": 0,
