@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 
 from streamtally.cli import main
+from streamtally.core.identity import RequestRef
 from streamtally.errors import StackError
-from streamtally.topics import Topics
+from streamtally.topics import Topics, output_key
 from streamtally.wire import kafka
 from streamtally.wire.avro import encode_billing_correction, encode_billing_event
 from streamtally.wire.corrections import BillingCorrection
@@ -26,18 +27,22 @@ TOPICS = Topics.in_namespace(NAMESPACE)
 
 
 class FakeTopics:
-    """Topic name -> its records as (partition, value); offsets count per partition."""
+    """Topic name -> its records as (partition, key, value); offsets count per partition."""
 
     def __init__(self) -> None:
-        self.records: dict[str, list[tuple[int, bytes | None]]] = {}
+        self.records: dict[str, list[tuple[int, bytes, bytes | None]]] = {}
+
+    def append(self, topic: str, key: bytes, value: bytes | None, partition: int = 0) -> None:
+        self.records.setdefault(topic, []).append((partition, key, value))
 
     def bill(self, *events: BillingEvent, partition: int = 0) -> None:
-        log = self.records.setdefault(TOPICS.billing.name, [])
-        log.extend((partition, encode_billing_event(e)) for e in events)
+        for e in events:
+            key = output_key(RequestRef(e.tenant, e.request_id))
+            self.append(TOPICS.billing.name, key, encode_billing_event(e), partition)
 
     def correct(self, *corrections: BillingCorrection) -> None:
-        log = self.records.setdefault(TOPICS.corrections.name, [])
-        log.extend((0, encode_billing_correction(c)) for c in corrections)
+        for c in corrections:
+            self.append(TOPICS.corrections.name, b"k", encode_billing_correction(c))
 
     async def read_topic(
         self,
@@ -55,10 +60,10 @@ class FakeTopics:
                 return
             raise StackError(f"topic {topic} does not exist: {missing_hint}")
         offsets: dict[int, int] = {}
-        for partition, value in self.records[topic]:
+        for partition, key, value in self.records[topic]:
             offset = offsets.get(partition, 0)
             offsets[partition] = offset + 1
-            yield TopicRecord(topic, partition, offset, b"k", value, 1000)
+            yield TopicRecord(topic, partition, offset, key, value, 1000)
 
 
 @pytest.fixture
@@ -173,7 +178,7 @@ def test_an_undecodable_correction_is_reported(
     topics: FakeTopics, capsys: pytest.CaptureFixture[str]
 ) -> None:
     topics.bill(revision(0))
-    topics.records[TOPICS.corrections.name] = [(0, b"not avro")]
+    topics.append(TOPICS.corrections.name, b"k", b"not avro")
     code, bills, err = export(capsys, "--json", "--ledger")
     assert code == 1
     assert len(bills) == 1
