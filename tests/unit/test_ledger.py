@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
+import re
+import sqlite3
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -231,3 +235,49 @@ def test_a_correction_log_read_beforehand_is_the_ledgers_corrections() -> None:
     ledger.add(r0, 0, 0)
     assert ledger.bills() == [revision(0)]
     assert ledger.corrections is log
+
+
+# --------------------------------------------------------------------------- the README
+
+
+def _readme_block(language: str) -> str:
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("**One ledger, one rule.**") :]
+    found = re.search(rf"```{language}\n(.*?)```", section, re.DOTALL)
+    assert found is not None, f"no ```{language} block under One ledger, one rule"
+    return found.group(1)
+
+
+def test_the_readmes_sql_keeps_the_bills_the_ledger_keeps() -> None:
+    events = [
+        revision(2),
+        revision(0, request_id="r2"),
+        revision(0),
+        revision(1, tenant="globex"),
+        revision(1),
+        revision(0, tenant="globex"),
+    ]
+    db = sqlite3.connect(":memory:")
+    db.execute(
+        "CREATE TABLE billing_events (event_id TEXT PRIMARY KEY, tenant TEXT, "
+        "request_id TEXT, revision INTEGER, supersedes TEXT)"
+    )
+    db.executemany(
+        "INSERT INTO billing_events VALUES (?, ?, ?, ?, ?)",
+        [(e.event_id, e.tenant, e.request_id, e.revision, e.supersedes) for e in events],
+    )
+    db.executescript(_readme_block("sql"))
+    kept = sorted(row[0] for row in db.execute("SELECT event_id FROM standing_bills"))
+    assert kept == sorted(e.event_id for e in ledger_of(*events).bills())
+    assert len(kept) == 3
+
+
+def test_the_readmes_example_is_a_bill_and_its_amendment() -> None:
+    lines = [line for line in _readme_block("json").splitlines() if line.strip()]
+    first, amended = (json.loads(line) for line in lines)
+    assert (first["revision"], first["supersedes"], first["finish_reason"]) == (0, None, "error")
+    assert first["input_tokens"] == first["output_tokens"] == 0
+    assert (amended["revision"], amended["supersedes"]) == (1, first["event_id"])
+    assert first["event_id"] == event_id(first["tenant"], first["request_id"])
+    assert amended["event_id"] == event_id(first["tenant"], first["request_id"], 1)
+    assert amended["output_tokens"] > 0
