@@ -39,6 +39,8 @@ The edge cases, as these rules settle them:
 - revision 0 corrected by an audit, then a worker revision 1: revision 1 stands (the
   correction decided revision 0's id, which revision 1 supersedes); a correction of
   revision 1 stands in revision 1's place;
+- an amendment only a correction bills (``unbilled_amendment``: no superseded id, the
+  `corrected` bill of revision n) stands over revision n - 1, as the worker's would;
 - the highest revision withdrawn: the request has no bill (its lower revisions stay
   superseded);
 - the same event id read several times, or a correction read twice: one bill, one

@@ -219,6 +219,18 @@ def test_a_correction_of_the_highest_revision_stands_in_its_place() -> None:
     assert ledger_of(r0, r1, revision(2), corrections=(c,)).bills() == [revision(2)]
 
 
+def test_an_amendment_billed_by_a_correction_stands_over_the_revision_it_supersedes() -> None:
+    # `unbilled_amendment`: the audit's replay amended the request, the worker billed only
+    # revision 0; the correction bills revision 1 under its own id, superseding nothing
+    r0, r1 = revision(0), revision(1)
+    c = correction(None, r1, before=1, reason="unbilled_amendment")
+    settled = ledger_of(r0, corrections=(c,)).settle()
+    assert settled.bills == [Standing(r1, c)]
+    assert (settled.revised, settled.corrected) == (1, 0)
+    # and the worker's own revision 1, written after the audit, is that bill: one stands
+    assert ledger_of(r0, r1, corrections=(c,)).bills() == [r1]
+
+
 def test_the_highest_revision_withdrawn_leaves_the_request_without_a_bill() -> None:
     r0, r1 = revision(0), revision(1)
     c = correction(r1, None, before=2, reason="unexpected_billing")
