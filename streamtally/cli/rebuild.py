@@ -63,7 +63,9 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         description=(
             "Read the tokens topic (latest Tokens per request) and the billing topic (tenant, "
             "event time, cost), join them by request (tenant and request id) and write every "
-            "request that Redis lacks through the worker's idempotent sink."
+            "request that Redis lacks through the worker's idempotent sink. A request's bill is "
+            "the one that stands: its highest revision, as `audit --correct` corrected it "
+            "(the bills `billing export --ledger` prints)."
         ),
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -126,10 +128,17 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     plan = rebuild.join(inputs.tokens, inputs.billing)
     _say(
         f"read {len(inputs.tokens)} Tokens records from {topics.tokens.name} and "
-        f"{len(inputs.billing)} billing events from {topics.billing.name} (as corrected by "
-        f"{inputs.corrections} corrections: {inputs.superseded} superseded): "
+        f"{inputs.billing_records} billing records from {topics.billing.name}: "
+        f"{len(inputs.billing)} bills stand ({inputs.revised} superseded by a later revision, "
+        f"{inputs.superseded} by {inputs.corrections} corrections): "
         f"{len(plan.requests)} requests to write"
     )
+    for first, _other in inputs.conflicts:
+        _say(
+            f"two different billing events {first.event_id} for request {first.request_id} "
+            f"(tenant {first.tenant}): the first read stands, as the ledger's rule says; "
+            "`streamtally audit` tells which is right"
+        )
 
     def progress(done: rebuild.Applied, total: int) -> None:
         _say(
@@ -150,7 +159,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.json:
         write_stdout(json_text(_summary_json(inputs, plan, result, skipped)) + "\n")
     else:
-        write_stdout(_summary_text(plan, result, skipped))
+        write_stdout(_summary_text(plan, result, skipped, inputs))
     return 0
 
 
@@ -162,11 +171,14 @@ def _summary_json(
 ) -> dict[str, Any]:
     return {
         "tokens_records": len(inputs.tokens),
+        "billing_records": inputs.billing_records,
         "billing_events": len(inputs.billing),
         "corrections": inputs.corrections,
         "billing_superseded": inputs.superseded,
+        "billing_revised": inputs.revised,
+        "billing_conflicts": len(inputs.conflicts),
         "tokens_superseded": plan.tokens_superseded,
-        "billing_replays": plan.billing_replays,
+        "billing_replays": inputs.replays + plan.billing_replays,
         "applied": result.applied,
         "already_present": result.present,
         "skipped": [
@@ -190,7 +202,10 @@ def _who(skipped: rebuild.Skipped) -> str:
 
 
 def _summary_text(
-    plan: rebuild.Plan, result: rebuild.Applied, skipped: list[rebuild.Skipped]
+    plan: rebuild.Plan,
+    result: rebuild.Applied,
+    skipped: list[rebuild.Skipped],
+    inputs: rebuild.Inputs | None = None,
 ) -> str:
     out = (
         f"rebuilt from the tokens and billing topics: {result.applied} applied, "
@@ -199,8 +214,11 @@ def _summary_text(
     drops = []
     if plan.tokens_superseded:
         drops.append(f"{plan.tokens_superseded} superseded Tokens records")
-    if plan.billing_replays:
-        drops.append(f"{plan.billing_replays} replayed billing events")
+    replays = plan.billing_replays + (0 if inputs is None else inputs.replays)
+    if replays:
+        drops.append(f"{replays} replayed billing events")
+    if inputs is not None and inputs.revised:
+        drops.append(f"{inputs.revised} billing events superseded by a later revision")
     if drops:
         out += f" ({', '.join(drops)} ignored)"
     out += "\n"

@@ -13,6 +13,10 @@ one request from one audit (one per differing field), changes nothing more:
 - `request_id` None: a usage row was corrected in Redis; the usage fields, `requests` and
   `cost` are the whole row's corrected values (informational for a billing consumer).
 
+`CorrectionLog` keeps, per event id, the correction that decides it.  How corrections
+combine with the worker's revisions of a bill (BillingEvent v5) into the one bill that
+stands per request is the rule of `streamtally.wire.ledger` (`BillingLedger`).
+
 This module does not import fastavro (`streamtally.wire.avro` encodes and decodes it).
 """
 
@@ -111,9 +115,20 @@ class BillingCorrection:
 
     def supersedes(self, event_id: str, partition: int, offset: int) -> bool:
         """Whether the billing event `event_id` at (`partition`, `offset`) is superseded."""
-        return event_id == self.superseded_event_id and offset < self.billing_before.get(
-            partition, 0
-        )
+        return event_id == self.superseded_event_id and self.covers(partition, offset)
+
+    def covers(self, partition: int, offset: int) -> bool:
+        """Whether the audit saw the billing record at (`partition`, `offset`): below
+        `billing_before` (a record at or past it was written after the audit)."""
+        return offset < self.billing_before.get(partition, 0)
+
+    @property
+    def names(self) -> str | None:
+        """The event id this correction decides: `superseded_event_id`, or for a missing
+        bill its `corrected` bill's id; None for a usage row correction."""
+        if self.superseded_event_id is not None:
+            return self.superseded_event_id
+        return None if self.corrected is None else self.corrected.event_id
 
 
 class CorrectionLog:
@@ -121,8 +136,8 @@ class CorrectionLog:
 
     Add them in topic order (`add`); then a billing event is `superseded` when the latest
     correction of its event id says so, and `standing` are the bills the corrections
-    put in place of what they superseded.  Usage row corrections (no request) carry no
-    bill and are only counted.
+    put in place of what they superseded (revisions aside: `BillingLedger` applies both).
+    Usage row corrections (no request) carry no bill and are only counted.
     """
 
     def __init__(self) -> None:
@@ -133,9 +148,7 @@ class CorrectionLog:
 
     def add(self, correction: BillingCorrection) -> None:
         self.records += 1
-        event_id = correction.superseded_event_id
-        if event_id is None and correction.corrected is not None:
-            event_id = correction.corrected.event_id
+        event_id = correction.names
         if event_id is None:
             self.rows += 1
             return
@@ -144,7 +157,15 @@ class CorrectionLog:
     def superseded(self, event: BillingEvent, partition: int, offset: int) -> bool:
         """Whether the billing event at (`partition`, `offset`) is superseded by a correction."""
         latest = self._latest.get(event.event_id)
-        return latest is not None and offset < latest.billing_before.get(partition, 0)
+        return latest is not None and latest.covers(partition, offset)
+
+    def latest(self, event_id: str) -> BillingCorrection | None:
+        """The correction that decides `event_id` (the latest naming it), if any."""
+        return self._latest.get(event_id)
+
+    def decided(self) -> Mapping[str, BillingCorrection]:
+        """Event id -> the correction that decides it (read-only view)."""
+        return MappingProxyType(self._latest)
 
     def standing(self) -> list[BillingEvent]:
         """The bills that stand by correction (each event id's latest), in no set order."""

@@ -5,7 +5,8 @@
 ``max.message.bytes`` of existing ones declared higher); `read_topic` reads one topic
 from its beginning to its current end, which is what the read commands
 (`billing export`, `deadletter`, `rebuild`) do, or a given range of offsets
-of it; `read_decoded` does the same and decodes each value.
+of it; `read_decoded` does the same and decodes each value (`read_decoded_at`: with
+its partition and offset).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -39,11 +40,13 @@ from streamtally.wire.connection import client_options
 __all__ = [
     "MAX_REQUEST_BYTES",
     "STALL_TIMEOUT_S",
+    "Decoded",
     "TopicRecord",
     "ensure_topics",
     "idempotent_producer",
     "raise_limit_configs",
     "read_decoded",
+    "read_decoded_at",
     "read_topic",
 ]
 
@@ -421,7 +424,16 @@ async def read_topic(
 _T = TypeVar("_T")
 
 
-async def read_decoded(
+@dataclass(frozen=True, slots=True)
+class Decoded(Generic[_T]):
+    """A decoded value with where its record is (`read_decoded_at`)."""
+
+    partition: int
+    offset: int
+    value: _T
+
+
+async def read_decoded_at(
     kafka: KafkaConnection | str,
     topic: str,
     decode: Callable[[bytes], _T],
@@ -431,9 +443,10 @@ async def read_decoded(
     end: Mapping[int, int] | None = None,
     missing_hint: str = _MISSING_HINT,
     missing_ok: bool = False,
-) -> AsyncGenerator[_T, None]:
+) -> AsyncGenerator[Decoded[_T], None]:
     """`read_topic` (the same `start`, `end`, `missing_hint`, `missing_ok`), each value
-    decoded with `decode`; what does not decode goes to `bad`.
+    decoded with `decode` and yielded with its partition and offset; what does not
+    decode goes to `bad`.
 
     A tombstone (no value) or a value `decode` refuses with `AvroDecodeError`
     is appended to `bad` as `(partition, offset, reason)` and skipped.  Close
@@ -452,4 +465,31 @@ async def read_decoded(
             except AvroDecodeError as exc:
                 bad.append((record.partition, record.offset, str(exc)))
                 continue
-            yield value
+            yield Decoded(record.partition, record.offset, value)
+
+
+async def read_decoded(
+    kafka: KafkaConnection | str,
+    topic: str,
+    decode: Callable[[bytes], _T],
+    bad: list[tuple[int, int, str]],
+    *,
+    start: Mapping[int, int] | None = None,
+    end: Mapping[int, int] | None = None,
+    missing_hint: str = _MISSING_HINT,
+    missing_ok: bool = False,
+) -> AsyncGenerator[_T, None]:
+    """`read_decoded_at`, the values alone."""
+    reading = read_decoded_at(
+        kafka,
+        topic,
+        decode,
+        bad,
+        start=start,
+        end=end,
+        missing_hint=missing_hint,
+        missing_ok=missing_ok,
+    )
+    async with contextlib.aclosing(reading) as decoded:
+        async for item in decoded:
+            yield item.value

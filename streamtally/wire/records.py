@@ -350,7 +350,8 @@ class BillingEvent:
     # -- revisions (BillingEvent v5; an older event reads as revision 0, superseding none) --
     #: 0: the bill made when the request first closed; n > 0: its n-th amendment (records
     #: that came after a close at its timeout or over a gap).  The highest revision of a
-    #: request is the bill that stands; each carries the whole usage, not a difference.
+    #: request is the bill that stands (the rule, with corrections: `streamtally.wire.ledger`);
+    #: each carries the whole usage, not a difference.
     revision: int = 0
     #: The `event_id` of revision ``revision - 1``, which this one replaces (None for 0).
     supersedes: str | None = None

@@ -13,6 +13,7 @@ from decimal import Decimal
 from streamtally.cli.billing import Export, collect
 from streamtally.core.models import FinishReason, Source
 from streamtally.wire.billing import event_id
+from streamtally.wire.kafka import Decoded
 from streamtally.wire.records import BillingEvent
 
 
@@ -33,10 +34,15 @@ def _event(finish: FinishReason, cost: str, tenant: str = "acme") -> BillingEven
     )
 
 
+def read(*events: BillingEvent) -> list[Decoded[BillingEvent]]:
+    """The events as read from partition 0, at offsets 0, 1, ..."""
+    return [Decoded(0, offset, event) for offset, event in enumerate(events)]
+
+
 def test_a_byte_identical_replay_is_dropped_and_counted() -> None:
     export = Export()
     stop = _event(FinishReason.STOP, "0.001")
-    collect([stop, dataclasses.replace(stop)], export, keep_replays=False)
+    collect(read(stop, dataclasses.replace(stop)), export, keep_replays=False)
     assert export.events == [stop]
     assert export.replays == 1
     assert export.conflicts == []
@@ -45,7 +51,7 @@ def test_a_byte_identical_replay_is_dropped_and_counted() -> None:
 def test_two_different_events_for_one_request_are_a_conflict_and_both_stay() -> None:
     export = Export()
     stop, error = _event(FinishReason.STOP, "0.001"), _event(FinishReason.ERROR, "0.0004")
-    collect([stop, stop, error], export, keep_replays=False)
+    collect(read(stop, stop, error), export, keep_replays=False)
     assert export.events == [stop, error]
     assert export.replays == 1
     assert export.conflicts == [(stop, error)]
@@ -54,7 +60,7 @@ def test_two_different_events_for_one_request_are_a_conflict_and_both_stay() -> 
 def test_two_tenants_reusing_one_request_id_are_two_requests_not_a_conflict() -> None:
     export = Export()
     acme, globex = _event(FinishReason.STOP, "0.001"), _event(FinishReason.STOP, "0.002", "globex")
-    collect([acme, globex], export, keep_replays=False)
+    collect(read(acme, globex), export, keep_replays=False)
     assert export.events == [acme, globex]
     assert export.conflicts == []
     assert export.replays == 0

@@ -221,6 +221,7 @@ def billing_event(tenant: str, model: str | None, request_id: str) -> Any:
         tenant=tenant,
         model=model,
         request_id=request_id,
+        revision=0,
         input_tokens=10,
         output_tokens=5,
         cost=Decimal("0.0001"),

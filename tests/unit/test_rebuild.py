@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from decimal import Decimal
 
 import pytest
 
@@ -22,13 +23,18 @@ from streamtally.ops.rebuild import (
     Skipped,
     SkipReason,
     TokensRecord,
+    _read,
     apply,
     join,
+    read_inputs,
 )
-from streamtally.store import FinishedRequest, LayoutError, tokens_key
-from streamtally.wire import avro
+from streamtally.store import FinishedRequest, LayoutError, tokens_json, tokens_key
+from streamtally.topics import output_key
+from streamtally.wire import avro, kafka
 from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
+from tests.unit.test_cli_billing_ledger import TOPICS, FakeTopics
+from tests.unit.test_ledger import correction
 
 PRICES = PriceTable.from_dict(
     {
@@ -431,3 +437,88 @@ def test_the_help_says_requests_are_joined_by_tenant_and_request_id(
     out = " ".join(capsys.readouterr().out.split())
     assert "join them by request (tenant and request id)" in out
     assert "by request id" not in out
+
+
+# --------------------------------------------------------------------------- amended requests
+
+
+async def _rebuilt(
+    topics: FakeTopics, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Inputs, Plan, FakeStore]:
+    """`read_inputs` over the stand-in topics, `join`, `apply` into a stand-in store."""
+    monkeypatch.setattr(_read, "read_topic", topics.read_topic)
+    monkeypatch.setattr(kafka, "read_topic", topics.read_topic)  # the corrections topic
+    inputs = await read_inputs(
+        "fake:9092",
+        tokens_topic=TOPICS.tokens.name,
+        billing_topic=TOPICS.billing.name,
+        corrections_topic=TOPICS.corrections.name,
+    )
+    plan = join(inputs.tokens, inputs.billing)
+    store = FakeStore()
+    await apply(store, plan.requests)  # type: ignore[arg-type]
+    return inputs, plan, store
+
+
+def _amended(topics: FakeTopics) -> tuple[BillingEvent, BillingEvent, Tokens]:
+    """Request r1 closed at its timeout with nothing, then amended with its whole usage; r2
+    billed once.  Tokens of r1: revision 0's, then revision 1's (the compacted topic keeps
+    the latest)."""
+    timed_out = Tokens(
+        request_id="r1",
+        source=Source.OPENAI,
+        model="gpt-4.1-2025-04-14",
+        text="hel",
+        reasoning="",
+        tool_calls=(),
+        usage=Usage(),
+        finish_reason=FinishReason.ERROR,
+        finish_reason_raw=None,
+        error="request timed out",
+        chunks=1,
+    )
+    whole, other = make_tokens("r1", output_tokens=96), make_tokens("r2")
+    first = bill(timed_out, "acme", WHEN, PRICES)
+    amended = bill(whole, "acme", WHEN + timedelta(seconds=9), PRICES, revision=1)
+    for tokens in (timed_out, other, whole):
+        ref = output_key(RequestRef("acme", tokens.request_id))
+        topics.append(TOPICS.tokens.name, ref, avro.encode_tokens(tokens))
+    topics.bill(first, billing_of(other), amended)
+    return first, amended, whole
+
+
+async def test_an_amended_request_is_rebuilt_from_its_standing_revision_alone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    topics = FakeTopics()
+    first, amended, whole = _amended(topics)
+    inputs, plan, store = await _rebuilt(topics, monkeypatch)
+    assert (inputs.billing_records, inputs.revised, inputs.superseded) == (3, 1, 0)
+    assert plan.skipped == []
+    assert [(r.ref.request_id, r.billing) for r in plan.requests if r.ref.request_id == "r1"] == [
+        ("r1", amended)
+    ]
+    [batch] = store.batches
+    assert len(batch) == 2
+    [row] = [r for r in batch if r.tokens_key == tokens_key(RequestRef("acme", "r1"))]
+    # the amended bill once, as the worker's row holds it: not revision 0's too
+    assert (first.output_tokens, first.cost) == (0, 0)
+    assert row.usage == (1520, 96, 0, 1408, 0)
+    assert Decimal(row.cost_units) + Decimal(row.cost_pico) / 10**12 == amended.cost
+    assert row.tokens_json == tokens_json(whole)
+    summary = _summary_json(inputs, plan, Applied(applied=2), [])
+    assert (summary["billing_records"], summary["billing_revised"]) == (3, 1)
+    text = _summary_text(plan, Applied(applied=2), [], inputs)
+    assert "1 billing events superseded by a later revision" in text
+
+
+async def test_a_correction_of_revision_0_gives_way_to_a_later_revision(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    topics = FakeTopics()
+    first, amended, _ = _amended(topics)
+    # an audit saw revision 0 (offset 0) and corrected it; revision 1 came after it
+    topics.correct(correction(first, dataclasses.replace(first, input_tokens=3), before=1))
+    inputs, plan, _ = await _rebuilt(topics, monkeypatch)
+    assert (inputs.corrections, inputs.superseded, inputs.revised) == (1, 1, 1)
+    assert [r.billing for r in plan.requests if r.ref.request_id == "r1"] == [amended]

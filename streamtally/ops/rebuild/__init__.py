@@ -31,9 +31,15 @@ Join rules (`join`):
   (`SkipReason.AMBIGUOUS`): nothing says whose it is (unless every one of
   those tenants has a later v2 record, which supersedes it whichever it was).
 * Billing: every event names its own request (``tenant``, ``request_id``).
-  Events are deduplicated by ``event_id`` (the first one wins, as every
-  billing consumer does); a request with several distinct events is
-  reported and skipped.
+  The billing and corrections topics are settled by the one rule of every
+  billing consumer (`streamtally.wire.ledger.BillingLedger`, README
+  "Guarantees"): events deduplicated by ``event_id`` (the first one wins; a
+  different event under an id already read is a conflict, counted), each
+  request's highest revision stands (an amended request is rebuilt from its
+  latest revision alone, as the worker's usage row holds it, never from
+  revision 0 and 1 both), and the corrections of ``audit --correct`` apply.
+  A request with several bills at its highest revision is reported and
+  skipped.
 * A request with Tokens but no billing event, or the reverse, is reported and
   skipped (the worker sends both in one flush, so this is a request caught
   mid-flush, or a topic truncated by hand); so is one whose billing event
@@ -48,6 +54,10 @@ What is rebuilt and what is not:
   written before ``priced`` existed (BillingEvent v1) reads as priced, so a
   request billed unpriced by such an old worker (cost 0) is not counted in
   ``unpriced_requests`` by the rebuild: the event cannot tell.
+* An amended request's revision (``st:{T}:revision:{ref}``) and what a
+  further amendment would start from (``st:{T}:amend:{ref}``) expire with the
+  state TTL and are not restored: its row holds its standing bill, and a raw
+  record of it arriving after the rebuild is dead-lettered as late.
 * ``st:closed`` field ``{ref}``: the worker's closing marker ("offset
   reason") names the offset of the request's last raw record, which neither
   topic carries; the rebuild writes ``"0 end"`` (`CLOSED_MARKER`).  A request
@@ -65,7 +75,7 @@ layout (`RedisStore.ensure_layout`: it claims an empty Redis and raises
 `LayoutError` on data of layout version 1, which ``streamtally migrate``
 converts first).
 
-Both topics are read to their end before anything is written, and held in
+The topics are read to their end before anything is written, and held in
 memory: the latest Tokens of every request and every billing event.
 
 Requests already in Redis are left untouched (the sink skips a request whose

@@ -1,11 +1,11 @@
 """The Kafka side of a rebuild: the Tokens and billing topics read to their end, decoded.
 
 `read_inputs` returns the `Inputs` that `join` matches: each Tokens record
-with its key as text, each billing event, and the records that did not
-decode.  The billing events are the bills as corrected: with the corrections
-topic (``streamtally audit --correct``), read first, a billing event a correction
-supersedes is left out and the bill the correction stands is taken instead
-(`streamtally.wire.corrections.CorrectionLog`, as any billing consumer applies them).
+with its key as text, the bills that stand, and the records that did not
+decode.  The bills that stand are the billing topic and the corrections topic
+(``streamtally audit --correct``) settled by the one rule of every billing
+consumer (`streamtally.wire.ledger.BillingLedger`): one bill per request, its
+highest revision (an amended request's revision 0 is left out), as corrected.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from streamtally.topics import decode_key
 from streamtally.wire.avro import AvroDecodeError, decode_billing_event, decode_tokens
 from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import read_topic
+from streamtally.wire.ledger import BillingLedger
 from streamtally.wire.records import BillingEvent
 
 
@@ -30,11 +31,20 @@ class Inputs:
     """What the two topics hold, decoded, in topic order."""
 
     tokens: list[TokensRecord] = field(default_factory=list)
+    #: The bills that stand (`BillingLedger.settle`): one per request, but for a request
+    #: with several bills at its highest revision (`join` skips it as a conflict).
     billing: list[BillingEvent] = field(default_factory=list)
     #: Billing records that did not decode, and Tokens records without a usable key.
     bad: list[Skipped] = field(default_factory=list)
-    #: Billing events left out because a correction supersedes them, and the corrections
-    #: read (those that did not decode are in `bad`).
+    #: Billing records read (decoded), and of those the replays of an event id's bill.
+    billing_records: int = 0
+    replays: int = 0
+    #: Billing events that differ from the first record of their event id, which stands.
+    conflicts: list[tuple[BillingEvent, BillingEvent]] = field(default_factory=list)
+    #: Bills left out because a later revision of their request supersedes them.
+    revised: int = 0
+    #: Bills a correction replaced or withdrew, and the corrections read (those that did
+    #: not decode are in `bad`).
     superseded: int = 0
     corrections: int = 0
 
@@ -53,8 +63,9 @@ async def read_inputs(
     """Both topics from their beginning to their current end (`streamtally.wire.kafka.read_topic`).
 
     A Tokens record is kept with its key as text (`TokensRecord`; which
-    request it is of is for `join` to say).  Raises `StackError` when Kafka
-    cannot be reached or a topic is missing.
+    request it is of is for `join` to say); the billing and corrections topics
+    are settled into the bills that stand (`BillingLedger`).  Raises
+    `StackError` when Kafka cannot be reached or a topic is missing.
     """
     inputs = Inputs()
     corrections = CorrectionLog()
@@ -83,6 +94,7 @@ async def read_inputs(
                 inputs.tokens.append(TokensRecord(key, error=f"{where}: {exc}", where=where))
                 continue
             inputs.tokens.append(TokensRecord(key, tokens, where=where))
+    ledger = BillingLedger(corrections)
     async with contextlib.aclosing(read_topic(servers, billing_topic)) as records:
         async for record in records:
             where = _where(record.topic, record.partition, record.offset)
@@ -94,11 +106,12 @@ async def read_inputs(
             except AvroDecodeError as exc:
                 inputs.bad.append(_bad_billing(record.key, f"{where}: {exc}"))
                 continue
-            if corrections.superseded(event, record.partition, record.offset):
-                inputs.superseded += 1
-            else:
-                inputs.billing.append(event)
-    inputs.billing.extend(corrections.standing())
+            ledger.add(event, record.partition, record.offset)
+    settled = ledger.settle()
+    inputs.billing = settled.events()
+    inputs.billing_records, inputs.replays = ledger.records, ledger.replays
+    inputs.conflicts = list(ledger.conflicts)
+    inputs.revised, inputs.superseded = settled.revised, settled.corrected
     return inputs
 
 
