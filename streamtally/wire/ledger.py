@@ -8,7 +8,10 @@ that arrived after a close at its timeout or over a gap amend it; ``streamtally 
 and never rewrites a bill.  Every revision and every corrected bill carries the request's
 whole usage and cost, never a difference.  A consumer gets the bills as they stand by this
 rule; `BillingLedger` is its one implementation (``billing export --ledger`` and
-``rebuild`` read through it; the audit applies its corrections half, `CorrectionLog`):
+``rebuild`` read through it; the audit applies its corrections half, `CorrectionLog`,
+and rule 3 as it replays: its expected rows take an amended request's superseded
+revision out as the next one closes, `streamtally.ops.audit._ledger.Ledger.closed`,
+which keeps it at one sum per row instead of every bill):
 
 1. **One bill per event id.**  The first record of an event id read is its bill (all the
    records of a request are on one partition, keyed by the request: that is offset
