@@ -96,8 +96,6 @@ class _ProcessorState:
         #: from (`processors.amendable`), most recent last, and the bytes they hold.
         self._amendable: OrderedDict[RequestRef, Amendable] = OrderedDict()
         self._amendable_bytes = 0
-        #: Requests asked of the store for their amendable state and not found (expired).
-        self._not_amendable: set[RequestRef] = set()
         #: Where earlier runs closed amended requests' later revisions, by revision.
         self._planned: dict[RequestRef, dict[int, Closed]] = {}
 
@@ -178,10 +176,10 @@ class _ProcessorState:
         return wanted
 
     def learn_amendable(self, ref: RequestRef, amendable: Amendable | None) -> None:
-        """What the store keeps of `ref` for its amendments (None: nothing, it expired)."""
-        if amendable is None:
-            self._not_amendable.add(ref)
-        else:
+        """What the store keeps of `ref` for its amendments (None: nothing, it expired: its
+        late records are dead-lettered with that reason; nothing is remembered of it, so
+        memory stays bounded whatever a tenant sends)."""
+        if amendable is not None:
             self._keep_amendable(ref, amendable)
 
     def _keep_amendable(self, ref: RequestRef, amendable: Amendable) -> None:
@@ -190,7 +188,6 @@ class _ProcessorState:
             self._amendable_bytes -= old.size
         self._amendable[ref] = amendable
         self._amendable_bytes += amendable.size
-        self._not_amendable.discard(ref)
         while self._amendable_bytes > AMENDABLE_MEMORY_BYTES and len(self._amendable) > 1:
             _, evicted = self._amendable.popitem(last=False)
             self._amendable_bytes -= evicted.size
