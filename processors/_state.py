@@ -96,6 +96,8 @@ class _ProcessorState:
         #: from (`processors.amendable`), most recent last, and the bytes they hold.
         self._amendable: OrderedDict[RequestRef, Amendable] = OrderedDict()
         self._amendable_bytes = 0
+        #: Bytes of record values of amendable requests kept in memory (oldest out first).
+        self.amendable_memory_bytes = AMENDABLE_MEMORY_BYTES
         #: Where earlier runs closed amended requests' later revisions, by revision.
         self._planned: dict[RequestRef, dict[int, Closed]] = {}
 
@@ -188,7 +190,7 @@ class _ProcessorState:
             self._amendable_bytes -= old.size
         self._amendable[ref] = amendable
         self._amendable_bytes += amendable.size
-        while self._amendable_bytes > AMENDABLE_MEMORY_BYTES and len(self._amendable) > 1:
+        while self._amendable_bytes > self.amendable_memory_bytes and len(self._amendable) > 1:
             _, evicted = self._amendable.popitem(last=False)
             self._amendable_bytes -= evicted.size
 

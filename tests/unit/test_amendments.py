@@ -11,6 +11,7 @@ import zlib
 
 import pytest
 
+from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.processors._records import _Raw
 from streamtally.processors.amendable import Amendable, KeptRecord
@@ -211,3 +212,28 @@ def test_a_keepalive_after_the_timeout_amends_nothing() -> None:
     run.send_all(s, list(range(3, len(s.records))), first=4)
     assert [d.billing.revision for d in run.completed(s.request_id)] == [0, 1]
     assert run.completed(s.request_id)[1].tokens == s.expected()
+
+
+def test_the_states_kept_in_memory_are_bounded_and_the_oldest_is_asked_of_the_store() -> None:
+    a, b = sample("openai/text_usage.sse", request_id="a"), sample("openai/text_usage.sse")
+    run = Run()
+    run.processor.amendable_memory_bytes = 1  # room for the latest state only
+    run.send_all(a, [0, 1, 2])
+    run.send_all(b, [0, 1, 2], first=3)
+    (first_a, _) = run.expire().completed
+    record = run.processor.examine_sse(a.key, a.records[3])
+    assert not isinstance(record, Refused)
+    late = _Raw(record, position(a.topic, 6), a.key, a.records[3], a.ref)
+    assert run.processor.to_amend([late]) == {a.ref}  # evicted: the store is asked
+    assert first_a.amendable is not None
+    run.processor.learn_amendable(a.ref, Amendable.decode(first_a.amendable))
+    run.send_all(a, list(range(3, len(a.records))), first=6)
+    assert run.completed("a")[-1].tokens == a.expected()
+
+
+def test_the_audit_keeps_every_state_it_makes() -> None:
+    from streamtally.ops.audit._run import replay_processor
+    from streamtally.settings import Settings
+
+    processor = replay_processor(Settings(), PriceTable.default())
+    assert processor.amendable_memory_bytes > 1 << 60

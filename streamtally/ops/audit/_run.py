@@ -71,8 +71,11 @@ class _Meter:
 def replay_processor(settings: Settings, prices: PriceTable) -> RequestProcessor:
     """The worker's processor as the replay runs it: the worker's request timeouts (its
     default and its sources'), its record and size limits, no limit on open requests, and a
-    clock that never moves (the input's times alone close quiet requests)."""
-    return RequestProcessor(
+    clock that never moves (the input's times alone close quiet requests).  It keeps every
+    timed-out request's amendable state (the worker keeps the latest in memory and all in
+    Redis; the replay has no Redis to ask), so each late record amends as in the worker:
+    memory grows with the raw bytes of the requests closed at their timeout."""
+    processor = RequestProcessor(
         prices,
         timeout=settings.request_timeout,
         timeouts=settings.request_timeouts,
@@ -85,6 +88,8 @@ def replay_processor(settings: Settings, prices: PriceTable) -> RequestProcessor
             event_bytes=settings.max_event_bytes,
         ),
     )
+    processor.amendable_memory_bytes = sys.maxsize
+    return processor
 
 
 def _frozen() -> float:
