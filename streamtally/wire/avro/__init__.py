@@ -1,8 +1,10 @@
 """Avro on the wire: the schemas of every topic value, and their single-object framing.
 
-Every schema in `schemas/*.avsc` (one named type per file, namespace
-`io.streamtally.v1`) is read once at import, from the package data.  A
-record's file may name types of other files; each record is then expanded
+Every schema in `schemas/*.avsc` (one top-level named type per file, namespace
+`io.streamtally.v1`; a type named by a field with a default is defined inline
+there, so that Avro Java loads the folder as a set: docs/avro-framing.md) is
+read once at import, from the package data.  A record's file may name types of
+other files; each record is then expanded
 into one self-contained schema (a named type is defined where it first occurs
 and referred to by full name after), which is what its Parsing Canonical Form
 and fingerprint are taken of and what `schemas/history/<Name>/<n>.avsc`

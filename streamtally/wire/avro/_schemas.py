@@ -1,6 +1,6 @@
 """The schema registry: every version of every record schema, read once from the package data.
 
-Each `schemas/*.avsc` file (one named type, namespace `io.streamtally.v1`) and
+Each `schemas/*.avsc` file (one top-level named type, namespace `io.streamtally.v1`) and
 each released version in `schemas/history/<Name>/<n>.avsc` is read and parsed
 exactly once, at import.  The schemas are package data: `streamtally/_schemas`
 (in the repository a link to the top-level `schemas/` folder).
