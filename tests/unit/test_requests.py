@@ -785,6 +785,10 @@ def test_the_same_raw_records_give_byte_identical_outputs() -> None:
 
 # --------------------------------------------------------------------------- dead letters
 
+CONFLUENT_RAW = avro.to_confluent(
+    raw_records(Source.OPENAI, b"data: {}\n\n", tenant="acme", request_id="req-x")[1][0], 42
+)
+
 
 @pytest.mark.parametrize(
     ("value", "needle"),
@@ -793,8 +797,11 @@ def test_the_same_raw_records_give_byte_identical_outputs() -> None:
         (b"garbage", "too short"),
         (b"\x00\x01not avro at all", "bad marker"),
         (b"\xc3\x01" + b"\xff" * 8 + b"body", "fingerprint"),
+        # A whole raw record in the Confluent wire format (00, schema id 42): the worker
+        # reads single-object encoding only, as it refuses an unknown fingerprint.
+        (CONFLUENT_RAW, "bad marker 0000: not Avro single-object encoding"),
     ],
-    ids=["empty", "short", "marker", "fingerprint"],
+    ids=["empty", "short", "marker", "fingerprint", "confluent"],
 )
 @pytest.mark.parametrize("source", [Source.OPENAI, Source.VLLM])
 def test_a_garbage_value_is_dead_lettered(value: bytes, needle: str, source: Source) -> None:

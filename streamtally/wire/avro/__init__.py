@@ -1,12 +1,13 @@
 """Avro on the wire: the schemas of every topic value, and their single-object framing.
 
-Every schema in `schemas/*.avsc` (one named type per file, namespace
-`io.streamtally.v1`) is read once at import, from the package data.  A
-record's file may name types of other files; each record is then expanded
-into one self-contained schema (a named type is defined where it first occurs
-and referred to by full name after), which is what its Parsing Canonical Form
-and fingerprint are taken of and what `schemas/history/<Name>/<n>.avsc`
-stores for each released version.
+Every schema in `schemas/*.avsc` (one top-level named type per file, namespace
+`io.streamtally.v1`; a type named by a field with a default is defined inline
+there, so that Avro Java loads the folder as a set: docs/avro-framing.md) is
+read once at import, from the package data.  A record's file may name types of
+other files; each record is then expanded into one self-contained schema (a
+named type is defined where it first occurs and referred to by full name
+after), which is what its Parsing Canonical Form and fingerprint are taken of
+and what `schemas/history/<Name>/<n>.avsc` stores for each released version.
 
 A message is Avro *single-object encoding*::
 
@@ -16,6 +17,9 @@ A message is Avro *single-object encoding*::
 (current and `schemas/history/`) and resolves that writer schema to the
 current one.  Anything that is not such a message raises `AvroDecodeError`
 (an `InputError`: the processors dead-letter the record with its message).
+The Confluent wire format (`00`, a 4-byte schema id, the body) has a codec
+beside it (`_confluent`: `to_confluent`, `decode_framed`, `FramingDecoders`),
+which nothing selects yet.
 
 This package is the only place that imports fastavro.  Its modules, each
 re-exported here (import from `streamtally.wire.avro`, not from them):
@@ -27,6 +31,7 @@ re-exported here (import from `streamtally.wire.avro`, not from them):
     _codec      generic encode()/decode() of an Avro datum (a dict)
     _encoders   models and records to messages (encode_chunk, ...)
     _decoders   messages to models and records (decode_chunk, ...)
+    _confluent  the Confluent wire format (00 + schema id): codec only, not yet selectable
     _compat     compatibility_errors() and release() of schema versions
     __main__    `python -m streamtally.wire.avro fingerprints|release`
 """
@@ -35,6 +40,18 @@ from __future__ import annotations
 
 from streamtally.wire.avro._codec import decode, encode
 from streamtally.wire.avro._compat import compatibility_errors
+from streamtally.wire.avro._confluent import (
+    CONFLUENT_HEADER_SIZE,
+    CONFLUENT_MAGIC,
+    MAX_SCHEMA_ID,
+    FramingDecoders,
+    SchemaIds,
+    confluent_header,
+    decode_framed,
+    encode_confluent,
+    schema_id_in,
+    to_confluent,
+)
 from streamtally.wire.avro._decoders import (
     decode_billing_correction,
     decode_billing_event,
@@ -71,13 +88,17 @@ from streamtally.wire.avro._schemas import (
     current,
     fingerprint,
     history,
+    known_version,
     schema_fingerprint,
     writer_of,
 )
 
 __all__ = [
+    "CONFLUENT_HEADER_SIZE",
+    "CONFLUENT_MAGIC",
     "HEADER_SIZE",
     "MARKER",
+    "MAX_SCHEMA_ID",
     "NAMESPACE",
     "RECORD_NAMES",
     "SCHEMA_DIR",
@@ -85,15 +106,19 @@ __all__ = [
     "AvroEncodeError",
     "AvroError",
     "AvroSchemaError",
+    "FramingDecoders",
+    "SchemaIds",
     "SchemaVersion",
     "canonical_form",
     "compatibility_errors",
+    "confluent_header",
     "current",
     "decode",
     "decode_billing_correction",
     "decode_billing_event",
     "decode_chunk",
     "decode_dead_letter",
+    "decode_framed",
     "decode_model",
     "decode_raw_engine_output",
     "decode_raw_sse_event",
@@ -102,6 +127,7 @@ __all__ = [
     "encode_billing_correction",
     "encode_billing_event",
     "encode_chunk",
+    "encode_confluent",
     "encode_dead_letter",
     "encode_model",
     "encode_raw_engine_output",
@@ -109,6 +135,9 @@ __all__ = [
     "encode_tokens",
     "fingerprint",
     "history",
+    "known_version",
     "schema_fingerprint",
+    "schema_id_in",
+    "to_confluent",
     "writer_of",
 ]

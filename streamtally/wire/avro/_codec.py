@@ -22,7 +22,7 @@ from streamtally.wire.avro._framing import HEADER_SIZE
 from streamtally.wire.avro._schemas import NAMESPACE, SchemaVersion, current, history, writer_of
 from streamtally.wire.records import ENGINE_PAYLOAD_TYPES
 
-__all__ = ["DECODE_ERRORS", "ENCODE_ERRORS", "decode", "encode", "read", "write"]
+__all__ = ["DECODE_ERRORS", "ENCODE_ERRORS", "decode", "encode", "read", "read_body", "write"]
 
 #: What fastavro raises for a datum that does not fit the writer schema.
 ENCODE_ERRORS: Final = (TypeError, ValueError, KeyError, AttributeError, OverflowError)
@@ -73,20 +73,30 @@ def _compiled(version: SchemaVersion, record_names: bool) -> Reader | None:
 
 def read(name: str, data: bytes, *, record_names: bool = False) -> dict[str, Any]:
     """The datum of a message of record `name`, resolved from its writer schema to the current."""
-    reader = current(name)
     try:
         writer = writer_of(data)
     except AvroDecodeError as exc:
         raise AvroDecodeError(f"{name}: {exc}") from None
+    return read_body(name, writer, data, HEADER_SIZE, record_names)
+
+
+def read_body(
+    name: str, writer: SchemaVersion, data: bytes, start: int, record_names: bool
+) -> dict[str, Any]:
+    """The datum of record `name` written with `writer` in `data` from `start` to the end.
+
+    `read` calls it after the single-object header; `_confluent` after the Confluent one.
+    """
+    reader = current(name)
     if writer.name != name:
         raise AvroDecodeError(f"expected a {name} message, got a {writer.label} one")
     fast = _compiled(writer, record_names) if writer is reader and name in COMPILED else None
     try:
         if fast is not None:
-            record, end = fast(data, HEADER_SIZE)
+            record, end = fast(data, start)
         else:
             body = io.BytesIO(data)
-            body.seek(HEADER_SIZE)
+            body.seek(start)
             record = fastavro.schemaless_reader(
                 body,
                 writer.parsed,

@@ -1,9 +1,11 @@
 """Decoders: single-object messages to the models and records of the topics.
 
 Each reads the datum with `_codec.read` (resolving an older or newer writer
-schema to the current one) and builds the typed value, refusing with
-`AvroDecodeError` what it cannot represent (an `UNKNOWN` enum symbol, a
-payload of the wrong branch, a field the model's validation rejects).
+schema to the current one) and builds the typed value from it (`chunk_of`,
+`billing_event_of`, ...: `_confluent.FramingDecoders` builds them from a datum
+of either framing), refusing with `AvroDecodeError` what it cannot represent
+(an `UNKNOWN` enum symbol, a payload of the wrong branch, a field the model's
+validation rejects).
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ if TYPE_CHECKING:
     from streamtally.wire.avro._encoders import Model
 
 __all__ = [
+    "billing_correction_of",
+    "billing_event_of",
+    "chunk_of",
+    "dead_letter_of",
     "decode_billing_correction",
     "decode_billing_event",
     "decode_chunk",
@@ -50,6 +56,11 @@ __all__ = [
     "decode_raw_engine_output",
     "decode_raw_sse_event",
     "decode_tokens",
+    "model_of",
+    "model_record",
+    "raw_engine_output_of",
+    "raw_sse_event_of",
+    "tokens_of",
 ]
 
 M = TypeVar("M", bound="Model")
@@ -127,6 +138,24 @@ def _validate(cls: type[_ModelT], fields: dict[str, Any]) -> _ModelT:
         raise AvroDecodeError(f"decoded record is not a valid {cls.__name__}: {exc}") from exc
 
 
+def model_record(cls: type[BaseModel]) -> str:
+    """The Avro record a model class is written as."""
+    return _MODEL_DECODERS[cls][0]
+
+
+def model_of(cls: type[M], r: dict[str, Any]) -> M:
+    """An instance of `cls` from the datum of its record."""
+    return _validate(cls, _MODEL_DECODERS[cls][1](r))
+
+
+def chunk_of(r: dict[str, Any]) -> Chunk:
+    return _validate(Chunk, _chunk_in(r))
+
+
+def tokens_of(r: dict[str, Any]) -> Tokens:
+    return _validate(Tokens, _tokens_in(r))
+
+
 def decode_model(cls: type[M], data: bytes) -> M:
     """Decode a message of the record named like `cls` into an instance of `cls`."""
     name, fields_in = _MODEL_DECODERS[cls]
@@ -134,11 +163,11 @@ def decode_model(cls: type[M], data: bytes) -> M:
 
 
 def decode_chunk(data: bytes) -> Chunk:
-    return _validate(Chunk, _chunk_in(read("Chunk", data)))
+    return chunk_of(read("Chunk", data))
 
 
 def decode_tokens(data: bytes) -> Tokens:
-    return _validate(Tokens, _tokens_in(read("Tokens", data)))
+    return tokens_of(read("Tokens", data))
 
 
 # --------------------------------------------------------------------------- records
@@ -159,7 +188,10 @@ def _record(cls: Callable[..., _R], fields: dict[str, Any]) -> _R:
 
 
 def decode_raw_sse_event(data: bytes) -> RawSseEvent:
-    r = read("RawSseEvent", data)
+    return raw_sse_event_of(read("RawSseEvent", data))
+
+
+def raw_sse_event_of(r: dict[str, Any]) -> RawSseEvent:
     # The enums in place, in the datum itself: it is ours (one raw event, the hot path).
     r["source"] = _source(r["source"])
     r["kind"] = _kind(r["kind"])
@@ -182,7 +214,11 @@ _PAYLOAD_BRANCHES: Final = {s: f"{NAMESPACE}.{t}" for s, t in ENGINE_PAYLOAD_TYP
 
 def decode_raw_engine_output(data: bytes) -> RawEngineOutput:
     """Decode a raw engine output; its payload is the dict the engine's JSON line parses to."""
-    r = read("RawEngineOutput", data, record_names=True)
+    return raw_engine_output_of(read("RawEngineOutput", data, record_names=True))
+
+
+def raw_engine_output_of(r: dict[str, Any]) -> RawEngineOutput:
+    """The datum read with record names (the payload's branch named)."""
     source = _source(r["source"])
     raw = r["payload"]
     payload: dict[str, Any] | None = None
@@ -198,7 +234,7 @@ def decode_raw_engine_output(data: bytes) -> RawEngineOutput:
     return _record(RawEngineOutput, r)
 
 
-def _billing_event(r: dict[str, Any]) -> BillingEvent:
+def billing_event_of(r: dict[str, Any]) -> BillingEvent:
     finish = _finish(r["finish_reason"])
     _require(finish is not None, "BillingEvent: no finish reason")
     fields = {
@@ -220,20 +256,27 @@ def decode_billing_event(data: bytes) -> BillingEvent:
     before `provider_request_id` existed (versions 1 to 3) reads it as None, and one
     written before revisions (versions 1 to 4) as revision 0, superseding none.
     """
-    return _billing_event(read("BillingEvent", data))
+    return billing_event_of(read("BillingEvent", data))
 
 
 def decode_billing_correction(data: bytes) -> BillingCorrection:
     """A correction (`streamtally.wire.corrections`) written with any version of its schema."""
-    r = read("BillingCorrection", data)
+    return billing_correction_of(read("BillingCorrection", data))
+
+
+def billing_correction_of(r: dict[str, Any]) -> BillingCorrection:
     before: dict[int, int] = {}
     for partition, offset in r["billing_before"].items():
         _require(partition.isdigit(), f"BillingCorrection: bad partition {partition!r}")
         before[int(partition)] = offset
-    corrected = None if r["corrected"] is None else _billing_event(r["corrected"])
+    corrected = None if r["corrected"] is None else billing_event_of(r["corrected"])
     fields = {**r, "billing_before": before, "corrected": corrected}
     return _record(BillingCorrection, fields)
 
 
 def decode_dead_letter(data: bytes) -> DeadLetter:
-    return _record(DeadLetter, read("DeadLetter", data))
+    return dead_letter_of(read("DeadLetter", data))
+
+
+def dead_letter_of(r: dict[str, Any]) -> DeadLetter:
+    return _record(DeadLetter, r)

@@ -1,6 +1,7 @@
 """Named types in Avro schema JSON: full names, where each type is defined, and expansion.
 
-The `.avsc` files define one named type each and refer to the others by name;
+The `.avsc` files define one top-level named type each (and any defined inline in
+it) and refer to the others by name;
 `expand` turns a record of them into one self-contained schema (each named type
 defined where it first occurs, referred to by full name after), the form that
 is fingerprinted and stored in `schemas/history/`.

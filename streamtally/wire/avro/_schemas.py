@@ -1,6 +1,6 @@
 """The schema registry: every version of every record schema, read once from the package data.
 
-Each `schemas/*.avsc` file (one named type, namespace `io.streamtally.v1`) and
+Each `schemas/*.avsc` file (one top-level named type, namespace `io.streamtally.v1`) and
 each released version in `schemas/history/<Name>/<n>.avsc` is read and parsed
 exactly once, at import.  The schemas are package data: `streamtally/_schemas`
 (in the repository a link to the top-level `schemas/` folder).
@@ -15,8 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Final
 
+from fastavro.schema import SchemaParseException, parse_schema, to_parsing_canonical_form
 from fastavro.schema import fingerprint as _fastavro_fingerprint
-from fastavro.schema import parse_schema, to_parsing_canonical_form
 
 from streamtally.wire.avro._errors import AvroDecodeError, AvroSchemaError
 from streamtally.wire.avro._framing import fingerprint_in, header
@@ -33,6 +33,7 @@ __all__ = [
     "current",
     "fingerprint",
     "history",
+    "known_version",
     "parse",
     "schema_fingerprint",
     "writer_of",
@@ -207,6 +208,24 @@ def history(name: str) -> tuple[SchemaVersion, ...]:
 def fingerprint(name: str) -> bytes:
     """The 8 fingerprint bytes of the current schema of a record."""
     return current(name).fingerprint
+
+
+def known_version(schema: SchemaJSON | str) -> SchemaVersion:
+    """The known version (current or released) of the schema `schema` (JSON, or its text).
+
+    Matched by fingerprint (docs, defaults and the order of JSON keys do not matter;
+    the canonical form does): how a writer schema that a schema registry returns for
+    an id maps to this codec's.  `AvroDecodeError` if it is none of them.
+    """
+    try:
+        node = json.loads(schema) if isinstance(schema, str) else schema
+        fp = schema_fingerprint(node)
+    except (ValueError, TypeError, KeyError, AttributeError, SchemaParseException) as exc:
+        raise AvroDecodeError(f"not an Avro schema: {exc}") from exc
+    version = _BY_FINGERPRINT.get(fp)
+    if version is None:
+        raise AvroDecodeError(f"a schema this codec does not know (fingerprint {fp.hex()})")
+    return version
 
 
 def writer_of(data: bytes) -> SchemaVersion:
