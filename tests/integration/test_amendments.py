@@ -15,6 +15,10 @@ amendment: the next worker finds the amendable state in Redis (the first
 one's memory is gone) and amends once; a replay of the whole partition from
 offset 0 (its consumer group's offsets reset) then changes nothing: no
 revision billed twice, the usage row as it was.
+
+The third takes the amendable state away (as past the state TTL): the late
+usage is dead-lettered with that reason, and the audit reports the request as
+an `unbilled_amendment`.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
@@ -38,6 +43,7 @@ from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
+from streamtally.store.layout import amend_key
 from streamtally.topics import Topics
 from streamtally.wire.billing import event_id
 from tests.integration.worker import REPO, SAMPLES, Endpoints, as_called, cli, own_worker
@@ -258,3 +264,58 @@ def test_a_worker_killed_between_the_bill_and_its_amendment_amends_once(
             third.stop(timeout=30)
     finally:
         second.kill()
+
+
+def test_late_records_that_cannot_amend_are_reported_by_the_audit(
+    scene: tuple[Settings, WorkerProcess],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """The request's amendable state is gone (as past the state TTL) and the worker that
+    closed it restarted: its late usage is dead-lettered with that reason, and the audit,
+    whose replay amends it, reports an `unbilled_amendment` (billable records, unbilled)."""
+    settings, worker = scene
+    tenant, request_id = f"au-{uuid.uuid4().hex[:6]}", f"req-{uuid.uuid4().hex[:8]}"
+    ref = RequestRef(tenant, request_id)
+    _send(settings, request_id, _records(tenant, request_id)[:FIRST])
+    _wait_revision(settings, ref, 0, worker, timeout=60)
+    worker.kill()
+
+    async def expire_state() -> None:
+        store = RedisStore.from_url(settings.redis_url, connect_timeout=5)
+        client = aioredis.from_url(settings.redis_url)
+        try:
+            assert await store.amendable_states([ref]) != {}
+            assert await client.delete(amend_key(ref)) == 1  # as its TTL would
+            assert await store.amendable_states([ref]) == {}
+        finally:
+            await store.aclose()
+            await client.aclose()
+
+    asyncio.run(expire_state())
+    second = WorkerProcess(tmp_path / "second.log", dict(worker.env or {}), cwd=REPO).start()
+    try:
+        second.wait_until_ready(60)
+        rest = _records(tenant, request_id)[FIRST:]
+        _send(settings, request_id, rest)
+        seen = _read(settings, monkeypatch, tenant)
+        deadline = time.monotonic() + 60
+        while seen["stats"]["dead_lettered"] < len(rest):
+            assert time.monotonic() < deadline, (seen["stats"], second.describe())
+            time.sleep(0.5)
+            seen = _read(settings, monkeypatch, tenant)
+        assert [b["revision"] for b in seen["bills"]] == [0]
+        letters = cli("deadletter", "--json")
+        assert letters.code == 0, letters.err
+        reasons = {json.loads(line)["reason"] for line in letters.out.decode().splitlines()}
+        assert any("no longer amendable" in reason for reason in reasons), reasons
+        audit = cli("audit", "--tenant", tenant, "--json")
+        assert audit.code == 1, audit.out
+        report = json.loads(audit.out)
+        kinds = {d["kind"] for d in report["discrepancies"]}
+        assert "unbilled_amendment" in kinds, report["discrepancies"]
+        (unbilled,) = [d for d in report["discrepancies"] if d["kind"] == "unbilled_amendment"]
+        assert unbilled["request_id"] == request_id
+        second.check()
+    finally:
+        second.stop(timeout=30)
