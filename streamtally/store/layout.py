@@ -145,6 +145,7 @@ __all__ = [
     "day_of",
     "dead_key",
     "guard_key",
+    "marker_revision",
     "parse_row_member",
     "parse_tokens_key",
     "position_of",
@@ -248,6 +249,13 @@ def tokens_key(ref: RequestRef) -> str:
 def closed_key(ref: RequestRef) -> str:
     """``st:{T}:closed:{ref}``: the close decision of `ref`, in its shard."""
     return f"{_tag(shard_of(ref))}closed:{ref.text}"
+
+
+def marker_revision(marker: str) -> int:
+    """The revision a close marker names: its fourth field, absent (0) but in an
+    amendment's (``"offset reason last_received revision"``)."""
+    fields = marker.split(" ")
+    return int(fields[3]) if len(fields) > 3 else 0
 
 
 def closes_key(ref: RequestRef) -> str:

@@ -39,6 +39,7 @@ from streamtally.store.layout import (
     correction_key,
     dead_key,
     guard_key,
+    marker_revision,
     parse_row_member,
     parse_tokens_key,
     revision_key,
@@ -502,17 +503,24 @@ class RedisStore:
             for ref in refs:
                 pipe.get(closed_key(ref))
                 pipe.exists(tokens_key(ref))
-                pipe.get(revision_key(ref))
             replies = await pipe.execute()
         found: dict[RequestRef, tuple[str, bool]] = {}
-        for i, ref in enumerate(refs):
-            marker, exists, revision = replies[3 * i : 3 * i + 3]
+        amended: dict[RequestRef, int] = {}
+        for ref, marker, exists in zip(refs, replies[::2], replies[1::2], strict=True):
             if marker is not None:
                 text = reply_text(marker)
-                # Applied: the Tokens of revision 0, or the revision the marker names.
-                wanted = _marker_revision(text)
-                applied = bool(exists) and int(reply_text(revision) if revision else 0) >= wanted
-                found[ref] = (text, applied)
+                found[ref] = (text, bool(exists))
+                revision = marker_revision(text)
+                if revision and exists:
+                    amended[ref] = revision
+        if amended:  # an amendment's marker: applied once its revision is (a second trip)
+            async with self._client.pipeline(transaction=False) as pipe:
+                for ref in amended:
+                    pipe.get(revision_key(ref))
+                applied = await pipe.execute()
+            for (ref, wanted), value in zip(amended.items(), applied, strict=True):
+                done = value is not None and int(reply_text(value)) >= wanted
+                found[ref] = (found[ref][0], done)
         return found
 
     async def close_history(self, refs: Sequence[RequestRef]) -> dict[RequestRef, list[str]]:
@@ -554,9 +562,3 @@ class RedisStore:
                 field = reply_text(name)
                 out[field] = out.get(field, 0) + int(value)
         return out
-
-
-def _marker_revision(marker: str) -> int:
-    """The revision a close marker names (its fourth field; absent: 0)."""
-    fields = marker.split(" ")
-    return int(fields[3]) if len(fields) > 3 else 0

@@ -30,6 +30,7 @@ from streamtally.ops.corrections import read_corrections
 from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
+from streamtally.store.layout import marker_revision
 from streamtally.topics import Topics
 from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import TopicRecord, read_topic
@@ -173,7 +174,7 @@ async def run_audit(
         """The close markers of `refs`; an amended request's with its history before it,
         one marker per line (revision 0 first: `_replay._marker`)."""
         found = await store.closed_markers(refs)
-        amended = [ref for ref, (marker, _) in found.items() if marker.count(" ") >= 3]
+        amended = [ref for ref, (marker, _) in found.items() if marker_revision(marker)]
         history = await store.close_history(amended)
         for ref, earlier in history.items():
             marker, applied = found[ref]
