@@ -39,6 +39,19 @@ def openai_stream(transcript: bytes, *, include_usage: bool) -> bytes:
     return bytes(out)
 
 
+def openai_blocks(transcript: bytes) -> dict[bool, list[bytes]]:
+    """`openai_stream` of `transcript` event by event (each block with its blank line), by
+    whether the client asked for usage: what a test upstream writes one at a time."""
+    return {
+        asked: [
+            block + b"\n\n"
+            for block in openai_stream(transcript, include_usage=asked).split(b"\n\n")
+            if block
+        ]
+        for asked in (True, False)
+    }
+
+
 def asked_for_usage(body: dict[str, Any]) -> bool:
     """Whether a request body asks for the usage chunk."""
     options = body.get("stream_options")

@@ -49,7 +49,7 @@ from tests.integration.worker import (
     tapped_calls,
     wait_for_tokens,
 )
-from tests.openai_upstream import asked_for_usage, openai_stream
+from tests.openai_upstream import asked_for_usage, openai_blocks, openai_stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -83,14 +83,7 @@ class Upstream:
     first `THINK_AFTER` events; `silences` are the silences it kept, in seconds."""
 
     def __init__(self, transcript: bytes) -> None:
-        self.blocks = {
-            asked: [
-                block + b"\n\n"
-                for block in openai_stream(transcript, include_usage=asked).split(b"\n\n")
-                if block
-            ]
-            for asked in (True, False)
-        }
+        self.blocks = openai_blocks(transcript)
         self.silences: list[float] = []
         self.runner: web.AppRunner | None = None
 

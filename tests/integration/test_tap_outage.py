@@ -78,7 +78,7 @@ from tests.integration.worker import (
     tapped_calls,
     wait_for_tokens,
 )
-from tests.openai_upstream import asked_for_usage, openai_stream
+from tests.openai_upstream import asked_for_usage, openai_blocks, openai_stream
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -177,14 +177,7 @@ class Upstream:
     a call with ``X-Think`` waits after its first `THINK_AFTER` events until `go_on`."""
 
     def __init__(self, transcript: bytes) -> None:
-        self.streams = {
-            asked: [
-                block + b"\n\n"
-                for block in openai_stream(transcript, include_usage=asked).split(b"\n\n")
-                if block
-            ]
-            for asked in (True, False)
-        }
+        self.streams = openai_blocks(transcript)
         self.asked: Counter[bool] = Counter()
         self.runner: web.AppRunner | None = None
         self.go_on = asyncio.Event()
