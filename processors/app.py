@@ -38,6 +38,7 @@ from faust.app.base import BootStrategy
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.pricing import PriceTable
+from streamtally.errors import StreamtallyError
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.content import content_policy
 from streamtally.processors.metrics import WorkerMetrics, serve
@@ -54,6 +55,7 @@ from streamtally.processors.writes import Holds, WriteBehind
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.connection import faust_options
+from streamtally.wire.framing import learn_ids
 from streamtally.wire.tenant_keys import TenantTrust
 
 log = logging.getLogger(__name__)
@@ -292,6 +294,8 @@ def create_app(
         """Ask Redis what the batch's late records need to amend their requests with."""
         if refs:
             found = await sinks().find_amendable(sorted(refs))
+            # Their records are decoded again as they are re-applied: any schema id first.
+            await learn_ids(k.value for s in found.values() if s is not None for k in s.records)
             for ref, state in found.items():
                 processor.learn_amendable(ref, state)
 
@@ -323,6 +327,7 @@ def create_app(
             # Handed over directly (agent tests): fetched now, so nothing is fenced.
             fetched = FetchedBatch(fence.generation, tuple(fetched))
         if isinstance(fetched, FetchedBatch):  # agent tests hand fetched batches over
+            await learn_ids(m.value for m in fetched.messages)
             fetched = examine(fetched)
         generation, messages = fetched.fetched.generation, fetched.fetched.messages
         examined = fetched.examined
@@ -415,7 +420,14 @@ def create_app(
             app.flow_control.resume()
             async for batch in source.batches():
                 # Decoded here, not in the agent: this task runs while the agent waits
-                # for the previous batch's writes, so decoding fills that wait.
+                # for the previous batch's writes, so decoding fills that wait.  The
+                # schema ids of Confluent-framed values the process does not know yet are
+                # asked of the registry first, from a thread (`learn_ids`).
+                try:
+                    await learn_ids(m.value for m in batch.messages)
+                except StreamtallyError as exc:  # the registry is unreachable: stop
+                    fail(exc)
+                    raise
                 await batches.send(value=examine(batch))
         finally:
             processor.live = None

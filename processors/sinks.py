@@ -46,6 +46,7 @@ from streamtally.processors.requests import Closed, Outputs
 from streamtally.store import RedisSink, RedisStore, amended_request
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
+from streamtally.wire.framing import SINGLE_OBJECT, Framing
 from streamtally.wire.kafka import idempotent_producer
 
 __all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks", "Written", "retry"]
@@ -85,9 +86,14 @@ class KafkaSink:
     on every topic; the outputs' keys are the request's identity (`output_key`).
     """
 
-    def __init__(self, kafka: KafkaConnection | str, topics: Topics) -> None:
+    def __init__(
+        self, kafka: KafkaConnection | str, topics: Topics, framing: Framing = SINGLE_OBJECT
+    ) -> None:
         self._producer = idempotent_producer(kafka, linger_ms=0)
         self._topics = topics
+        #: How the values leave (``STREAMTALLY_AVRO_FRAMING``): the processor encodes
+        #: single-object messages (Redis keeps those), framed here as they are sent.
+        self.framing = framing
         self._started = False
         self._partitioner = DefaultPartitioner()
         self._partitions = {t.name: list(range(t.partitions)) for t in topics.all}
@@ -101,7 +107,7 @@ class KafkaSink:
     def add(self, outputs: Outputs) -> None:
         # Values were encoded by the processor as each output was made (a record that
         # cannot be encoded is dead-lettered there), so nothing here can fail on content.
-        pending, topics = self._pending, self._topics
+        pending, topics, frame = self._pending, self._topics, self.framing.frame
         keys: dict[RequestRef, tuple[bytes, bytes]] = {}  # built once per request
 
         def keyed(ref: RequestRef) -> tuple[bytes, bytes]:
@@ -113,13 +119,13 @@ class KafkaSink:
 
         chunks = zip(outputs.chunks, outputs.chunk_values, outputs.chunk_refs, strict=True)
         for _, value, ref in chunks:
-            pending.append((topics.chunks.name, *keyed(ref), value))
+            pending.append((topics.chunks.name, *keyed(ref), frame(value)))
         for done in outputs.completed:
             key, by = keyed(done.ref)
-            pending.append((topics.tokens.name, key, by, done.tokens_value))
-            pending.append((topics.billing.name, key, by, done.billing_value))
+            pending.append((topics.tokens.name, key, by, frame(done.tokens_value)))
+            pending.append((topics.billing.name, key, by, frame(done.billing_value)))
         for letter in outputs.dead_letters:
-            value = avro.encode_dead_letter(letter)
+            value = frame(avro.encode_dead_letter(letter))
             pending.append((topics.deadletter.name, letter.key, letter.key, value))
 
     async def flush(self) -> None:

@@ -26,6 +26,7 @@ from streamtally.core.sse import NonSseLine, SseEvent
 from streamtally.errors import InputError, InvalidEvent, NotAStream, StackError
 from streamtally.topics import DEFAULT_NAMESPACE, Topics, encode_key
 from streamtally.wire import avro
+from streamtally.wire.framing import SINGLE_OBJECT, Framing
 from streamtally.wire.kafka import idempotent_producer
 from streamtally.wire.records import RawEngineOutput, RawSseEvent
 from streamtally.wire.tenant_keys import HEADER, ProducerKey
@@ -211,7 +212,11 @@ class RawProducer:
         namespace: str = DEFAULT_NAMESPACE,
         linger_ms: int = 5,
         key: ProducerKey | None = None,
+        framing: Framing = SINGLE_OBJECT,
     ) -> None:
+        #: How `send_records` frames the values it is given (``STREAMTALLY_AVRO_FRAMING``:
+        #: `streamtally.wire.framing.framing_for`); `send` sends a value as it is.
+        self.framing = framing
         #: The Kafka written to (plain servers: a PLAINTEXT connection); printed as its servers.
         self.kafka = as_connection(bootstrap_servers)
         #: With a key, every record carries its signed tenant claim (``st-auth`` header).
@@ -269,14 +274,17 @@ class RawProducer:
         return SentRequest(rid, tenant, source, len(records) - 1)
 
     async def send_records(self, source: Source, request_id: str, records: list[bytes]) -> None:
-        """Send encoded records of one request and wait until Kafka has them all."""
-        futures = [await self.send(source, request_id, value) for value in records]
+        """Send encoded records of one request (single-object messages, as `raw_records`
+        makes them: framed here) and wait until Kafka has them all."""
+        frame = self.framing.frame
+        futures = [await self.send(source, request_id, frame(value)) for value in records]
         await asyncio.gather(*futures)
 
     async def send(
         self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
     ) -> asyncio.Future[Any]:
-        """Queue one encoded record; the returned future resolves when Kafka has it.
+        """Queue one encoded record, framed already; the returned future resolves when
+        Kafka has it.
 
         With a `key`, the record carries the ``st-auth`` header: `auth` when the caller
         signed it already (the tap, which knows the tenant and sequence number), else

@@ -132,6 +132,7 @@ from streamtally.producers.spool_sender import KafkaSender, Sender, SpoolSender
 from streamtally.settings import Settings
 from streamtally.topics import DEFAULT_NAMESPACE
 from streamtally.wire import avro
+from streamtally.wire.framing import SINGLE_OBJECT, Framing
 from streamtally.wire.records import PART_BYTES, PART_EVENT, RawEngineOutput, RawSseEvent
 from streamtally.wire.tenant_keys import ProducerKey
 
@@ -234,6 +235,7 @@ class Tap:
         options: AdapterOptions | None = None,
         key: ProducerKey | None = None,
         keepalive_s: float | None = DEFAULT_KEEPALIVE_S,
+        framing: Framing = SINGLE_OBJECT,
     ) -> None:
         if spool_bytes < 1:
             raise ValueError(f"spool_bytes must be >= 1, got {spool_bytes}")
@@ -259,6 +261,9 @@ class Tap:
         self.options = options
         #: With a key, every record carries its signed tenant claim (``st-auth``).
         self.key = key
+        #: How each record's value is framed before it is signed and spooled
+        #: (``STREAMTALLY_AVRO_FRAMING``: `streamtally.wire.framing.framing_for`).
+        self.framing = framing
         self._stats = TapStats()
         self._sender = sender
         self._spool: Spool | None = None
@@ -412,6 +417,12 @@ class Tap:
         await self.spool.wait_for_room()
 
     def _put(self, request: TapRequest, request_id: str, seq: int, value: bytes) -> None:
+        try:  # framed first: the signature covers the bytes Kafka gets
+            value = self.framing.frame(value)
+        except avro.AvroEncodeError as exc:
+            self._failed += 1
+            log.error("tap: record %d of request %s could not be framed: %s", seq, request_id, exc)
+            return
         key = self.key
         auth = (
             None

@@ -36,6 +36,14 @@ variable                            meaning                                     
 ``KAFKA_SSL_CERTFILE``              client certificate (PEM), for mutual TLS        none
 ``KAFKA_SSL_KEYFILE``               its private key (PEM)                           none
 ``REDIS_SSL_CAFILE``                CA (PEM) of a ``rediss://`` Redis               system CAs
+``STREAMTALLY_AVRO_FRAMING``        values written: single-object or confluent      single-object
+``STREAMTALLY_SCHEMA_REGISTRY_URL`` Confluent REST API of the schema registry       none
+``..._REGISTRY_USERNAME``           its basic-auth user                             none
+``..._REGISTRY_PASSWORD``           its password (never printed)                    none
+``..._REGISTRY_CAFILE``             CA (PEM) of an ``https://`` registry            system CAs
+``..._REGISTRY_CERTFILE``           client certificate (PEM), for mutual TLS        none
+``..._REGISTRY_KEYFILE``            its private key (PEM)                           none
+``..._REGISTRY_TIMEOUT``            seconds one registry request may take           ``10``
 ==================================  ==============================================  =========
 
 The state directory defaults to ``.stack`` in the clone when streamtally runs
@@ -49,7 +57,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal, get_args
 from urllib.parse import quote
 
 from pydantic import (
@@ -67,18 +75,23 @@ from streamtally.errors import InputError
 from streamtally.redact import REDACTED, redact_servers, redact_text, redact_url
 
 __all__ = [
+    "AVRO_FRAMINGS",
     "ENV_BOOTSTRAP_SERVERS",
     "ENV_REDIS_CLUSTER",
     "ENV_REDIS_URL",
     "LOCAL_HOST",
     "SOURCE_NAMES",
     "VARIABLES",
+    "AvroFraming",
     "Settings",
     "parse_request_timeouts",
     "project_root",
 ]
 
 LOCAL_HOST: Final = "127.0.0.1"
+#: ``STREAMTALLY_AVRO_FRAMING``: how the values written are framed (docs/avro-framing.md).
+AvroFraming = Literal["single-object", "confluent"]
+AVRO_FRAMINGS: Final[tuple[str, ...]] = get_args(AvroFraming)
 #: The variables that point every client at a stack of the user's own.
 ENV_BOOTSTRAP_SERVERS: Final = "KAFKA_BOOTSTRAP_SERVERS"
 ENV_REDIS_URL: Final = "REDIS_URL"
@@ -275,6 +288,89 @@ class Settings(BaseSettings):
     redis_ssl_cafile: Path | None = Field(
         None, validation_alias=_env("REDIS_SSL_CAFILE", "redis_ssl_cafile")
     )
+    # -- Avro framing and the schema registry (`streamtally.wire.framing`, docs/avro-framing.md)
+    #: How the values of every topic the project writes are framed: ``single-object``
+    #: (``C3 01`` + fingerprint) or ``confluent`` (``00`` + a registry's schema id, the
+    #: schemas registered at start under ``<topic>-value``).  Readers read both either way.
+    avro_framing: AvroFraming = Field(
+        "single-object", validation_alias=_env("STREAMTALLY_AVRO_FRAMING", "avro_framing")
+    )
+    #: The schema registry's Confluent REST API (Confluent Schema Registry, Karapace,
+    #: Apicurio's ``<base>/apis/ccompat/v7``).  Needed to write ``confluent``, and to read
+    #: Confluent-framed values.
+    schema_registry_url: str | None = Field(
+        None, validation_alias=_env("STREAMTALLY_SCHEMA_REGISTRY_URL", "schema_registry_url")
+    )
+    schema_registry_username: str | None = Field(
+        None,
+        validation_alias=_env("STREAMTALLY_SCHEMA_REGISTRY_USERNAME", "schema_registry_username"),
+    )
+    #: A `SecretStr`: its repr is ``**********``.
+    schema_registry_password: SecretStr | None = Field(
+        None,
+        validation_alias=_env("STREAMTALLY_SCHEMA_REGISTRY_PASSWORD", "schema_registry_password"),
+    )
+    schema_registry_cafile: Path | None = Field(
+        None,
+        validation_alias=_env("STREAMTALLY_SCHEMA_REGISTRY_CAFILE", "schema_registry_cafile"),
+    )
+    schema_registry_certfile: Path | None = Field(
+        None,
+        validation_alias=_env("STREAMTALLY_SCHEMA_REGISTRY_CERTFILE", "schema_registry_certfile"),
+    )
+    schema_registry_keyfile: Path | None = Field(
+        None,
+        validation_alias=_env("STREAMTALLY_SCHEMA_REGISTRY_KEYFILE", "schema_registry_keyfile"),
+    )
+    #: Seconds one request to the registry may take (connect and answer).
+    schema_registry_timeout: float = Field(
+        10.0,
+        gt=0,
+        le=300,
+        validation_alias=_env("STREAMTALLY_SCHEMA_REGISTRY_TIMEOUT", "schema_registry_timeout"),
+    )
+
+    @field_validator("avro_framing", mode="before")
+    @classmethod
+    def _lower_case(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _registry_consistent(self) -> Settings:
+        """The registry settings agree with each other and with the framing."""
+        url = (self.schema_registry_url or "").strip()
+        if self.avro_framing == "confluent" and not url:
+            raise ValueError(
+                "STREAMTALLY_AVRO_FRAMING=confluent needs STREAMTALLY_SCHEMA_REGISTRY_URL, "
+                "the schema registry the schemas are registered with"
+            )
+        if url and not url.lower().startswith(("http://", "https://")):
+            raise ValueError(
+                f"STREAMTALLY_SCHEMA_REGISTRY_URL={redact_url(url)!r}: not an http:// or "
+                "https:// URL"
+            )
+        if (self.schema_registry_username is None) != (self.schema_registry_password is None):
+            raise ValueError(
+                "STREAMTALLY_SCHEMA_REGISTRY_USERNAME and STREAMTALLY_SCHEMA_REGISTRY_PASSWORD "
+                "go together (basic auth)"
+            )
+        tls = {
+            "STREAMTALLY_SCHEMA_REGISTRY_CAFILE": self.schema_registry_cafile,
+            "STREAMTALLY_SCHEMA_REGISTRY_CERTFILE": self.schema_registry_certfile,
+            "STREAMTALLY_SCHEMA_REGISTRY_KEYFILE": self.schema_registry_keyfile,
+        }
+        given = [name for name, path in tls.items() if path is not None]
+        if given and not url.lower().startswith("https://"):
+            raise ValueError(f"{', '.join(given)} need an https:// STREAMTALLY_SCHEMA_REGISTRY_URL")
+        if self.schema_registry_keyfile is not None and self.schema_registry_certfile is None:
+            raise ValueError(
+                "STREAMTALLY_SCHEMA_REGISTRY_KEYFILE needs STREAMTALLY_SCHEMA_REGISTRY_CERTFILE"
+            )
+        for name, path in tls.items():
+            if path is not None and not path.expanduser().is_file():
+                raise ValueError(f"{name}={path}: no such file")
+        return self
+
     #: The tokens file of `streamtally api` (`streamtally.api.auth`): each bearer token's
     #: SHA-256 and the tenant it reads, or the operator role (``--tokens`` wins).
     api_tokens_path: Path | None = Field(
@@ -494,9 +590,9 @@ def _from_environment(env: Mapping[str, str]) -> dict[str, str]:
 
 def _shown(field: str, value: str) -> str:
     """A field's value as printed: the endpoints' credentials hidden (`streamtally.redact`)."""
-    if field == "kafka_sasl_password":
+    if field in ("kafka_sasl_password", "schema_registry_password"):
         return REDACTED
-    if field == "redis_url_setting":
+    if field in ("redis_url_setting", "schema_registry_url"):
         return redact_url(value)
     if field == "kafka_bootstrap_servers":
         return redact_servers(value)

@@ -14,8 +14,10 @@ same partition number everywhere).  The dead-letter topic keeps the key of
 the record it holds.  Output records written by earlier versions, before keys
 carried the tenant, are keyed by the request id alone.
 
-Values: Avro single-object encoding of the topic's `value_schema` (see
-`streamtally.wire.avro` and docs/avro-framing.md).
+Values: the topic's `value_schema` in Avro single-object encoding, or in the
+Confluent wire format with ``STREAMTALLY_AVRO_FRAMING=confluent`` (subject
+``<topic>-value``); readers read both (see `streamtally.wire.avro`,
+`streamtally.wire.framing` and docs/avro-framing.md).
 
 Names: each topic is declared with its name inside a namespace (``raw.sse``);
 `Topics.in_namespace` gives the topics of one deployment, whose names carry
@@ -330,6 +332,11 @@ class Topics:
     def raw(self) -> tuple[Topic, Topic]:
         """The two topics producers write and the processors read."""
         return (self.raw_sse, self.raw_engine)
+
+    @property
+    def outputs(self) -> tuple[Topic, Topic, Topic, Topic]:
+        """The topics the worker writes."""
+        return (self.chunks, self.tokens, self.billing, self.deadletter)
 
     @property
     def processors_group(self) -> str:

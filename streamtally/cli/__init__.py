@@ -25,6 +25,8 @@ from streamtally.cli._output import hiding, say
 from streamtally.errors import StreamtallyError
 from streamtally.redact import url_secrets
 from streamtally.settings import Settings
+from streamtally.wire.framing import install_registry
+from streamtally.wire.registry import SchemaRegistry
 
 __all__ = ["main"]
 
@@ -82,15 +84,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _failed(args.command, exc)
         except KeyboardInterrupt:
             return 130
-        with hiding(url_secrets(settings.redis_url) | settings.kafka.secrets):
+        with hiding(url_secrets(settings.redis_url) | settings.kafka.secrets | _registry(settings)):
             try:
                 check_settings(settings)
+                # Every reader of the process reads Confluent-framed values: their schema
+                # ids are asked of the registry (if one is set) as they are met.
+                install_registry(SchemaRegistry.from_settings(settings))
                 code: int = args.func(args, settings)
             except StreamtallyError as exc:
                 return _failed(args.command, exc)
             except KeyboardInterrupt:
                 return 130
     return code
+
+
+def _registry(settings: Settings) -> frozenset[str]:
+    """The schema registry's secrets: its password, and any in its URL."""
+    found = url_secrets(settings.schema_registry_url or "")
+    password = settings.schema_registry_password
+    if password is not None and password.get_secret_value():
+        found |= {password.get_secret_value()}
+    return found
 
 
 def _failed(command: str, exc: StreamtallyError) -> int:

@@ -29,6 +29,7 @@ from streamtally.redact import redact_url
 from streamtally.settings import Settings, project_root
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
+from streamtally.wire.framing import SINGLE_OBJECT, Framing, framing_for
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["add_parser"]
@@ -99,6 +100,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                 entries,
                 args.timeout,
                 cluster=settings.redis_cluster,
+                framing=framing_for(settings, Topics.in_namespace(settings.namespace).raw),
             )
         )
     except KafkaError as exc:
@@ -132,11 +134,12 @@ async def _produce_and_wait(
     timeout: float,
     *,
     cluster: bool,
+    framing: Framing = SINGLE_OBJECT,
 ) -> set[RequestRef]:
     store = RedisStore.from_url(url, cluster=cluster)
     try:
         ids: set[RequestRef] = set()
-        async with RawProducer(servers, namespace=namespace) as producer:
+        async with RawProducer(servers, namespace=namespace, framing=framing) as producer:
             for entry in entries:
                 known = RequestRef(entry.tenant, entry.request_id or "")
                 if entry.request_id and await store.has_tokens(known):

@@ -30,6 +30,7 @@ from streamtally.processors.limits import MAX_RECORD_BYTES
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
 from streamtally.topics import Topics
+from streamtally.wire.framing import SINGLE_OBJECT, Framing, framing_for
 from streamtally.wire.kafka import ensure_topics
 from streamtally.wire.tenant_keys import ProducerKey
 
@@ -227,10 +228,11 @@ async def _produce(
     *,
     allow_invalid: bool,
     key: ProducerKey | None = None,
+    framing: Framing = SINGLE_OBJECT,
 ) -> int:
     await ensure_topics(servers, Topics.in_namespace(namespace).all)
     total = 0
-    async with RawProducer(servers, namespace=namespace, key=key) as producer:
+    async with RawProducer(servers, namespace=namespace, key=key, framing=framing) as producer:
         for number, entry in enumerate(entries, start=1):
             try:
                 rid, records = prepare(entry, allow_invalid=allow_invalid)
@@ -267,7 +269,12 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     try:
         return asyncio.run(
             _produce(
-                servers, settings.namespace, entries, allow_invalid=args.allow_invalid, key=key
+                servers,
+                settings.namespace,
+                entries,
+                allow_invalid=args.allow_invalid,
+                key=key,
+                framing=framing_for(settings, Topics.in_namespace(settings.namespace).raw),
             )
         )
     except KafkaError as exc:  # creating the topics, or stopping the producer

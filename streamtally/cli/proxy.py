@@ -98,6 +98,7 @@ from streamtally.producers import Tap
 from streamtally.producers.tap import DEFAULT_KEEPALIVE_S, default_spool_dir
 from streamtally.settings import Settings
 from streamtally.topics import Topics
+from streamtally.wire.framing import framing_for
 from streamtally.wire.kafka import ensure_topics
 from streamtally.wire.tenant_keys import ProducerKey
 
@@ -830,10 +831,13 @@ async def _serve(
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
     spool_dir = Path(args.spool_dir) if args.spool_dir else default_spool_dir(namespace, settings)
+    # With STREAMTALLY_AVRO_FRAMING=confluent the raw topics' schemas are registered now.
+    framing = await asyncio.to_thread(framing_for, settings, Topics.in_namespace(namespace).raw)
     async with Tap(
         servers,
         namespace=namespace,
         key=key,
+        framing=framing,
         spool_dir=spool_dir,
         spool_bytes=args.spool_bytes,
         spool_sync_ms=args.spool_sync_ms,

@@ -24,6 +24,7 @@ from streamtally.errors import InputError, StackError
 from streamtally.redact import redact_text, redact_url, scrub, url_secrets
 from streamtally.settings import Settings
 from streamtally.topics import Topics
+from streamtally.wire.framing import framing_for
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["add_parser"]
@@ -143,6 +144,9 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     finally:
         aiokafka.setLevel(aiokafka_level)
     asyncio.run(_check_layout(settings.redis_url, cluster=settings.redis_cluster))
+    # The registry for reading, and with STREAMTALLY_AVRO_FRAMING=confluent the outputs'
+    # schemas registered (a registry down or refusing: one line, exit 2).
+    framing = framing_for(settings, topics.outputs)
 
     def make_sinks(app: Any) -> Sinks:
         redis_outputs = RedisOutputs(
@@ -151,7 +155,7 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
             )
         )
         del app  # the sinks have their own batching producer
-        kafka = KafkaSink(settings.kafka, topics)
+        kafka = KafkaSink(settings.kafka, topics, framing)
         return Sinks(
             kafka, redis_outputs, lookup=redis_outputs.lookup, amendable=redis_outputs.amendable
         )
@@ -163,6 +167,11 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         redact_url(settings.redis_url),
         settings.prices_path or "(packaged)",
         _native.status().describe(),
+    )
+    logging.getLogger(STATUS_LOGGER).info(
+        "avro framing: %s (STREAMTALLY_AVRO_FRAMING), schema registry %s",
+        framing.name,
+        redact_url(settings.schema_registry_url or "") or "none (Confluent-framed values refused)",
     )
     trust = pipeline.processor.trust
     if trust is None:

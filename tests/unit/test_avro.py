@@ -1170,7 +1170,9 @@ def test_decode_errors_are_input_errors() -> None:
     [
         (b"", "too short"),
         (b"\xc3\x01\x09", "too short"),
-        (b"\x00\x01" + bytes(20), "bad marker 0001"),
+        (b"\x01\x01" + bytes(20), "bad marker 0101"),
+        # The Confluent framing's magic byte: an id no registry was asked for.
+        (b"\x00\x01" + bytes(20), r"unknown schema id 16777216 \(Confluent framing\)"),
         (b'{"request_id": "r1"}', "bad marker 7b22"),
         (b"\xc3\x01" + bytes.fromhex("0011223344556677") + b"\x00", "unknown writer schema"),
     ],

@@ -267,11 +267,14 @@ def test_an_unknown_id_is_refused_for_every_record() -> None:
             avro.decode_framed(name, value, {})
 
 
-def test_the_single_object_decoders_refuse_confluent_framing() -> None:
-    """Today's typed decoders (the worker's) read single-object messages only."""
+def test_the_plain_decoders_read_confluent_framing_by_the_process_table() -> None:
+    """The typed decoders (the worker's) read both framings: a Confluent id through the
+    process's table of ids (`_ids`), which knows nothing without a registry."""
     value = _confluent_billing(ID_OF["BillingEvent"])
-    with pytest.raises(avro.AvroDecodeError, match="bad marker 0000: not Avro single-object"):
+    with pytest.raises(avro.AvroDecodeError, match=r"unknown schema id 101 .*no schema registry"):
         avro.decode_billing_event(value)
+    avro.learn_id(ID_OF["BillingEvent"], avro.current("BillingEvent"))
+    assert avro.decode_billing_event(value) == DECODERS.billing_event(value)
 
 
 def test_to_confluent_takes_single_object_messages_only() -> None:

@@ -208,8 +208,13 @@ def test_the_worker_gives_faust_its_log_format(
     main(["worker", "--log-format", "json", "--loglevel", "info"])
     err = capsys.readouterr().err
     # the start line is a record of the chosen format too, as are the trust-everyone warning
-    # and the content policy
-    start, trust, content = map(json.loads, err.splitlines())
+    # and the content policy, and the framing
+    start, framing, trust, content = map(json.loads, err.splitlines())
+    assert (framing["level"], framing["logger"]) == ("INFO", "streamtally.cli")
+    assert framing["message"] == (
+        "avro framing: single-object (STREAMTALLY_AVRO_FRAMING), schema registry none "
+        "(Confluent-framed values refused)"
+    )
     assert (content["level"], content["logger"]) == ("INFO", "streamtally.cli")
     assert content["message"] == (
         "content policy: full (STREAMTALLY_CONTENT), chunks topic on (STREAMTALLY_CHUNKS)"

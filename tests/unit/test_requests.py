@@ -795,13 +795,14 @@ CONFLUENT_RAW = avro.to_confluent(
     [
         (b"", "too short"),
         (b"garbage", "too short"),
-        (b"\x00\x01not avro at all", "bad marker"),
+        (b"\x01\x01not avro at all", "bad marker"),
+        (b"\x00\x01not avro at all", "unknown schema id 24014708 (Confluent framing)"),
         (b"\xc3\x01" + b"\xff" * 8 + b"body", "fingerprint"),
-        # A whole raw record in the Confluent wire format (00, schema id 42): the worker
-        # reads single-object encoding only, as it refuses an unknown fingerprint.
-        (CONFLUENT_RAW, "bad marker 0000: not Avro single-object encoding"),
+        # A whole raw record in the Confluent wire format (00, schema id 42) of an id
+        # no registry gave (none is set): refused as an unknown fingerprint is.
+        (CONFLUENT_RAW, "unknown schema id 42 (Confluent framing)"),
     ],
-    ids=["empty", "short", "marker", "fingerprint", "confluent"],
+    ids=["empty", "short", "marker", "magic", "fingerprint", "confluent"],
 )
 @pytest.mark.parametrize("source", [Source.OPENAI, Source.VLLM])
 def test_a_garbage_value_is_dead_lettered(value: bytes, needle: str, source: Source) -> None:

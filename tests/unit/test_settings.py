@@ -171,3 +171,76 @@ def test_the_sources_a_timeout_is_set_for_are_the_sources() -> None:
     from streamtally.settings import SOURCE_NAMES
 
     assert tuple(source.value for source in Source) == SOURCE_NAMES
+
+
+# --------------------------------------------------------------------------- Avro framing
+
+
+def test_the_framing_and_the_registry_settings(tmp_path: Path) -> None:
+    assert Settings.load({}).avro_framing == "single-object"
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    loaded = Settings.load(
+        {
+            "STREAMTALLY_AVRO_FRAMING": " Confluent ",
+            "STREAMTALLY_SCHEMA_REGISTRY_URL": "https://svc:pw1234@registry:8081/apis/ccompat/v7",
+            "STREAMTALLY_SCHEMA_REGISTRY_USERNAME": "svc",
+            "STREAMTALLY_SCHEMA_REGISTRY_PASSWORD": "topsecret",
+            "STREAMTALLY_SCHEMA_REGISTRY_CAFILE": str(ca),
+            "STREAMTALLY_SCHEMA_REGISTRY_TIMEOUT": "2.5",
+        }
+    )
+    assert loaded.avro_framing == "confluent"
+    assert loaded.schema_registry_timeout == 2.5
+    assert loaded.schema_registry_cafile == ca
+    shown = repr(loaded) + str(loaded)
+    assert "topsecret" not in shown
+    assert "pw1234" not in shown
+    bad = {
+        "STREAMTALLY_AVRO_FRAMING=avro": ({"STREAMTALLY_AVRO_FRAMING": "avro"}, "AVRO_FRAMING"),
+        "confluent without a registry": (
+            {"STREAMTALLY_AVRO_FRAMING": "confluent"},
+            "needs STREAMTALLY_SCHEMA_REGISTRY_URL",
+        ),
+        "not http": ({"STREAMTALLY_SCHEMA_REGISTRY_URL": "registry:8081"}, "not an http://"),
+        "user without password": (
+            {
+                "STREAMTALLY_SCHEMA_REGISTRY_URL": "http://r:8081",
+                "STREAMTALLY_SCHEMA_REGISTRY_USERNAME": "u",
+            },
+            "go together",
+        ),
+        "TLS files over http": (
+            {
+                "STREAMTALLY_SCHEMA_REGISTRY_URL": "http://r:8081",
+                "STREAMTALLY_SCHEMA_REGISTRY_CAFILE": str(ca),
+            },
+            "need an https://",
+        ),
+        "missing CA": (
+            {
+                "STREAMTALLY_SCHEMA_REGISTRY_URL": "https://r:8081",
+                "STREAMTALLY_SCHEMA_REGISTRY_CAFILE": str(tmp_path / "nope.pem"),
+            },
+            "no such file",
+        ),
+        "key without certificate": (
+            {
+                "STREAMTALLY_SCHEMA_REGISTRY_URL": "https://r:8081",
+                "STREAMTALLY_SCHEMA_REGISTRY_KEYFILE": str(ca),
+            },
+            "KEYFILE needs STREAMTALLY_SCHEMA_REGISTRY_CERTFILE",
+        ),
+        "timeout": ({"STREAMTALLY_SCHEMA_REGISTRY_TIMEOUT": "0"}, "SCHEMA_REGISTRY_TIMEOUT"),
+    }
+    for case, (env, needle) in bad.items():
+        with pytest.raises(InputError, match=re.escape(needle)) as raised:
+            Settings.load(env)
+        assert "Traceback" not in str(raised.value), case
+    with pytest.raises(InputError, match="go together") as raised:
+        Settings.load({"STREAMTALLY_SCHEMA_REGISTRY_PASSWORD": "pw-never-shown"})
+    assert "pw-never-shown" not in str(raised.value)
+    url = "http://u:pw5678@r:8081"
+    with pytest.raises(InputError) as raised:
+        Settings.load({"STREAMTALLY_SCHEMA_REGISTRY_URL": url, "STREAMTALLY_AVRO_FRAMING": "x"})
+    assert "pw5678" not in str(raised.value)

@@ -36,6 +36,7 @@ from streamtally.store import RedisStore
 from streamtally.topics import Topic, output_key
 from streamtally.wire.avro import encode_billing_correction
 from streamtally.wire.corrections import BillingCorrection
+from streamtally.wire.framing import SINGLE_OBJECT, Framing
 from streamtally.wire.kafka import ensure_topics, idempotent_producer
 from streamtally.wire.records import BillingEvent
 
@@ -232,6 +233,7 @@ async def apply_plan(
     topic: Topic,
     store: RedisStore,
     done: Corrected,
+    framing: Framing = SINGLE_OBJECT,
 ) -> None:
     """Write the corrections (all acknowledged), then add the row differences (each once).
 
@@ -244,7 +246,9 @@ async def apply_plan(
         await producer.start()
         try:
             sent = [
-                await producer.send(topic.name, encode_billing_correction(c), key=_key(c))
+                await producer.send(
+                    topic.name, framing.frame(encode_billing_correction(c)), key=_key(c)
+                )
                 for c in plan.corrections
             ]
             for future in sent:

@@ -33,6 +33,7 @@ from streamtally.store import RedisStore
 from streamtally.store.layout import marker_revision
 from streamtally.topics import Topics
 from streamtally.wire.corrections import CorrectionLog
+from streamtally.wire.framing import SINGLE_OBJECT, framing_for
 from streamtally.wire.kafka import TopicRecord, read_topic
 from streamtally.wire.tenant_keys import TenantTrust
 
@@ -227,8 +228,15 @@ async def run_audit(
             currency=prices.currency,
             now=utc_now(),
         )
+        # Written in the framing of STREAMTALLY_AVRO_FRAMING (its schema registered first).
+        framing = framing_for(settings, (topics.corrections,)) if plan.corrections else None
         await apply_plan(
-            plan, servers=servers, topic=topics.corrections, store=store, done=corrected
+            plan,
+            servers=servers,
+            topic=topics.corrections,
+            store=store,
+            done=corrected,
+            framing=framing or SINGLE_OBJECT,
         )
     json_snapshot = _snapshot_json(snapshot, replay, index, ledger, options)
     json_snapshot["correction_records"] = {

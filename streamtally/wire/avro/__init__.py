@@ -13,13 +13,18 @@ A message is Avro *single-object encoding*::
 
     C3 01 | CRC-64-AVRO fingerprint of the writer schema (8 bytes, little-endian) | Avro binary body
 
-`decode` looks the fingerprint up among the known versions of the record
-(current and `schemas/history/`) and resolves that writer schema to the
-current one.  Anything that is not such a message raises `AvroDecodeError`
-(an `InputError`: the processors dead-letter the record with its message).
-The Confluent wire format (`00`, a 4-byte schema id, the body) has a codec
-beside it (`_confluent`: `to_confluent`, `decode_framed`, `FramingDecoders`),
-which nothing selects yet.
+The encoders write it.  The Confluent wire format (``00``, a 4-byte schema
+id, the same body) is the other framing: `streamtally.wire.framing` turns the
+encoders' messages into it when ``STREAMTALLY_AVRO_FRAMING=confluent``.
+
+Every decoder reads both framings, told apart by the first byte: `decode`
+looks a single-object fingerprint up among the known versions of the record
+(current and `schemas/history/`), a Confluent schema id up in the process's
+table of ids (`_ids`: learnt at registration, or asked of the registry once
+per id and matched to a known version by Parsing Canonical Form), and
+resolves that writer schema to the current one.  Anything else raises
+`AvroDecodeError` (an `InputError`: the processors dead-letter the record
+with its message).
 
 This package is the only place that imports fastavro.  Its modules, each
 re-exported here (import from `streamtally.wire.avro`, not from them):
@@ -31,7 +36,8 @@ re-exported here (import from `streamtally.wire.avro`, not from them):
     _codec      generic encode()/decode() of an Avro datum (a dict)
     _encoders   models and records to messages (encode_chunk, ...)
     _decoders   messages to models and records (decode_chunk, ...)
-    _confluent  the Confluent wire format (00 + schema id): codec only, not yet selectable
+    _ids        the Confluent header (00 + schema id) and the process's table of ids
+    _confluent  the Confluent wire format with explicit ids: to_confluent, decode_framed, ...
     _compat     compatibility_errors() and release() of schema versions
     __main__    `python -m streamtally.wire.avro fingerprints|release`
 """
@@ -41,15 +47,10 @@ from __future__ import annotations
 from streamtally.wire.avro._codec import decode, encode
 from streamtally.wire.avro._compat import compatibility_errors
 from streamtally.wire.avro._confluent import (
-    CONFLUENT_HEADER_SIZE,
-    CONFLUENT_MAGIC,
-    MAX_SCHEMA_ID,
     FramingDecoders,
     SchemaIds,
-    confluent_header,
     decode_framed,
     encode_confluent,
-    schema_id_in,
     to_confluent,
 )
 from streamtally.wire.avro._decoders import (
@@ -79,6 +80,20 @@ from streamtally.wire.avro._errors import (
     AvroSchemaError,
 )
 from streamtally.wire.avro._framing import HEADER_SIZE, MARKER
+from streamtally.wire.avro._ids import (
+    CONFLUENT_HEADER_SIZE,
+    CONFLUENT_MAGIC,
+    MAX_SCHEMA_ID,
+    Resolver,
+    confluent_header,
+    forget_ids,
+    known_ids,
+    learn_id,
+    schema_id_in,
+    set_resolver,
+    unknown_ids,
+    writer_by_id,
+)
 from streamtally.wire.avro._schemas import (
     NAMESPACE,
     RECORD_NAMES,
@@ -107,6 +122,7 @@ __all__ = [
     "AvroError",
     "AvroSchemaError",
     "FramingDecoders",
+    "Resolver",
     "SchemaIds",
     "SchemaVersion",
     "canonical_form",
@@ -134,10 +150,16 @@ __all__ = [
     "encode_raw_sse_event",
     "encode_tokens",
     "fingerprint",
+    "forget_ids",
     "history",
+    "known_ids",
     "known_version",
+    "learn_id",
     "schema_fingerprint",
     "schema_id_in",
+    "set_resolver",
     "to_confluent",
+    "unknown_ids",
+    "writer_by_id",
     "writer_of",
 ]

@@ -1,6 +1,9 @@
-"""The generic codec: an Avro datum (a dict in fastavro's form) to and from a single-object message.
+"""The generic codec: an Avro datum (a dict in fastavro's form) to and from a message.
 
-`write` and `read` frame the body with the schema registry's header; the
+`write` writes a single-object message (`streamtally.wire.framing` turns it into
+the Confluent framing where that is chosen); `read` reads a value in either
+framing, dispatching on its first byte (``C3`` single-object, ``00`` Confluent:
+`_ids`), then the same body readers (the compiled ones on the hot path).  The
 typed encoders and decoders are built on them.
 """
 
@@ -19,6 +22,7 @@ from streamtally.wire.avro import _raw_readers
 from streamtally.wire.avro._compiled import Reader, Unsupported, compile_reader
 from streamtally.wire.avro._errors import AvroDecodeError, AvroEncodeError
 from streamtally.wire.avro._framing import HEADER_SIZE
+from streamtally.wire.avro._ids import CONFLUENT_HEADER_SIZE, confluent_writer
 from streamtally.wire.avro._schemas import NAMESPACE, SchemaVersion, current, history, writer_of
 from streamtally.wire.records import ENGINE_PAYLOAD_TYPES
 
@@ -72,7 +76,12 @@ def _compiled(version: SchemaVersion, record_names: bool) -> Reader | None:
 
 
 def read(name: str, data: bytes, *, record_names: bool = False) -> dict[str, Any]:
-    """The datum of a message of record `name`, resolved from its writer schema to the current."""
+    """The datum of a value of record `name` in either framing, resolved from its writer
+    schema to the current: the first byte tells them apart (``00`` Confluent, its schema
+    id looked up in the process's table, `_ids`; else single-object)."""
+    if data and data[0] == 0:
+        writer = confluent_writer(name, data)
+        return read_body(name, writer, data, CONFLUENT_HEADER_SIZE, record_names)
     try:
         writer = writer_of(data)
     except AvroDecodeError as exc:
@@ -157,9 +166,9 @@ def encode(name: str, record: Mapping[str, Any], *, version: int | None = None) 
 
 
 def decode(name: str, data: bytes) -> dict[str, Any]:
-    """Decode a single-object message of record `name` into a plain dict (fastavro's form).
+    """Decode a value of record `name` (either framing) into a plain dict (fastavro's form).
 
-    Raises `AvroDecodeError` for a bad marker, an unknown fingerprint, a
-    message of another record, or a truncated or malformed body.
+    Raises `AvroDecodeError` for a value in neither framing, an unknown fingerprint or
+    schema id, a message of another record, or a truncated or malformed body.
     """
     return read(name, data)

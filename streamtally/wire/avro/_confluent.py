@@ -1,4 +1,4 @@
-"""The Confluent wire format, beside single-object encoding: a codec, not yet selectable.
+"""The Confluent wire format, beside single-object encoding: the codec with explicit ids.
 
 A Confluent-framed value (what Schema Registry serializers, ClickHouse's
 `AvroConfluent`, Kafka Connect's `AvroConverter` read and write)::
@@ -6,18 +6,20 @@ A Confluent-framed value (what Schema Registry serializers, ClickHouse's
     00 | schema id (4 bytes, big-endian) | Avro binary body
 
 The id is the one a schema registry gave the writer schema; this module does
-not talk to a registry.  What a registry client would fill is a mapping
+not talk to a registry.  `decode_framed` and `FramingDecoders` take a mapping
 `SchemaIds`, schema id -> `SchemaVersion` (`known_version` turns the schema a
 registry returns into this codec's version of it, or refuses one it does not
-know, as `writer_of` refuses an unknown fingerprint).
+know, as `writer_of` refuses an unknown fingerprint), and fall back on the
+process's table of ids (`_ids`: what the registration at start learnt and the
+installed registry resolves).  The plain `decode_*` functions read both
+framings through that table alone (`_codec.read`).
 
 The body is the same in both framings (the same writer schema writes the same
 bytes), so a Confluent value is a single-object message with its 10-byte
 header swapped for the 5-byte one (`to_confluent`).  Readers read both
 framings: the first byte tells them apart (`C3` single-object, `00`
 Confluent).  `decode_framed` decodes a datum, `FramingDecoders` the typed
-values (the typed decoders of `_decoders` read single-object messages only and
-stay as they are: the worker's hot path).  Anything else raises
+values.  Anything else raises
 `AvroDecodeError` (an `InputError`: the processors dead-letter the record).
 """
 
@@ -39,8 +41,16 @@ from streamtally.wire.avro._decoders import (
     raw_sse_event_of,
     tokens_of,
 )
-from streamtally.wire.avro._errors import AvroDecodeError, AvroEncodeError
+from streamtally.wire.avro._errors import AvroDecodeError
 from streamtally.wire.avro._framing import HEADER_SIZE, MARKER
+from streamtally.wire.avro._ids import (
+    CONFLUENT_HEADER_SIZE,
+    CONFLUENT_MAGIC,
+    MAX_SCHEMA_ID,
+    confluent_header,
+    schema_id_in,
+    writer_by_id,
+)
 from streamtally.wire.avro._schemas import SchemaVersion, writer_of
 from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.records import BillingEvent, DeadLetter, RawEngineOutput, RawSseEvent
@@ -61,38 +71,10 @@ __all__ = [
     "to_confluent",
 ]
 
-#: The byte that opens every Confluent-framed value.
-CONFLUENT_MAGIC: Final = b"\x00"
-#: Magic byte plus the 4-byte schema id.
-CONFLUENT_HEADER_SIZE: Final = 5
-#: Schema ids are Java ints (signed, 32 bits) in the registries' clients: 0 to 2**31 - 1.
-MAX_SCHEMA_ID: Final = (1 << 31) - 1
-
 #: Schema id -> the writer schema the registry holds under it, as this codec's version.
 SchemaIds = Mapping[int, SchemaVersion]
 
 M = TypeVar("M", bound="Model")
-
-
-def confluent_header(schema_id: int) -> bytes:
-    """The 5 bytes in front of every value written with the schema of this id."""
-    if not 0 <= schema_id <= MAX_SCHEMA_ID:
-        raise AvroEncodeError(f"schema id {schema_id} is not between 0 and {MAX_SCHEMA_ID}")
-    return CONFLUENT_MAGIC + schema_id.to_bytes(4, "big")
-
-
-def schema_id_in(data: bytes) -> int:
-    """The schema id of a Confluent-framed value's header (`AvroDecodeError` if none)."""
-    if len(data) < CONFLUENT_HEADER_SIZE:
-        raise AvroDecodeError(
-            f"{len(data)} bytes: too short for a Confluent-framed Avro value "
-            f"(a {CONFLUENT_HEADER_SIZE}-byte header comes first)"
-        )
-    if data[:1] != CONFLUENT_MAGIC:
-        raise AvroDecodeError(
-            f"bad magic byte {bytes(data[:1]).hex()}: not the Confluent wire format (00)"
-        )
-    return int.from_bytes(data[1:CONFLUENT_HEADER_SIZE], "big")
 
 
 def to_confluent(message: bytes, schema_id: int) -> bytes:
@@ -116,9 +98,12 @@ def encode_confluent(
 def _framed_writer(name: str, data: bytes, ids: SchemaIds) -> SchemaVersion:
     schema_id = schema_id_in(data)
     writer = ids.get(schema_id)
-    if writer is None:
-        raise AvroDecodeError(f"{name}: unknown schema id {schema_id} (Confluent framing)")
-    return writer
+    if writer is not None:
+        return writer
+    try:  # the process's table (`_ids`), and its registry
+        return writer_by_id(schema_id)
+    except AvroDecodeError as exc:
+        raise AvroDecodeError(f"{name}: {exc}") from None
 
 
 def decode_framed(

@@ -34,6 +34,7 @@ def fingerprint_in(data: bytes) -> bytes:
         )
     if data[:2] != MARKER:
         raise AvroDecodeError(
-            f"bad marker {bytes(data[:2]).hex()}: not Avro single-object encoding (c301)"
+            f"bad marker {bytes(data[:2]).hex()}: neither Avro single-object encoding (c301) "
+            "nor the Confluent wire format (00)"
         )
     return bytes(data[2:HEADER_SIZE])
