@@ -103,7 +103,9 @@ from streamtally.connection import as_connection
 from streamtally.errors import StackError
 from streamtally.ops.stack.config import StackConfig
 from streamtally.settings import Settings, project_root
+from streamtally.wire.framing import SINGLE_OBJECT, Framing, register_topics
 from streamtally.wire.kafka import ensure_topics
+from streamtally.wire.registry import SchemaRegistry
 
 __all__ = [
     "TARGET_EVENTS_PER_SECOND",
@@ -197,6 +199,20 @@ async def _bench(
         await client.aclose()
 
 
+def _framing(framing: str, app_settings: Settings, names: Names) -> Framing:
+    """How the raw records are framed: with ``confluent``, the raw topics' schemas are
+    registered under the benchmark namespace's subjects (the worker registers its own)."""
+    if framing != "confluent":
+        return SINGLE_OBJECT
+    registry = SchemaRegistry.from_settings(app_settings)
+    if registry is None:
+        raise StackError(
+            "the Confluent framing needs a schema registry: set STREAMTALLY_SCHEMA_REGISTRY_URL "
+            "(`streamtally stack up --registry` prints it)"
+        )
+    return register_topics(registry, [names.topics.raw_sse, names.topics.raw_engine])
+
+
 def run(
     settings: PipelineSettings, app_settings: Settings, progress: Progress = print
 ) -> PipelineReport:
@@ -208,8 +224,12 @@ def run(
         raise StackError("the pipeline benchmark runs from a clone (it replays samples/)")
     samples = root / "samples"
     names = bench_names(app_settings)
-    progress(f"pipeline benchmark run {run_id}: encoding the requests (not timed) …")
-    workload = RequestBuilder(run_id, samples, names)
+    framing = _framing(settings.framing, app_settings, names)
+    progress(
+        f"pipeline benchmark run {run_id} ({framing.name} framing): "
+        "encoding the requests (not timed) …"
+    )
+    workload = RequestBuilder(run_id, samples, names, framing)
     warm = workload.warmup()
     load = workload.requests(settings.events, settings.poison_every)
     steady = workload.requests(max(1, round(settings.rate * settings.seconds)))
@@ -229,6 +249,7 @@ def run(
         REDIS_URL=settings.redis_url,
         STREAMTALLY_REQUEST_TIMEOUT=str(WORKER_REQUEST_TIMEOUT),
         STREAMTALLY_NAMESPACE=names.namespace,
+        STREAMTALLY_AVRO_FRAMING=settings.framing,
     )
     worker = BenchWorkers(env, log, settings.workers)
     pids = ", ".join(str(m.pid) for m in worker.members)
@@ -259,6 +280,7 @@ def run(
             namespace=names.namespace,
             poison_events=workload.poison_events,
             workers=settings.workers,
+            framing=settings.framing,
         ),
         throughput=throughput,
         ceiling=ceiling,

@@ -72,6 +72,8 @@ class Workload:
     poison_events: int = 0
     #: Worker processes in the consumer group (``--workers``).
     workers: int = 1
+    #: Framing of every value (``--framing``): single-object or confluent.
+    framing: str = "single-object"
 
 
 @dataclass(frozen=True, slots=True)
@@ -292,6 +294,7 @@ def format_report(report: PipelineReport) -> str:
         )
         + f", namespace {report.workload.namespace!r} "
         "(its own topics and consumer group on the running stack)",
+        f"framing: {report.workload.framing} (raw records and the worker's outputs)",
         "",
         f"{'figure':<40}{'measured':>16}   {'target':<12}",
     ]

@@ -29,9 +29,11 @@ from streamtally.core.models import Source
 from streamtally.producers import raw_records
 from streamtally.settings import Settings
 from streamtally.topics import DAY_MS, Topic, Topics, encode_key
+from streamtally.wire.framing import SINGLE_OBJECT, Framing
 
 __all__ = [
     "BENCH_NAMESPACE",
+    "FRAMINGS",
     "TENANT",
     "BenchRequest",
     "Names",
@@ -44,6 +46,8 @@ __all__ = [
 ]
 
 TENANT: Final = "bench"
+#: The values of ``STREAMTALLY_AVRO_FRAMING`` the benchmark runs with.
+FRAMINGS: Final = ("single-object", "confluent")
 #: The namespace (topic prefix and consumer group) of the benchmark's worker, unless
 #: STREAMTALLY_NAMESPACE names one: its own, so no other worker joins its group.
 BENCH_NAMESPACE: Final = "streamtally-bench"
@@ -67,6 +71,9 @@ class PipelineSettings:
     poison_every: int = 0
     #: Worker processes in the consumer group (the raw topics have 6 partitions each).
     workers: int = 1
+    #: Framing of every value, the raw records produced and the worker's outputs
+    #: (``STREAMTALLY_AVRO_FRAMING``): ``single-object`` or ``confluent`` (a registry).
+    framing: str = "single-object"
     #: The Kafka (with its security: `Settings.kafka`), or plain servers.
     bootstrap_servers: KafkaConnection | str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
@@ -78,6 +85,8 @@ class PipelineSettings:
             raise ValueError("poison_every must be 0 (none) or positive")
         if not 1 <= self.workers <= 6:
             raise ValueError("workers must be 1 to 6 (the raw topics' partitions)")
+        if self.framing not in FRAMINGS:
+            raise ValueError(f"framing must be one of {', '.join(FRAMINGS)}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,8 +170,12 @@ def _small_engine_samples(samples: Path) -> list[tuple[Source, bytes]]:
 class RequestBuilder:
     """Builds and encodes the benchmark's requests, numbering them `bench-<run>-<n>`."""
 
-    def __init__(self, run_id: str, samples: Path, names: Names) -> None:
+    def __init__(
+        self, run_id: str, samples: Path, names: Names, framing: Framing = SINGLE_OBJECT
+    ) -> None:
         self.run_id = run_id
+        #: How each raw value is framed (the Confluent framing: registered at start).
+        self.framing = framing
         self.names = names
         self.samples = samples
         self._cycle = _transcript_cycle(samples)
@@ -179,6 +192,7 @@ class RequestBuilder:
     def _encode(self, request_id: str, source: Source, data: bytes) -> BenchRequest:
         start = time.perf_counter()
         _, records = raw_records(source, data, tenant=TENANT, request_id=request_id)
+        records = [self.framing.frame(record) for record in records]
         self.encode_seconds += time.perf_counter() - start
         topic = (self.names.topics.raw_sse if source.is_sse else self.names.topics.raw_engine).name
         return BenchRequest(request_id, source, topic, records)

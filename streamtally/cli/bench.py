@@ -64,6 +64,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "memory the largest one's"
         ),
     )
+    pipeline.add_argument(
+        "--framing",
+        choices=("single-object", "confluent", "both"),
+        default=None,
+        help=(
+            "framing of every value (default: STREAMTALLY_AVRO_FRAMING); confluent needs "
+            "STREAMTALLY_SCHEMA_REGISTRY_URL; both: one run with each, one after the other"
+        ),
+    )
     pipeline.add_argument("--json", action="store_true", help="print results as JSON")
     pipeline.set_defaults(func=run_pipeline)
 
@@ -123,22 +132,29 @@ def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
             raise
         raise InputError(_NOT_INSTALLED) from exc
 
+    chosen = args.framing or settings.avro_framing
+    framings = ("single-object", "confluent") if chosen == "both" else (chosen,)
     try:
-        bench = pipeline.PipelineSettings(
-            events=args.events,
-            rate=args.rate,
-            seconds=args.seconds,
-            poison_every=args.poison_every,
-            workers=args.workers,
-            bootstrap_servers=settings.kafka,
-            redis_url=settings.redis_url,
-        )
+        benches = [
+            pipeline.PipelineSettings(
+                events=args.events,
+                rate=args.rate,
+                seconds=args.seconds,
+                poison_every=args.poison_every,
+                workers=args.workers,
+                bootstrap_servers=settings.kafka,
+                redis_url=settings.redis_url,
+                framing=framing,
+            )
+            for framing in framings
+        ]
     except ValueError as exc:
         say(f"streamtally bench pipeline: {exc}")
         return 2
-    report = pipeline.run(bench, settings, progress=_say)
+    reports = [pipeline.run(bench, settings, progress=_say) for bench in benches]
     if args.json:
-        print(json.dumps(report.to_json(), indent=2))
+        out = [report.to_json() for report in reports]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
     else:
-        print(pipeline.format_report(report))
+        print("\n\n".join(pipeline.format_report(report) for report in reports))
     return 0
