@@ -41,7 +41,12 @@ from streamtally.settings import Settings
 from streamtally.topics import Topic
 from streamtally.wire import avro
 from streamtally.wire.avro import AvroDecodeError, AvroEncodeError, SchemaVersion
-from streamtally.wire.registry import SchemaNotFound, SchemaRegistry, subject_of
+from streamtally.wire.registry import (
+    SchemaNotFound,
+    SchemaRegistry,
+    SchemaRegistryError,
+    subject_of,
+)
 
 __all__ = [
     "SINGLE_OBJECT",
@@ -108,10 +113,33 @@ def register_topics(registry: SchemaRegistry, topics: Iterable[Topic]) -> Framin
         version = avro.current(topic.value_schema)
         subject = subject_of(topic.name)
         schema_id = registry.register(subject, registered_schema(version))
+        _check_served(registry, subject, schema_id, version)
         registry.set_compatibility(subject)
         avro.learn_id(schema_id, version)
         headers[version.fingerprint] = avro.confluent_header(schema_id)
     return Framing(headers)
+
+
+def _check_served(
+    registry: SchemaRegistry, subject: str, schema_id: int, version: SchemaVersion
+) -> None:
+    """The schema the registry serves under `schema_id` must be `version` (same Parsing
+    Canonical Form): a registry that deduplicates content by a form of its own (one that
+    sorts a record's fields, say) could answer the id of another schema, and every value
+    written with it would be misread.  `SchemaRegistryError` then: nothing is written."""
+    served = registry.schema(schema_id)
+    try:
+        same = avro.known_version(served).fingerprint == version.fingerprint
+    except AvroDecodeError:
+        same = False
+    if not same:
+        raise SchemaRegistryError(
+            f"the schema registry at {registry.shown} gave id {schema_id} to the schema of "
+            f"subject {subject!r} but serves another schema under that id (its fields or "
+            "types differ in order or form): values written with it would be misread; "
+            "make the registry keep schemas as registered (no deduplication of content by a "
+            "normalised form) or use a registry of its own for streamtally"
+        )
 
 
 def resolver(registry: SchemaRegistry) -> avro.Resolver:

@@ -210,7 +210,8 @@ class SchemaRegistry:
         )
         schema_id = _id_of(answer, self.shown)
         self._ids[key] = schema_id
-        self._schemas.setdefault(schema_id, schema)
+        # Not `_schemas[schema_id] = schema`: a registry that deduplicates content by a
+        # form of its own may have answered the id of another text (`framing` checks).
         return schema_id
 
     def set_compatibility(self, subject: str, level: str = COMPATIBILITY) -> None:

@@ -97,6 +97,34 @@ def test_framing_for_follows_the_setting() -> None:
     assert set(fake.subjects) == {"unit.raw.sse-value", "unit.raw.engine-value"}
 
 
+class SortingRegistry(FakeRegistry):
+    """A registry that deduplicates content by a form sorting each record's fields."""
+
+    def add(self, schema: str) -> int:
+        for text, schema_id in self.ids.items():
+            if _sorted_form(text) == _sorted_form(schema):
+                return schema_id
+        return super().add(schema)
+
+
+def _sorted_form(text: str) -> str:
+    node = json.loads(text)
+    return json.dumps(sorted(node["fields"], key=lambda f: f["name"]), sort_keys=True)
+
+
+def test_a_writer_does_not_start_when_the_registry_serves_another_schema_under_its_id() -> None:
+    version = avro.current("Chunk")
+    reordered = dict(version.schema)
+    reordered["fields"] = list(reversed(version.schema["fields"]))
+    fake = SortingRegistry()
+    taken = fake.add(json.dumps(reordered))  # someone else's text, first under the content
+    with pytest.raises(SchemaRegistryError, match=f"gave id {taken} .* serves another schema"):
+        register_topics(registry_of(fake), [TOPICS.chunks])
+    assert taken not in avro.known_ids()  # nothing learnt, nothing framed with it
+    # The same registry holding the schema as registered: the writer starts.
+    assert register_topics(registry_of(SortingRegistry()), [TOPICS.chunks]).name == "confluent"
+
+
 def test_a_writer_does_not_start_when_the_registry_is_down() -> None:
     with pytest.raises(SchemaRegistryError, match="cannot reach the schema registry"):
         framing_for(confluent_settings(), TOPICS.outputs, registry_of(FakeRegistry(down=True)))
@@ -258,6 +286,7 @@ def test_the_worker_reads_a_raw_topic_holding_both_framings(file: str) -> None:
     framing = register_topics(registry_of(fake), TOPICS.raw)
     avro.forget_ids()  # a worker that learns the ids as it reads, from the registry
     install_registry(registry_of(fake))
+    fake.requests.clear()  # the writer's registration (and its check of each id) done
     s = sample(file)
     mixed = [framing.frame(v) if i % 2 else v for i, v in enumerate(s.records)]
     assert any(v[:1] == b"\x00" for v in mixed) or len(mixed) == 1

@@ -222,7 +222,8 @@ def test_the_urllib_transport_over_real_http(server: str) -> None:
     _Handler.seen = []
     registry = SchemaRegistry(server, username="u", password="p", timeout=5)
     assert registry.register("t-value", SCHEMA) == 7
-    assert registry.schema(7) == SCHEMA  # cached by the registration
+    assert registry.schema(7) == SCHEMA  # asked: a registration caches no schema text
+    assert registry.schema(7) == SCHEMA  # cached
     with pytest.raises(SchemaNotFound, match="Schema 8 not found"):
         registry.schema(8)
     method, path, auth, body = _Handler.seen[0]
@@ -231,6 +232,7 @@ def test_the_urllib_transport_over_real_http(server: str) -> None:
     assert json.loads(body) == {"schema": SCHEMA}
     assert [(m, p) for m, p, _, _ in _Handler.seen] == [
         ("POST", "/subjects/t-value/versions"),
+        ("GET", "/schemas/ids/7"),
         ("GET", "/schemas/ids/8"),
     ]
 
