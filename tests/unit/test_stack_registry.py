@@ -316,3 +316,20 @@ def test_compose_runs_the_same_registry_version_port_and_storage() -> None:
         env["ENABLE_CCOMPAT_CANONICAL_HASH_MODE"] == options["registry.ccompat.use-canonical-hash"]
     )
     assert "registry-data:/data" in service["volumes"]
+
+
+def test_a_build_is_not_replaced_under_the_registry_running_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    home = registry.RegistryHome(tmp_path)
+    monkeypatch.setattr(
+        registry,
+        "process_status",
+        lambda name, pid_file, marker, port: ServiceStatus(
+            name, ServiceState.RUNNING, 4242, port, pid_file
+        ),
+    )
+    monkeypatch.setattr(registry, "find_maven", lambda: pytest.fail("must not build"))
+    java = Java(Path("/jdk/bin/java"), 17)
+    with pytest.raises(StackError, match=r"registry \(pid 4242\) runs from the build.*stack down"):
+        registry.ensure_built(home, java, print)

@@ -136,7 +136,10 @@ def find_java(
         java = _binary(override.expanduser())
         major = version_of(java) if java.is_file() else None
         if major is None:
-            raise StackError(f"{override_name}={override}: no java runs there ({what})")
+            raise StackError(
+                f"{override_name}={override}: no java runs there; {what} needs a Java "
+                f"{minimum}+: {hint}"
+            )
         found = Java(java, major)
         if major < minimum:
             raise StackError(

@@ -258,6 +258,13 @@ def ensure_built(home: RegistryHome, java: Java, say: Say) -> None:
     if app_built(home):
         say(f"registry: Apicurio Registry {version} already built in {home.app_dir}")
         return
+    stacks = RegistryPaths(home.root)
+    running = process_status("registry", stacks.pid_file, stacks.marker, 0)
+    if running.running:  # the stack's registry runs from the build about to be replaced
+        raise StackError(
+            f"the registry (pid {running.pid}) runs from the build in {home.app_dir}, which "
+            "must be rebuilt for the changed registry_app project: `streamtally stack down` first"
+        )
     mvn = find_maven()
     say(
         f"registry: building Apicurio Registry {version} with Maven under Java {java.major} "
