@@ -16,7 +16,9 @@ that need a database of their own use another number (`own_worker`).
 
 `schema_registry_url` (session) is ``STREAMTALLY_SCHEMA_REGISTRY_URL`` when set, else the
 local stack's schema registry (`streamtally.ops.stack.registry`), started (and built, the
-first time in a state dir: ~1 min) when it does not run, and left running like the stack.
+first time in a state dir: under a minute) when it does not run, and left running like the
+stack (a registry of another state dir answering on the stack's port serves as well);
+tests marked ``registry`` get it before they run.
 
 Every test marked ``integration`` gets the stack selected before it runs.  When the local stack
 cannot start, the test is skipped (fails instead on CI).  `redis_client` skips
@@ -100,9 +102,12 @@ def stack_endpoints() -> Iterator[Endpoints]:
 
 @pytest.fixture(autouse=True)
 def _integration_stack(request: pytest.FixtureRequest) -> None:
-    """Select (and start) the stack before any test marked ``integration``."""
+    """Select (and start) the stack before any test marked ``integration``, and the schema
+    registry before any marked ``registry``."""
     if request.node.get_closest_marker("integration") is not None:
         request.getfixturevalue("stack_endpoints")
+    if request.node.get_closest_marker("registry") is not None:
+        request.getfixturevalue("schema_registry_url")
 
 
 @pytest.fixture(scope="session")
@@ -134,21 +139,28 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
 
 
 @pytest.fixture(scope="session")
-def schema_registry_url() -> str:
+def schema_registry_url() -> Iterator[str]:
     """The session's schema registry: its Confluent-compatible API (see the module docstring).
 
-    Skips the test (fails it on CI) when the local one cannot start.
+    The stack's is exported as ``STREAMTALLY_SCHEMA_REGISTRY_URL`` for the session, so that
+    the streamtally commands the tests run find it.  Skips the test (fails it on CI) when
+    the local one cannot start.
     """
     given = os.environ.get(registry.ENV_SCHEMA_REGISTRY_URL, "").strip()
     if given:
-        return given.rstrip("/")
+        yield given.rstrip("/")
+        return
     settings = Settings.load()
     cfg = StackConfig.from_settings(settings)
+    theirs = not registry.status(cfg).running and registry.answers(cfg.host, cfg.registry_port)
     try:
-        registry.up(cfg, print, java_override=settings.registry_java)
+        if not theirs:  # else: another state dir's registry on the stack's port serves
+            registry.up(cfg, print, java_override=settings.registry_java)
     except StackError as exc:
         _unavailable(f"the stack's schema registry did not start: {exc}")
-    return cfg.local_registry_url()
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(registry.ENV_SCHEMA_REGISTRY_URL, cfg.local_registry_url())
+        yield cfg.local_registry_url()
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ The application: Maven builds the project in ``streamtally/ops/stack/registry_ap
 (Apicurio's application jar packaged by Quarkus; its ``pom.xml`` says why the
 version is 2.4.2.Final) once per state dir, under a JDK 17+ (`find_registry_java`).
 The first build downloads ~220 MB of jars into ``~/.m2`` (about 1 min here);
-with them there it takes ~30 s.  Later ``up`` calls reuse the built application
+with them there it takes 20-30 s.  Later ``up`` calls reuse the built application
 until the project's files change.
 
 Its storage: Apicurio's SQL storage on an H2 database file in the state dir,
@@ -269,7 +269,7 @@ def ensure_built(home: RegistryHome, java: Java, say: Say) -> None:
     say(
         f"registry: building Apicurio Registry {version} with Maven under Java {java.major} "
         f"({java.home}) into {home.app_dir}; the first time it downloads ~220 MB of jars "
-        "into ~/.m2 (about a minute), later builds take ~30 s ..."
+        "into ~/.m2 (about a minute), later builds take 20-30 s ..."
     )
     start = time.monotonic()
     shutil.rmtree(home.build_dir, ignore_errors=True)
