@@ -25,6 +25,8 @@ variable                            meaning                                     
 ``STREAMTALLY_KAFKA_PORT``          the local stack's Kafka listener                ``9092``
 ``STREAMTALLY_CONTROLLER_PORT``     the local stack's KRaft controller listener     ``9093``
 ``STREAMTALLY_REDIS_PORT``          the local stack's Redis                         ``6379``
+``STREAMTALLY_REGISTRY_PORT``       the local stack's schema registry               ``8081``
+``STREAMTALLY_REGISTRY_JAVA``       its JDK 17+ (``java`` or a Java home)           searched
 ``STREAMTALLY_TENANT_KEYS``         the worker's trust file (signed tenant claims)  none: trust all
 ``STREAMTALLY_PRODUCER_KEY``        the key file ``produce`` signs records with     none: unsigned
 ``STREAMTALLY_API_TOKENS``          ``streamtally api``'s tokens file (SHA-256s)    none
@@ -394,6 +396,18 @@ class Settings(BaseSettings):
     redis_port: int = Field(
         6379, ge=1, le=65535, validation_alias=_env("STREAMTALLY_REDIS_PORT", "redis_port")
     )
+    #: The schema registry of `stack up --registry` (Confluent's usual port).
+    registry_port: int = Field(
+        8081,
+        ge=1,
+        le=65535,
+        validation_alias=_env("STREAMTALLY_REGISTRY_PORT", "registry_port"),
+    )
+    #: The Java that builds and runs that registry (a ``java`` binary or a Java home);
+    #: None: the first JDK 17+ of ``JAVA_HOME``, ``PATH`` and ``/usr/lib/jvm``.
+    registry_java: Path | None = Field(
+        None, validation_alias=_env("STREAMTALLY_REGISTRY_JAVA", "registry_java")
+    )
 
     @classmethod
     def settings_customise_sources(
@@ -416,12 +430,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _ports_differ(self) -> Settings:
-        ports = [self.kafka_port, self.controller_port, self.redis_port]
+        ports = [self.kafka_port, self.controller_port, self.redis_port, self.registry_port]
         if len(set(ports)) != len(ports):
             raise ValueError(
-                f"kafka ({self.kafka_port}), controller ({self.controller_port}) and redis "
-                f"({self.redis_port}) ports must differ: set STREAMTALLY_KAFKA_PORT, "
-                "STREAMTALLY_CONTROLLER_PORT or STREAMTALLY_REDIS_PORT"
+                f"kafka ({self.kafka_port}), controller ({self.controller_port}), redis "
+                f"({self.redis_port}) and registry ({self.registry_port}) ports must differ: "
+                "set STREAMTALLY_KAFKA_PORT, STREAMTALLY_CONTROLLER_PORT, STREAMTALLY_REDIS_PORT "
+                "or STREAMTALLY_REGISTRY_PORT"
             )
         return self
 

@@ -2,6 +2,8 @@
 
 ``up --brokers 3`` runs three Kafka nodes, ``up --redis-cluster`` a Redis Cluster
 of three masters; the stack remembers its shape (`streamtally.ops.stack.config`).
+``up --registry`` also starts the schema registry (`streamtally.ops.stack.registry`),
+which ``status``, ``env`` and ``down`` then handle until it is stopped.
 
 Also runnable on its own: ``python -m streamtally.cli.stack up``.
 """
@@ -17,7 +19,15 @@ from collections.abc import Callable, Sequence
 
 from streamtally.cli._args import Parser
 from streamtally.cli._output import say
-from streamtally.ops.stack import StackConfig, StackError, kafka, redis, secure
+from streamtally.ops.stack import (
+    ServiceStatus,
+    StackConfig,
+    StackError,
+    kafka,
+    redis,
+    registry,
+    secure,
+)
 from streamtally.ops.stack.client_env import SECURITY_VARIABLES, client_environment
 from streamtally.ops.stack.config import (
     BROKER_COUNTS,
@@ -70,14 +80,21 @@ def _env_line(cfg: StackConfig) -> str:
         kafka = secure.client_connection(cfg, credentials).describe()
         url = redact_url(secure.redis_client_url(cfg, credentials))
         return (
-            f"KAFKA_BOOTSTRAP_SERVERS={kafka} REDIS_URL={url} (TLS, CA "
+            f"KAFKA_BOOTSTRAP_SERVERS={kafka} REDIS_URL={url}{_registry_env(cfg)} (TLS, CA "
             f"{secure.files(cfg).ca_cert}); the credentials: "
             '`eval "$(streamtally stack env)"`'
         )
     line = (
         f"KAFKA_BOOTSTRAP_SERVERS={cfg.all_bootstrap_servers()} REDIS_URL={cfg.local_redis_url()}"
     )
-    return line + (f" {ENV_REDIS_CLUSTER}=1" if cfg.redis_cluster else "")
+    return line + (f" {ENV_REDIS_CLUSTER}=1" if cfg.redis_cluster else "") + _registry_env(cfg)
+
+
+def _registry_env(cfg: StackConfig) -> str:
+    """`` STREAMTALLY_SCHEMA_REGISTRY_URL=...`` while the stack's registry runs, else ''."""
+    if not registry.status(cfg).running:
+        return ""
+    return f" {registry.ENV_SCHEMA_REGISTRY_URL}={cfg.local_registry_url()}"
 
 
 def _note_overrides(settings: Settings, cfg: StackConfig) -> None:
@@ -107,6 +124,8 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
         _say(f"stack: {cfg.shape.describe()}")
     kafka.up(cfg, _say, timeout=args.timeout)
     redis.up(cfg, _say, timeout=args.timeout)
+    if args.registry:
+        registry.up(cfg, _say, java_override=settings.registry_java, timeout=args.timeout)
     _say(f"stack: up in {time.monotonic() - start:.1f} s: {_env_line(cfg)}")
     _note_overrides(settings, cfg)
     return EXIT_OK
@@ -114,19 +133,27 @@ def cmd_up(args: argparse.Namespace, settings: Settings) -> int:
 
 def cmd_down(args: argparse.Namespace, settings: Settings) -> int:
     cfg = StackConfig.from_settings(settings)
+    registry.down(cfg, _say, timeout=args.timeout)
     kafka.down(cfg, _say, timeout=args.timeout)
     redis.down(cfg, _say, timeout=args.timeout)
     if args.wipe:
+        registry.wipe(cfg, _say)
         kafka.wipe(cfg, _say)
         redis.wipe(cfg, _say)
         secure.wipe(cfg, _say)
     return EXIT_OK
 
 
+def _statuses(cfg: StackConfig) -> list[ServiceStatus]:
+    """Every service of the stack: the registry once `up --registry` started it."""
+    statuses = [*kafka.statuses(cfg), *redis.statuses(cfg)]
+    return statuses + ([registry.status(cfg)] if registry.started(cfg) else [])
+
+
 def cmd_status(args: argparse.Namespace, settings: Settings) -> int:
     del args
     cfg = StackConfig.from_settings(settings)
-    statuses = [*kafka.statuses(cfg), *redis.statuses(cfg)]
+    statuses = _statuses(cfg)
     for st in statuses:
         _say(st.describe())
     _say(f"state dir: {cfg.state_dir} ({cfg.shape.describe()})")
@@ -140,11 +167,13 @@ def cmd_env(args: argparse.Namespace, settings: Settings) -> int:
     """The ``export`` lines a client needs for the running stack, secrets included."""
     del args
     cfg = StackConfig.from_settings(settings)
-    statuses = [*kafka.statuses(cfg), *redis.statuses(cfg)]
-    if not all(st.running for st in statuses):
+    if not all(st.running for st in _statuses(cfg)):
         say("stack env: the stack is not running: `streamtally stack up` starts it")
         return EXIT_NOT_RUNNING
-    lines = [f"export {name}={shlex.quote(value)}" for name, value in client_environment(cfg)]
+    env = client_environment(cfg)
+    if registry.started(cfg):
+        env.append((registry.ENV_SCHEMA_REGISTRY_URL, cfg.local_registry_url()))
+    lines = [f"export {name}={shlex.quote(value)}" for name, value in env]
     if not cfg.secure:  # what a secured stack's `eval` left behind would still apply
         lines.append(f"unset {' '.join(SECURITY_VARIABLES)}")
     # Printed as they are, not through `say`: this is the one place meant to show them.
@@ -155,8 +184,10 @@ def cmd_env(args: argparse.Namespace, settings: Settings) -> int:
 
 _DESCRIPTION = (
     "Local Kafka (KRaft; each node a broker and a controller, jars from Maven Central) and "
-    "Redis under $STREAMTALLY_STATE_DIR (default <repo>/.stack). Ports: STREAMTALLY_KAFKA_PORT "
-    "(9092), STREAMTALLY_CONTROLLER_PORT (9093), STREAMTALLY_REDIS_PORT (6379). With --brokers "
+    "Redis under $STREAMTALLY_STATE_DIR (default <repo>/.stack), and with `up --registry` a "
+    "schema registry (Apicurio Registry, built from Maven Central). Ports: "
+    "STREAMTALLY_KAFKA_PORT (9092), STREAMTALLY_CONTROLLER_PORT (9093), STREAMTALLY_REDIS_PORT "
+    "(6379), STREAMTALLY_REGISTRY_PORT (8081). With --brokers "
     f"N, node i listens on those + {KAFKA_PORT_STEP}(i-1) (3 brokers: 9092/9093, 9094/9095, "
     "9096/9097); with --redis-cluster, master i on the redis port + (i-1) (6379, 6380, 6381) and "
     f"its cluster bus on that + {REDIS_BUS_OFFSET}. `up` remembers the shape in "
@@ -199,15 +230,25 @@ def _add_commands(stack: argparse.ArgumentParser) -> None:
         "<state>/secure; `streamtally stack env` prints what clients need (default: plaintext)",
     )  # fmt: skip
     up.add_argument(
+        "--registry", action="store_true",
+        help="also the schema registry: Apicurio Registry on STREAMTALLY_REGISTRY_PORT (8081), "
+        "its Confluent-compatible API at /apis/ccompat/v7, schemas kept under <state>/registry "
+        "(built with Maven under a JDK 17+ the first time: ~1 min; STREAMTALLY_REGISTRY_JAVA "
+        "picks the Java); not remembered: a plain `up` leaves it as it is (default: no registry)",
+    )  # fmt: skip
+    up.add_argument(
         "--timeout", type=float, default=kafka.READY_TIMEOUT_S, metavar="SECONDS",
         help="how long to wait for each service to answer (default %(default)s)",
     )  # fmt: skip
     up.set_defaults(func=_guarded("up", cmd_up))
 
-    down = commands.add_parser("down", help="stop Kafka and Redis, every node (data is kept)")
+    down = commands.add_parser(
+        "down", help="stop Kafka and Redis, every node, and the registry (data is kept)"
+    )
     down.add_argument(
         "--wipe", action="store_true",
-        help="also delete topics, data and logs (of every broker count and the Redis Cluster)",
+        help="also delete topics, data and logs (of every broker count, the Redis Cluster and "
+        "the registry's schemas)",
     )  # fmt: skip
     down.add_argument(
         "--timeout", type=float, default=kafka.STOP_TIMEOUT_S, metavar="SECONDS",

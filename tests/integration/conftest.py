@@ -14,6 +14,12 @@ Redis layout version 3 (``st:layout``): a worker claims an empty one and
 refuses to start on data of an older layout (``streamtally migrate``).  Tests
 that need a database of their own use another number (`own_worker`).
 
+`schema_registry_url` (session) is ``STREAMTALLY_SCHEMA_REGISTRY_URL`` when set, else the
+local stack's schema registry (`streamtally.ops.stack.registry`), started (and built, the
+first time in a state dir: under a minute) when it does not run, and left running like the
+stack (a registry of another state dir answering on the stack's port serves as well);
+tests marked ``registry`` get it before they run.
+
 Every test marked ``integration`` gets the stack selected before it runs.  When the local stack
 cannot start, the test is skipped (fails instead on CI).  `redis_client` skips
 the test when Redis does not answer (fails instead on CI).
@@ -45,7 +51,8 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from streamtally.ops.stack import port_in_use, redis_cluster
+from streamtally.errors import StackError
+from streamtally.ops.stack import port_in_use, redis_cluster, registry
 from streamtally.ops.stack.config import StackConfig
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from tests.integration.worker import (
@@ -95,9 +102,12 @@ def stack_endpoints() -> Iterator[Endpoints]:
 
 @pytest.fixture(autouse=True)
 def _integration_stack(request: pytest.FixtureRequest) -> None:
-    """Select (and start) the stack before any test marked ``integration``."""
+    """Select (and start) the stack before any test marked ``integration``, and the schema
+    registry before any marked ``registry``."""
     if request.node.get_closest_marker("integration") is not None:
         request.getfixturevalue("stack_endpoints")
+    if request.node.get_closest_marker("registry") is not None:
+        request.getfixturevalue("schema_registry_url")
 
 
 @pytest.fixture(scope="session")
@@ -126,6 +136,31 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
         yield cfg.local_redis_url()
     finally:
         redis_cluster.down(cfg, say=lambda _: None)
+
+
+@pytest.fixture(scope="session")
+def schema_registry_url() -> Iterator[str]:
+    """The session's schema registry: its Confluent-compatible API (see the module docstring).
+
+    The stack's is exported as ``STREAMTALLY_SCHEMA_REGISTRY_URL`` for the session, so that
+    the streamtally commands the tests run find it.  Skips the test (fails it on CI) when
+    the local one cannot start.
+    """
+    given = os.environ.get(registry.ENV_SCHEMA_REGISTRY_URL, "").strip()
+    if given:
+        yield given.rstrip("/")
+        return
+    settings = Settings.load()
+    cfg = StackConfig.from_settings(settings)
+    theirs = not registry.status(cfg).running and registry.answers(cfg.host, cfg.registry_port)
+    try:
+        if not theirs:  # else: another state dir's registry on the stack's port serves
+            registry.up(cfg, print, java_override=settings.registry_java)
+    except StackError as exc:
+        _unavailable(f"the stack's schema registry did not start: {exc}")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(registry.ENV_SCHEMA_REGISTRY_URL, cfg.local_registry_url())
+        yield cfg.local_registry_url()
 
 
 @pytest.fixture(scope="session")

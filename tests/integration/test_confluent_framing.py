@@ -142,7 +142,9 @@ def test_a_confluent_worker_reads_both_framings_and_writes_confluent(
         monkeypatch.setenv("STREAMTALLY_NAMESPACE", settings.namespace)
         billing = cli("billing", "export", "--json")
         assert billing.code == 0, billing.err
-        events = {json.loads(line)["request_id"]: json.loads(line) for line in billing.out.split()}
+        events = {
+            json.loads(line)["request_id"]: json.loads(line) for line in billing.out.splitlines()
+        }
         assert set(events) == {ref.request_id for ref in refs.values()}
         same = {"input_tokens", "output_tokens", "cost", "model", "priced", "usage_source"}
         shown = [{k: e[k] for k in same if k in e} for e in events.values()]

@@ -33,7 +33,12 @@ def test_the_default_is_one_broker_and_one_redis(tmp_path: Path) -> None:
     assert cfg.kafka_nodes == (KafkaNode(1, 9092, 9093),)
     assert cfg.local_bootstrap_servers() == cfg.all_bootstrap_servers() == "127.0.0.1:9092"
     assert cfg.local_redis_url() == "redis://127.0.0.1:6379/0"
-    assert cfg.named_ports() == [("kafka", 9092), ("controller", 9093), ("redis", 6379)]
+    assert cfg.named_ports() == [
+        ("kafka", 9092),
+        ("controller", 9093),
+        ("redis", 6379),
+        ("registry", 8081),
+    ]
     assert cfg.kafka_node_dir(cfg.kafka_nodes[0]) == cfg.kafka_dir == tmp_path / "kafka"
 
 
@@ -97,7 +102,10 @@ def test_ports_that_clash_are_refused_with_what_to_set(
 
 
 def test_the_single_shape_keeps_its_message(tmp_path: Path) -> None:
-    with pytest.raises(StackError, match=r"^kafka \(9092\), controller \(9093\) and redis"):
+    with pytest.raises(
+        StackError,
+        match=r"^kafka \(9092\), controller \(9093\), redis \(9092\) and registry \(8081\) ports",
+    ):
         StackConfig(tmp_path, redis_port=9092)
 
 

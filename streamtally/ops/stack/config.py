@@ -1,7 +1,8 @@
 """Where the local development stack (Kafka in KRaft mode + Redis) lives and listens.
 
 Built from the `Settings` (``STREAMTALLY_STATE_DIR``, ``STREAMTALLY_KAFKA_PORT``,
-``STREAMTALLY_CONTROLLER_PORT``, ``STREAMTALLY_REDIS_PORT``; see
+``STREAMTALLY_CONTROLLER_PORT``, ``STREAMTALLY_REDIS_PORT``,
+``STREAMTALLY_REGISTRY_PORT``; see
 `streamtally.settings`), never from the environment directly, and from the
 stack's *shape*: how many Kafka brokers, and whether Redis is a 3-master Redis
 Cluster.  ``stack up --brokers N`` / ``--redis-cluster`` choose the shape;
@@ -17,6 +18,7 @@ Kafka controller ``i``      ``controller_port + 2 (i - 1)``: 9093, 9095, 9097
 Redis (single)              ``redis_port``: 6379
 Redis Cluster master ``i``  ``redis_port + (i - 1)``: 6379, 6380, 6381
 its cluster bus             that port + 10000: 16379, 16380, 16381
+schema registry             ``registry_port``: 8081 (``stack up --registry``)
 ==========================  ==============================================
 
 The first broker and the first Redis keep the configured ports, so the
@@ -59,7 +61,8 @@ REDIS_BUS_OFFSET: Final = 10000
 _MAX_PORT: Final = 65535
 _SHAPE_FILE: Final = "stack.json"
 _PORT_SETTINGS: Final = (
-    "set STREAMTALLY_KAFKA_PORT, STREAMTALLY_CONTROLLER_PORT or STREAMTALLY_REDIS_PORT apart "
+    "set STREAMTALLY_KAFKA_PORT, STREAMTALLY_CONTROLLER_PORT, STREAMTALLY_REDIS_PORT or "
+    "STREAMTALLY_REGISTRY_PORT apart "
     f"(broker i uses the kafka port + {KAFKA_PORT_STEP}(i-1), controller i the controller "
     f"port + {KAFKA_PORT_STEP}(i-1); Redis Cluster master i the redis port + (i-1) and that "
     f"+ {REDIS_BUS_OFFSET} for its bus)"
@@ -150,6 +153,9 @@ class StackConfig:
     kafka_port: int = 9092
     controller_port: int = 9093
     redis_port: int = 6379
+    #: The schema registry's (`streamtally.ops.stack.registry`); checked apart from the
+    #: others whether or not the registry runs, so that `--registry` can always start.
+    registry_port: int = 8081
     host: str = LOCAL_HOST
     #: Kafka nodes (each broker + controller; a KRaft quorum of all of them).
     brokers: int = 1
@@ -172,9 +178,10 @@ class StackConfig:
         single = self.brokers == 1 and not self.redis_cluster
         if single and len({port for _, port in ports}) != len(ports):  # the message it always had
             raise StackError(
-                f"kafka ({self.kafka_port}), controller ({self.controller_port}) and "
-                f"redis ({self.redis_port}) ports must differ: set STREAMTALLY_KAFKA_PORT, "
-                "STREAMTALLY_CONTROLLER_PORT or STREAMTALLY_REDIS_PORT"
+                f"kafka ({self.kafka_port}), controller ({self.controller_port}), "
+                f"redis ({self.redis_port}) and registry ({self.registry_port}) ports must "
+                "differ: set STREAMTALLY_KAFKA_PORT, STREAMTALLY_CONTROLLER_PORT, "
+                "STREAMTALLY_REDIS_PORT or STREAMTALLY_REGISTRY_PORT"
             )
         too_high = [f"{name} ({port})" for name, port in ports if port > _MAX_PORT]
         if too_high:
@@ -205,6 +212,7 @@ class StackConfig:
             kafka_port=settings.kafka_port,
             controller_port=settings.controller_port,
             redis_port=settings.redis_port,
+            registry_port=settings.registry_port,
             brokers=shape.brokers if brokers is None else brokers,
             redis_cluster=shape.redis_cluster if redis_cluster is None else redis_cluster,
             secure=shape.secure if secure is None else secure,
@@ -287,6 +295,17 @@ class StackConfig:
         scheme = "rediss" if self.secure else "redis"  # TLS; the user and password: `stack env`
         return f"{scheme}://{self.host}:{self.redis_port}/0"
 
+    # -- schema registry -------------------------------------------------------------
+
+    @property
+    def registry_dir(self) -> Path:
+        """The registry's build, its data (schemas and ids) and logs."""
+        return self.state_dir / "registry"
+
+    def local_registry_url(self) -> str:
+        """Its Confluent-compatible API: what ``STREAMTALLY_SCHEMA_REGISTRY_URL`` names."""
+        return f"http://{self.host}:{self.registry_port}/apis/ccompat/v7"
+
     # -- every port ------------------------------------------------------------------
 
     def named_ports(self) -> list[tuple[str, int]]:
@@ -299,7 +318,8 @@ class StackConfig:
                 ports += [(f"kafka broker {n.node_id}", n.port)]
                 ports += [(f"kafka controller {n.node_id}", n.controller_port)]
         if not self.redis_cluster:
-            return [*ports, ("redis", self.redis_port)]
-        for i, port in enumerate(self.redis_cluster_ports, start=1):
-            ports += [(f"redis master {i}", port), (f"redis bus {i}", port + REDIS_BUS_OFFSET)]
-        return ports
+            ports += [("redis", self.redis_port)]
+        else:
+            for i, port in enumerate(self.redis_cluster_ports, start=1):
+                ports += [(f"redis master {i}", port), (f"redis bus {i}", port + REDIS_BUS_OFFSET)]
+        return [*ports, ("registry", self.registry_port)]
