@@ -9,7 +9,7 @@ ST := $(BIN)/streamtally
 .PHONY: help setup demo test check lint typecheck unit integration bench stack-up stack-down clean
 
 help:
-	@echo "make demo        set up, start Kafka + Redis, run the pipeline on the sample traffic"
+	@echo "make demo        set up, start Kafka + Redis + registry, run the pipeline on the samples"
 	@echo "make test        set up, lint, type-check, run every test tier (starts the stack)"
 	@echo "make bench       fold and pipeline benchmarks (figures, not pass/fail)"
 	@echo "make stack-up / stack-down   the local Kafka + Redis"

@@ -86,6 +86,7 @@ __all__ = [
     "VARIABLES",
     "AvroFraming",
     "Settings",
+    "export",
     "parse_request_timeouts",
     "project_root",
 ]
@@ -593,6 +594,16 @@ _VARIABLES: Final = _variables()
 _FIELDS: Final = {field: name for name, field in _VARIABLES.items()}
 #: Every environment variable `Settings.load` reads.
 VARIABLES: Final = tuple(_VARIABLES)
+
+
+def export(values: Mapping[str, str]) -> Settings:
+    """Set `values` (variables of `VARIABLES`) in this process's environment, which the
+    commands it starts inherit, and the settings read again with them."""
+    unknown = sorted(set(values) - set(_VARIABLES))
+    if unknown:
+        raise ValueError(f"not streamtally settings: {', '.join(unknown)}")
+    os.environ.update(values)
+    return Settings.load()
 
 
 def _expanded(path: Path | None) -> Path | None:

@@ -3,6 +3,11 @@
 Starts the local stack (or uses KAFKA_BOOTSTRAP_SERVERS / REDIS_URL), runs a
 worker, produces `samples/manifest.jsonl`, waits until every request's Tokens
 is in Redis, then shows a few Tokens, the usage table and the billing events.
+
+On the local stack the demo is a new deployment: its topics are written in the
+Confluent framing, with the stack's schema registry (`stack up --registry`),
+unless `--framing single-object`.  On a stack of your own it follows
+STREAMTALLY_AVRO_FRAMING (single-object unless set).
 """
 
 from __future__ import annotations
@@ -26,7 +31,7 @@ from streamtally.ops.stack.config import StackConfig
 from streamtally.ops.worker_process import WorkerProcess, worker_command
 from streamtally.producers import RawProducer
 from streamtally.redact import redact_url
-from streamtally.settings import Settings, project_root
+from streamtally.settings import Settings, export, project_root
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
 from streamtally.wire.framing import SINGLE_OBJECT, Framing, framing_for
@@ -50,7 +55,27 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
     parser.add_argument("--timeout", type=float, default=180.0, help="seconds to wait (180)")
     parser.add_argument("--no-stack", action="store_true", help="do not start the local stack")
+    parser.add_argument(
+        "--framing",
+        choices=("confluent", "single-object"),
+        default=None,
+        help=(
+            "framing of the values written (default: confluent on the local stack, with its "
+            "schema registry; else STREAMTALLY_AVRO_FRAMING)"
+        ),
+    )
     parser.set_defaults(func=run)
+
+
+def _with_framing(settings: Settings, framing: str, local: bool) -> Settings:
+    """The settings of this run and of the commands it starts (their environment): the
+    framing chosen and, on the local stack, its registry unless one is named."""
+    values = {"STREAMTALLY_AVRO_FRAMING": framing}
+    if framing == "confluent" and local and not settings.schema_registry_url:
+        values["STREAMTALLY_SCHEMA_REGISTRY_URL"] = StackConfig.from_settings(
+            settings
+        ).local_registry_url()
+    return export(values)
 
 
 def _samples_manifest() -> Path:
@@ -80,14 +105,22 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
         raise InputError(f"{manifest}: no requests in the manifest")
     check_entries(entries)  # before anything starts: a bad file is named, nothing is sent
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)  # see `streamtally produce`
-    if not args.no_stack and not settings.uses_external_stack:
-        _step("starting the local stack (Kafka + Redis)")
-        if _streamtally("stack", "up") != 0:
+    local = not args.no_stack and not settings.uses_external_stack
+    framing = args.framing or ("confluent" if local else settings.avro_framing)
+    settings = _with_framing(settings, framing, local)
+    if local:
+        registry = framing == "confluent" and settings.schema_registry_url == (
+            StackConfig.from_settings(settings).local_registry_url()
+        )
+        _step(
+            "starting the local stack (Kafka + Redis" + (" + schema registry)" if registry else ")")
+        )
+        if _streamtally("stack", "up", *(["--registry"] if registry else [])) != 0:
             raise StackError("the local stack did not start: see `streamtally stack status`")
     servers, url = settings.kafka, settings.redis_url
     asyncio.run(ensure_topics(servers, Topics.in_namespace(settings.namespace).all))
     log = StackConfig.from_settings(settings).state_dir / "logs" / "demo-worker.log"
-    _step(f"starting a worker (log: {log})")
+    _step(f"starting a worker (values in the {framing} framing; log: {log})")
     # this process's environment, its own session, this command's log format
     command = [*worker_command("info"), "--log-format", args.log_format]
     worker = WorkerProcess(log, command=command).start()

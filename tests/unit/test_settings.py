@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -246,3 +247,17 @@ def test_the_framing_and_the_registry_settings(tmp_path: Path) -> None:
     with pytest.raises(InputError) as raised:
         Settings.load({"STREAMTALLY_SCHEMA_REGISTRY_URL": url, "STREAMTALLY_AVRO_FRAMING": "x"})
     assert "pw5678" not in str(raised.value)
+
+
+def test_export_sets_the_children_environment_and_reads_the_settings_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from streamtally.settings import export
+
+    monkeypatch.delenv("STREAMTALLY_AVRO_FRAMING", raising=False)
+    monkeypatch.setenv("STREAMTALLY_SCHEMA_REGISTRY_URL", "http://127.0.0.1:1/apis/ccompat/v7")
+    settings = export({"STREAMTALLY_AVRO_FRAMING": "confluent"})
+    assert settings.avro_framing == "confluent"
+    assert os.environ["STREAMTALLY_AVRO_FRAMING"] == "confluent"
+    with pytest.raises(ValueError, match="not streamtally settings: PATH"):
+        export({"PATH": "/nowhere"})

@@ -301,7 +301,12 @@ def test_compose_runs_the_same_registry_version_port_and_storage() -> None:
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     service = compose["services"]["registry"]
     assert service["image"] == f"apicurio/apicurio-registry-mem:{registry.apicurio_version()}"
-    assert service["profiles"] == ["registry"]
+    assert "profiles" not in service  # a new deployment runs it, and its worker uses it
+    worker = compose["services"]["worker"]["environment"]
+    assert worker["STREAMTALLY_AVRO_FRAMING"] == "confluent"
+    assert (
+        worker["STREAMTALLY_SCHEMA_REGISTRY_URL"] == f"http://registry:8080{registry.CCOMPAT_PATH}"
+    )
     assert service["ports"] == [f"127.0.0.1:{StackConfig(Path('/x')).registry_port}:8080"]
     env = service["environment"]
     assert env["REGISTRY_DATASOURCE_URL"] == "jdbc:h2:file:/data/registry;WRITE_DELAY=0"
