@@ -32,7 +32,7 @@ from streamtally.processors.requests import (
     RequestProcessor,
 )
 from streamtally.processors.sinks import Sinks
-from streamtally.processors.source import FetchedBatch, RawMessage
+from streamtally.processors.source import FetchedBatch, MembershipLost, RawMessage
 from streamtally.producers import raw_records
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -336,6 +336,61 @@ async def test_a_failed_batch_stops_every_commit_and_asks_the_worker_to_stop() -
     assert source.commits == committed  # ... but nothing committed past lost-2
     assert [type(e) for e in failures] == [RuntimeError]  # told once
     assert isinstance(pipeline.broken, RuntimeError)
+
+
+async def test_a_lost_membership_stops_commits_and_applying_and_asks_the_worker_to_stop() -> None:
+    """A static member fenced by another worker with its instance id (`MembershipLost`):
+    the partitions are the other's now, so nothing more is applied or committed here, even
+    of a batch fetched before, and the worker is told to stop (once)."""
+    sink = RecordingSink()
+    failures: list[BaseException] = []
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1",
+        redis_url_setting="redis://127.0.0.1:1/0",
+        worker_instance_id="worker-0",
+    )
+    pipeline = create_app(
+        settings, lambda app: Sinks(sink), consume=False, on_failure=failures.append
+    )
+    source = _CommitLog()
+    pipeline.source = source  # type: ignore[assignment]
+    topic = TOPICS.raw_sse.name
+    offset = 0
+
+    def request(request_id: str) -> FetchedBatch:
+        nonlocal offset
+        _, records = raw_records(
+            Source.OPENAI,
+            (SAMPLES / "openai/text_usage.sse").read_bytes(),
+            tenant="acme",
+            request_id=request_id,
+        )
+        first, offset = offset, offset + len(records)
+        return FetchedBatch(
+            pipeline.revocations.generation,
+            tuple(
+                RawMessage(topic, 0, first + i, 1_790_000_000.0, request_id.encode(), value)
+                for i, value in enumerate(records)
+            ),
+        )
+
+    async def feed(fetched: FetchedBatch) -> None:
+        async def stream() -> Any:
+            yield fetched
+
+        await pipeline.agents["process-raw"].fun(stream())
+
+    await feed(request("before"))
+    assert [list(c.values()) for c in source.commits] == [[offset]]
+    assert pipeline.lost is not None
+    fenced = MembershipLost("worker-0", TOPICS.processors_group)
+    pipeline.lost(fenced)
+    pipeline.lost(MembershipLost("worker-0", TOPICS.processors_group))  # told once only
+    await feed(request("after"))  # fetched before the fencing, still in the channel
+    assert [c.tokens.request_id for c in sink.outputs.completed] == ["before"]
+    assert len(source.commits) == 1
+    assert failures == [fenced]
+    assert pipeline.broken is fenced
 
 
 class _HeldSink(RecordingSink):
