@@ -112,7 +112,7 @@ STATIC_SESSION_TIMEOUT_S: Final = 45.0
 #: ``group.max.session.timeout.ms``: 6 s and 30 min; the local stack keeps them).
 MIN_SESSION_TIMEOUT_S: Final = 6.0
 MAX_SESSION_TIMEOUT_S: Final = 1800.0
-#: The shortest session a static member may have: a restart in place takes 3-5 s on the
+#: The shortest session a static member may have: a restart in place takes 2-4 s on the
 #: development machine (docs/scaling.md, "Restarts"); a session that ends before the
 #: worker is back gives its partitions away after all (two rebalances instead of none).
 MIN_STATIC_SESSION_TIMEOUT_S: Final = 15.0
