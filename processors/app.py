@@ -74,7 +74,11 @@ from streamtally.wire.tenant_keys import TenantTrust
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WATCH_CLOCKS_S", "ExaminedBatch", "Pipeline", "create_app"]
+__all__ = ["LOST_WRITE_WAIT_S", "WATCH_CLOCKS_S", "ExaminedBatch", "Pipeline", "create_app"]
+
+#: How long a worker whose static membership is lost lets its write in flight finish before
+#: it stops (seconds; see `create_app`'s ``close_sinks``).
+LOST_WRITE_WAIT_S = 10.0
 
 #: How often the input clocks are read apart from the batches and closes (seconds): well
 #: within `processors.source.LIVE_WINDOW_S`, so an outage freezes them within a second.
@@ -471,6 +475,17 @@ def create_app(
             await source.stop()
 
     async def close_sinks() -> None:
+        # Fenced: the worker that has the partitions now may be reading the requests this
+        # write closes.  Stopped half way, a close decision it wrote would stay unapplied,
+        # and that worker, its own close refused, would wait for the apply with no rebalance
+        # to come and end the wait (a static member that stops does not leave the group).
+        # So the write finishes first, within a bound: its outputs are those any owner would
+        # write, and nothing of it is committed.
+        fenced = isinstance(pipeline.broken, MembershipLost)
+        if fenced and not await writes.finish_within(LOST_WRITE_WAIT_S):
+            log.warning(
+                "the write in flight did not finish within %g s; stopping it", LOST_WRITE_WAIT_S
+            )
         # A write still in flight is stopped (as faust stops the agent's batch): nothing of
         # it is committed.
         await writes.cancel()

@@ -466,6 +466,49 @@ async def test_a_batch_written_behind_commits_nothing_before_its_outputs_are_dur
     assert {c.tokens.request_id for c in sink.outputs.completed} == {"wb-1", "wb-2"}
 
 
+async def test_a_fenced_worker_finishes_its_write_in_flight_before_it_stops() -> None:
+    """A worker whose static membership is lost stops; a write of its in flight (close
+    decisions of requests the partitions' new owner reads too) is finished first, not cut
+    half way: an unapplied decision would keep that owner waiting for an apply that never
+    comes.  Nothing of it is committed."""
+    sink = _HeldSink()
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1",
+        redis_url_setting="redis://127.0.0.1:1/0",
+        worker_instance_id="worker-0",
+    )
+    pipeline = create_app(settings, lambda app: Sinks(sink), consume=False)
+    source = _CommitLog()
+    pipeline.source = source  # type: ignore[assignment]
+    topic = TOPICS.raw_sse.name
+    _, records = raw_records(
+        Source.OPENAI,
+        (SAMPLES / "openai/text_usage.sse").read_bytes(),
+        tenant="acme",
+        request_id="in-flight",
+    )
+    batch = FetchedBatch(
+        pipeline.revocations.generation,
+        tuple(
+            RawMessage(topic, 0, i, 1_790_000_000.0, b"in-flight", v) for i, v in enumerate(records)
+        ),
+    )
+    run = asyncio.ensure_future(pipeline.agents["process-raw"].fun(_Backlog([batch])))
+    await asyncio.wait_for(run, 5)  # applied; its write waits on the store
+    assert pipeline.writes is not None
+    assert pipeline.writes.pending
+    assert pipeline.lost is not None
+    pipeline.lost(MembershipLost("worker-0", TOPICS.processors_group))
+    stopping = asyncio.ensure_future(pipeline.app.on_shutdown())  # runs close_sinks
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # the write is waited for, not cancelled
+    sink.through.release()
+    await asyncio.wait_for(stopping, 5)
+    assert [c.tokens.request_id for c in sink.outputs.completed] == ["in-flight"]
+    assert sink.flushes == 1
+    assert source.commits == []
+
+
 class _Wall:
     """A monotonic clock the test moves."""
 
