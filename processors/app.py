@@ -21,6 +21,14 @@ finished.  A request whose close the partition's other owner decided first
 (after a rebalance; `Sinks.write` writes nothing of it here) counts as closed
 once that close is applied, which the worker asks Redis at every write until it
 is; never on the decision alone (`processors.commits`).
+
+A worker with an instance id (static membership, `processors.source`) that
+loses its membership (another worker took its id, or its session expired)
+stops as after a failed batch: nothing more is committed, it does not join
+again, and the partitions' owner reads them from the committed offsets.  A
+static member restarted in place is such an owner: it joins with the same id,
+gets its partitions back without a rebalance, and, its memory empty, reads
+from the committed offsets exactly as a new owner after a rebalance would.
 """
 
 from __future__ import annotations
@@ -50,7 +58,13 @@ from streamtally.processors.requests import (
     RequestProcessor,
 )
 from streamtally.processors.sinks import Sinks
-from streamtally.processors.source import FetchedBatch, RawMessage, RawSource, Revocations
+from streamtally.processors.source import (
+    FetchedBatch,
+    MembershipLost,
+    RawMessage,
+    RawSource,
+    Revocations,
+)
 from streamtally.processors.writes import Holds, WriteBehind
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -60,7 +74,11 @@ from streamtally.wire.tenant_keys import TenantTrust
 
 log = logging.getLogger(__name__)
 
-__all__ = ["WATCH_CLOCKS_S", "ExaminedBatch", "Pipeline", "create_app"]
+__all__ = ["LOST_WRITE_WAIT_S", "WATCH_CLOCKS_S", "ExaminedBatch", "Pipeline", "create_app"]
+
+#: How long a worker whose static membership is lost lets its write in flight finish before
+#: it stops (seconds; see `create_app`'s ``close_sinks``).
+LOST_WRITE_WAIT_S = 10.0
 
 #: How often the input clocks are read apart from the batches and closes (seconds): well
 #: within `processors.source.LIVE_WINDOW_S`, so an outage freezes them within a second.
@@ -107,6 +125,9 @@ class Pipeline:
     #: What the consumer's rebalance listener calls with the partitions revoked (set by
     #: create_app; agent tests call it as a rebalance would).
     revoked: Callable[[set[TopicPartition]], Awaitable[None]] | None = None
+    #: What the source calls once this static member's membership is lost (set by
+    #: create_app; agent tests call it as a fencing would).
+    lost: Callable[[MembershipLost], None] | None = None
 
 
 class _Boot(BootStrategy):
@@ -271,8 +292,8 @@ def create_app(
             return
         pipeline.broken = exc
         log.critical(
-            "a batch failed; this worker commits nothing more and stops: its partitions' "
-            "records are read again from the committed offset (%s: %s)",
+            "a batch failed, or the raw-topic consumer; this worker commits nothing more and "
+            "stops: its partitions' records are read again from the committed offset (%s: %s)",
             type(exc).__name__,
             exc,
             exc_info=exc,
@@ -280,6 +301,15 @@ def create_app(
         if on_failure is not None:
             on_failure(exc)
 
+    def lost(exc: MembershipLost) -> None:
+        """This static member's membership is gone (logged by the source): it reads and
+        commits nothing more, and stops."""
+        if pipeline.broken is None:
+            pipeline.broken = exc
+            if on_failure is not None:
+                on_failure(exc)
+
+    pipeline.lost = lost
     writes = pipeline.writes = WriteBehind(finish, fail)
 
     async def learn(refs: set[RequestRef]) -> None:
@@ -308,6 +338,8 @@ def create_app(
 
     async def process(stream: Any) -> None:
         async for fetched in stream:
+            if isinstance(pipeline.broken, MembershipLost):
+                continue  # another worker holds these partitions now: nothing more applied
             async with pipeline.batch_lock:  # a revoke waits for the batch in flight
                 started = time.perf_counter()
                 try:
@@ -412,6 +444,7 @@ def create_app(
         source = RawSource(settings, topics, revoked, pipeline.revocations)
         source.on_assigned = metrics.assigned
         source.on_commit_error = lambda exc: metrics.sink_error("kafka", exc, False)
+        source.on_lost = lost
         await source.start()
         pipeline.source = source
         processor.live = source.is_live  # a partition's clock runs only while caught up
@@ -419,6 +452,8 @@ def create_app(
             # faust holds stream queues until its own consumer gets partitions; it has none.
             app.flow_control.resume()
             async for batch in source.batches():
+                if pipeline.broken is not None:
+                    break  # stopping: a lost membership's last fetch is not applied
                 # Decoded here, not in the agent: this task runs while the agent waits
                 # for the previous batch's writes, so decoding fills that wait.  The
                 # schema ids of Confluent-framed values the process does not know yet are
@@ -429,12 +464,28 @@ def create_app(
                     fail(exc)
                     raise
                 await batches.send(value=examine(batch))
+        except Exception as exc:
+            # The consumer's fatal errors (a session timeout the broker refuses, a group
+            # it may not join, a fenced instance id at a join): nothing more is read.
+            fail(exc)
+            raise
         finally:
             processor.live = None
             pipeline.source = None
             await source.stop()
 
     async def close_sinks() -> None:
+        # Fenced: the worker that has the partitions now may be reading the requests this
+        # write closes.  Stopped half way, a close decision it wrote would stay unapplied,
+        # and that worker, its own close refused, would wait for the apply with no rebalance
+        # to come and end the wait (a static member that stops does not leave the group).
+        # So the write finishes first, within a bound: its outputs are those any owner would
+        # write, and nothing of it is committed.
+        fenced = isinstance(pipeline.broken, MembershipLost)
+        if fenced and not await writes.finish_within(LOST_WRITE_WAIT_S):
+            log.warning(
+                "the write in flight did not finish within %g s; stopping it", LOST_WRITE_WAIT_S
+            )
         # A write still in flight is stopped (as faust stops the agent's batch): nothing of
         # it is committed.
         await writes.cancel()

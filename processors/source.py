@@ -7,10 +7,25 @@ of records per call instead (`getmany`) and the worker passes each batch to
 the processing agent as one event.  It also commits offsets itself, exactly
 those `CommitGate` releases, so a committed offset never passes a record of
 an open request.
+
+Static membership (``STREAMTALLY_WORKER_INSTANCE_ID``, Kafka's
+``group.instance.id``): the consumer joins as that instance, sends no LeaveGroup
+when it stops, and a restart with the same id within the session timeout takes
+its partitions back without a rebalance, reading from the committed offsets as
+any new owner does.  Two live consumers with one id fence each other: the broker
+hands the id to the later join and no longer knows the earlier one's member id.
+aiokafka sends its heartbeats without the instance id (Heartbeat v0/v1), so the
+earlier one hears "unknown member", not "fenced", and would join again, fencing
+the later one in turn, each reading the same partitions for a heartbeat at a
+time.  So a static member whose membership is lost never joins again: its
+listener sees the revoke aiokafka starts with its member id gone, stops the
+coordinator before it can send a JoinGroup, and reports `MembershipLost` (the
+worker stops with that error; see `RawSource.on_lost`).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import (
@@ -32,7 +47,7 @@ from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.connection import client_options
 
-__all__ = ["FetchedBatch", "RawMessage", "RawSource", "Revocations"]
+__all__ = ["FetchedBatch", "MembershipLost", "RawMessage", "RawSource", "Revocations"]
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +58,47 @@ LIVE_WINDOW_S = 1.0
 #: the largest records comes in one fetch.
 PARTITION_FETCH_BYTES = 8 << 20
 FETCH_BYTES = 64 << 20
+#: The longest interval between heartbeats (seconds): also how long a fenced static member
+#: may read on before it hears that it was (a tenth of the session, at most this).
+MAX_HEARTBEAT_S = 1.0
+MIN_HEARTBEAT_S = 0.5
+
+
+def heartbeat_interval(session_timeout: float) -> float:
+    """Seconds between heartbeats for a session of `session_timeout` seconds."""
+    return max(MIN_HEARTBEAT_S, min(session_timeout / 10, MAX_HEARTBEAT_S))
+
+
+class MembershipLost(Exception):
+    """The static member's membership in the processors' group is gone: another worker
+    joined with the same instance id (it holds the partitions now), or this one was silent
+    longer than its session timeout.  The worker stops; it must not join again under an
+    id another live worker may hold."""
+
+    def __init__(self, instance_id: str, group: str) -> None:
+        self.instance_id = instance_id
+        self.group = group
+        super().__init__(
+            f"this worker lost its membership of group {group!r} as static member "
+            f"{instance_id!r}: another worker joined with the same instance id "
+            "(STREAMTALLY_WORKER_INSTANCE_ID or --instance-id: two live workers must never "
+            "share one), or this one was silent longer than its session timeout. It stops "
+            "without joining again; its partitions' records are read from the committed "
+            "offsets by their owner"
+        )
+
+
+def member_id(consumer: Any) -> str | None:
+    """The consumer's member id in its group ("" while it has none; None before it joins a
+    group at all).
+
+    aiokafka keeps it on its group coordinator (``consumer._coordinator.member_id``),
+    not in its public API; tests/unit/test_raw_source.py pins that this is still where it
+    is, so an upgrade that moves it fails a test instead of the fencing of static members.
+    """
+    coordinator = getattr(consumer, "_coordinator", None)
+    found = getattr(coordinator, "member_id", None)
+    return found if isinstance(found, str) else None
 
 
 class RawMessage(NamedTuple):
@@ -101,14 +157,36 @@ class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
         self,
         revocations: Revocations,
         revoked: Callable[[set[TopicPartition]], Awaitable[None]],
+        lost: Callable[[], MembershipLost | None] | None = None,
     ) -> None:
         self._revocations = revocations
         self._revoked = revoked
+        #: For a static member: the `MembershipLost` to stop with if its membership is gone
+        #: at this revoke (None: still a member; a rebalance like any other).
+        self._lost = lost
         #: Told each assignment (possibly empty), as (topic, partition) pairs: the metrics.
         self.on_assigned: Callable[[set[tuple[str, int]]], None] | None = None
+        #: Told once a static member's membership is lost (the worker stops).
+        self.on_lost: Callable[[MembershipLost], None] | None = None
 
     async def on_partitions_revoked(self, revoked: set[TopicPartition]) -> None:
         self._revocations.revoke((tp.topic, tp.partition) for tp in revoked)
+        lost = self._lost() if self._lost is not None and revoked else None
+        if lost is not None:
+            # Nothing of these partitions is applied or committed here any more, and the
+            # join aiokafka would send next must not go out: it would take the instance id
+            # back from the worker that holds it now.  This runs in aiokafka's coordination
+            # task, right before that join: cancelling the task stops the coordinator (no
+            # join, no heartbeats once the consumer stops; fetches return nothing meanwhile,
+            # the reassignment having begun).
+            log.critical("%s", lost)
+            if self.on_lost is not None:
+                self.on_lost(lost)
+            task = asyncio.current_task()
+            if task is not None:
+                task.cancel()
+            await asyncio.sleep(0)  # the cancellation is raised here
+            return
         await self._revoked(set(revoked))
 
     async def on_partitions_assigned(self, assigned: set[TopicPartition]) -> None:
@@ -135,6 +213,7 @@ class RawSource:
         self._consumer = AIOKafkaConsumer(
             **client_options(settings.kafka),
             group_id=topics.processors_group,
+            group_instance_id=settings.worker_instance_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
             max_poll_records=settings.batch_size,
@@ -142,10 +221,11 @@ class RawSource:
             fetch_max_wait_ms=50,  # the broker answers an idle fetch within a batch window
             max_partition_fetch_bytes=PARTITION_FETCH_BYTES,
             session_timeout_ms=int(settings.session_timeout * 1000),
-            heartbeat_interval_ms=int(max(settings.session_timeout / 10, 0.5) * 1000),
+            heartbeat_interval_ms=int(heartbeat_interval(settings.session_timeout) * 1000),
         )
         self._revocations = revocations
-        self._listener = _Listener(revocations, on_revoked)
+        static = settings.worker_instance_id is not None
+        self._listener = _Listener(revocations, on_revoked, self._lost if static else None)
         #: Told of each failed commit (the metrics).
         self.on_commit_error: Callable[[BaseException], None] | None = None
 
@@ -159,6 +239,24 @@ class RawSource:
         requests).
         """
         return self._revocations
+
+    def _lost(self) -> MembershipLost | None:
+        """A static member's lost membership, at a revoke: aiokafka clears the member id
+        before it revokes to join again after "unknown member" (fenced, or its session
+        expired); a rebalance of the group keeps it."""
+        instance_id = self.settings.worker_instance_id
+        if instance_id is None or member_id(self._consumer) != "":
+            return None
+        return MembershipLost(instance_id, self._topics.processors_group)
+
+    @property
+    def on_lost(self) -> Callable[[MembershipLost], None] | None:
+        """Told once if this static member's membership is lost (the worker must stop)."""
+        return self._listener.on_lost
+
+    @on_lost.setter
+    def on_lost(self, hook: Callable[[MembershipLost], None] | None) -> None:
+        self._listener.on_lost = hook
 
     @property
     def on_assigned(self) -> Callable[[set[tuple[str, int]]], None] | None:

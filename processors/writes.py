@@ -72,6 +72,15 @@ class WriteBehind:
         `on_failure` already): a revoke commits what is done, if anything may be."""
         await self._end(cancel=False)
 
+    async def finish_within(self, seconds: float) -> bool:
+        """Let the write in flight finish, for `seconds` at most; whether it has (a `cancel`
+        afterwards stops what has not, and says how a finished one ended)."""
+        task = self._task
+        if task is None:
+            return True
+        done, _ = await asyncio.wait([task], timeout=seconds)
+        return bool(done)
+
     async def cancel(self) -> None:
         """Stop the write in flight (the worker stops): nothing of it is committed, its
         records are read again by the partitions' next owner."""

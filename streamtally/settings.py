@@ -16,6 +16,9 @@ variable                            meaning                                     
 ``STREAMTALLY_REQUEST_TIMEOUT``     seconds a request may stay quiet                ``300``
 ``STREAMTALLY_REQUEST_TIMEOUTS``    per source: ``anthropic=600,vllm=900``          none
 ``STREAMTALLY_BATCH_SIZE``          raw records per worker batch                    ``2000``
+``STREAMTALLY_WORKER_INSTANCE_ID``  the worker's static group member id (Kafka's    none: dynamic
+                                    ``group.instance.id``), one per worker
+``STREAMTALLY_SESSION_TIMEOUT``     seconds the group waits for a silent worker     10; 45 static
 ``STREAMTALLY_WEB_HOST``            the worker's /metrics, /health, /ready address  ``127.0.0.1``
 ``STREAMTALLY_WEB_PORT``            their port (``0``: no server)                   ``6066``
 ``STREAMTALLY_CONTENT``             text kept downstream: full, redacted or none    ``full``
@@ -101,6 +104,21 @@ ENV_REDIS_URL: Final = "REDIS_URL"
 #: Says that the Redis of ``REDIS_URL`` (or the local stack's) is a Redis Cluster.
 ENV_REDIS_CLUSTER: Final = "REDIS_CLUSTER"
 
+
+#: `Settings.session_timeout` unless set (seconds): a dynamic member's, and a static one's.
+#: A dynamic member that stops heartbeating is given up after 10 s; a static member keeps
+#: its partitions through a restart, so its session must outlast one (Kafka's own default
+#: for its Java consumer is 45 s since 3.0).
+DYNAMIC_SESSION_TIMEOUT_S: Final = 10.0
+STATIC_SESSION_TIMEOUT_S: Final = 45.0
+#: The session timeouts a broker accepts by default (``group.min.session.timeout.ms``,
+#: ``group.max.session.timeout.ms``: 6 s and 30 min; the local stack keeps them).
+MIN_SESSION_TIMEOUT_S: Final = 6.0
+MAX_SESSION_TIMEOUT_S: Final = 1800.0
+#: The shortest session a static member may have: a restart in place takes 2-4 s on the
+#: development machine (docs/scaling.md, "Restarts"); a session that ends before the
+#: worker is back gives its partitions away after all (two rebalances instead of none).
+MIN_STATIC_SESSION_TIMEOUT_S: Final = 15.0
 
 #: `Settings.state_ttl` unless set: 8 days, in seconds.
 DEFAULT_STATE_TTL_S: Final = 8 * 24 * 3600
@@ -243,8 +261,63 @@ class Settings(BaseSettings):
 
     #: Seconds to wait for a batch to fill.
     batch_within: float = Field(0.05, gt=0)
-    #: Seconds without heartbeats before the group gives a dead worker's partitions away.
-    session_timeout: float = Field(10.0, gt=0)
+    #: The worker's static member id in the processors' group (Kafka's
+    #: ``group.instance.id``; ``streamtally worker --instance-id`` wins): a worker that
+    #: restarts with the same id within its session gets its partitions back without a
+    #: rebalance.  One id per worker (a systemd unit's instance, a StatefulSet pod's name),
+    #: never two live workers with one: the later fences the earlier, which stops
+    #: (`streamtally.processors.source.MembershipLost`).  None: a dynamic member, each
+    #: start a new one.
+    worker_instance_id: str | None = Field(
+        None,
+        min_length=1,
+        max_length=249,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        validation_alias=_env("STREAMTALLY_WORKER_INSTANCE_ID", "worker_instance_id"),
+    )
+    #: Seconds without heartbeats before the group gives a worker's partitions away (None:
+    #: `DYNAMIC_SESSION_TIMEOUT_S`, or `STATIC_SESSION_TIMEOUT_S` with an instance id); read
+    #: it as `session_timeout`.  Within the broker's default bounds, and for a static member
+    #: at least `MIN_STATIC_SESSION_TIMEOUT_S`.
+    session_timeout_setting: float | None = Field(
+        None,
+        ge=MIN_SESSION_TIMEOUT_S,
+        le=MAX_SESSION_TIMEOUT_S,
+        validation_alias=_env("STREAMTALLY_SESSION_TIMEOUT", "session_timeout_setting"),
+    )
+
+    @model_validator(mode="after")
+    def _static_session_outlasts_a_restart(self) -> Settings:
+        given = self.session_timeout_setting
+        if (
+            self.worker_instance_id is not None
+            and given is not None
+            and given < MIN_STATIC_SESSION_TIMEOUT_S
+        ):
+            raise ValueError(
+                f"STREAMTALLY_SESSION_TIMEOUT={given:g}: a worker with an instance id "
+                f"(STREAMTALLY_WORKER_INSTANCE_ID) needs a session of at least "
+                f"{MIN_STATIC_SESSION_TIMEOUT_S:g} s, to outlast its restart"
+            )
+        return self
+
+    @property
+    def session_timeout(self) -> float:
+        """Seconds without heartbeats before the group gives a worker's partitions away."""
+        if self.session_timeout_setting is not None:
+            return self.session_timeout_setting
+        if self.worker_instance_id is not None:
+            return STATIC_SESSION_TIMEOUT_S
+        return DYNAMIC_SESSION_TIMEOUT_S
+
+    def with_instance_id(self, instance_id: str) -> Settings:
+        """These settings with `worker_instance_id` set (checked as the variable would be:
+        `InputError` naming what is wrong)."""
+        try:
+            return type(self).model_validate({**dict(self), "worker_instance_id": instance_id})
+        except ValidationError as exc:
+            raise InputError(_explain(exc)) from None
+
     #: Where the worker serves /metrics, /health and /ready (`processors.metrics`).
     web_host: str = Field(
         LOCAL_HOST, min_length=1, validation_alias=_env("STREAMTALLY_WEB_HOST", "web_host")

@@ -111,12 +111,31 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         ),
     )
     parser.add_argument("--loglevel", default="warning", choices=("debug", "info", "warning"))
+    parser.add_argument(
+        "--instance-id",
+        metavar="ID",
+        help=(
+            "this worker's static member id in its consumer group (Kafka's group.instance.id; "
+            "default: STREAMTALLY_WORKER_INSTANCE_ID, else none: a dynamic member). A worker "
+            "restarted with the same id within its session timeout (STREAMTALLY_SESSION_TIMEOUT, "
+            "45 s by default with an id) gets its partitions back without a rebalance. One id "
+            "per worker: a second live worker with the same id takes the partitions over and "
+            f"the first stops (exit status {EX_MEMBERSHIP_LOST})"
+        ),
+    )
     parser.set_defaults(func=run)
 
 
 #: The worker's exit status after a batch failed (sysexits' EX_SOFTWARE): a supervisor
 #: that restarts failed services restarts it, and it reads its partitions again.
 EX_SOFTWARE: Final = 70
+
+
+#: The worker's exit status once its static membership is lost (sysexits' EX_CONFIG):
+#: another worker runs with its instance id, or it was silent past its session timeout.
+#: A supervisor should not restart it blindly: restarted, it would take the id back from
+#: the other worker, which would stop in turn (systemd: ``RestartPreventExitStatus=78``).
+EX_MEMBERSHIP_LOST: Final = 78
 
 
 def _stop_this_worker(exc: BaseException) -> None:
@@ -131,8 +150,11 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
 
     from streamtally.processors.app import create_app
     from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
+    from streamtally.processors.source import MembershipLost
     from streamtally.store import RedisStore
 
+    if args.instance_id is not None:
+        settings = settings.with_instance_id(args.instance_id)
     topics = Topics.in_namespace(settings.namespace)
     # Kafka down before the start: the error raised says so in one line, without
     # aiokafka's own record of each failed attempt; once running, aiokafka logs as set.
@@ -173,6 +195,13 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         framing.name,
         redact_url(settings.schema_registry_url or "") or "none (Confluent-framed values refused)",
     )
+    logging.getLogger(STATUS_LOGGER).info(
+        "group membership: %s, session timeout %g s (STREAMTALLY_SESSION_TIMEOUT)",
+        "dynamic (no STREAMTALLY_WORKER_INSTANCE_ID)"
+        if settings.worker_instance_id is None
+        else f"static, instance id {settings.worker_instance_id!r}",
+        settings.session_timeout,
+    )
     trust = pipeline.processor.trust
     if trust is None:
         logging.getLogger(STATUS_LOGGER).warning(
@@ -205,6 +234,8 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     try:
         worker.execute_from_commandline()  # runs until SIGTERM/SIGINT, then exits the process
     except SystemExit:
+        if isinstance(pipeline.broken, MembershipLost):  # logged: another has the id
+            raise SystemExit(EX_MEMBERSHIP_LOST) from None
         if pipeline.broken is not None:  # a batch failed (logged): not a clean stop
             raise SystemExit(EX_SOFTWARE) from None
         raise

@@ -32,7 +32,7 @@ from streamtally.processors.requests import (
     RequestProcessor,
 )
 from streamtally.processors.sinks import Sinks
-from streamtally.processors.source import FetchedBatch, RawMessage
+from streamtally.processors.source import FetchedBatch, MembershipLost, RawMessage
 from streamtally.producers import raw_records
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -338,6 +338,61 @@ async def test_a_failed_batch_stops_every_commit_and_asks_the_worker_to_stop() -
     assert isinstance(pipeline.broken, RuntimeError)
 
 
+async def test_a_lost_membership_stops_commits_and_applying_and_asks_the_worker_to_stop() -> None:
+    """A static member fenced by another worker with its instance id (`MembershipLost`):
+    the partitions are the other's now, so nothing more is applied or committed here, even
+    of a batch fetched before, and the worker is told to stop (once)."""
+    sink = RecordingSink()
+    failures: list[BaseException] = []
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1",
+        redis_url_setting="redis://127.0.0.1:1/0",
+        worker_instance_id="worker-0",
+    )
+    pipeline = create_app(
+        settings, lambda app: Sinks(sink), consume=False, on_failure=failures.append
+    )
+    source = _CommitLog()
+    pipeline.source = source  # type: ignore[assignment]
+    topic = TOPICS.raw_sse.name
+    offset = 0
+
+    def request(request_id: str) -> FetchedBatch:
+        nonlocal offset
+        _, records = raw_records(
+            Source.OPENAI,
+            (SAMPLES / "openai/text_usage.sse").read_bytes(),
+            tenant="acme",
+            request_id=request_id,
+        )
+        first, offset = offset, offset + len(records)
+        return FetchedBatch(
+            pipeline.revocations.generation,
+            tuple(
+                RawMessage(topic, 0, first + i, 1_790_000_000.0, request_id.encode(), value)
+                for i, value in enumerate(records)
+            ),
+        )
+
+    async def feed(fetched: FetchedBatch) -> None:
+        async def stream() -> Any:
+            yield fetched
+
+        await pipeline.agents["process-raw"].fun(stream())
+
+    await feed(request("before"))
+    assert [list(c.values()) for c in source.commits] == [[offset]]
+    assert pipeline.lost is not None
+    fenced = MembershipLost("worker-0", TOPICS.processors_group)
+    pipeline.lost(fenced)
+    pipeline.lost(MembershipLost("worker-0", TOPICS.processors_group))  # told once only
+    await feed(request("after"))  # fetched before the fencing, still in the channel
+    assert [c.tokens.request_id for c in sink.outputs.completed] == ["before"]
+    assert len(source.commits) == 1
+    assert failures == [fenced]
+    assert pipeline.broken is fenced
+
+
 class _HeldSink(RecordingSink):
     """A store that takes its time: each flush waits until the test lets it through."""
 
@@ -409,6 +464,49 @@ async def test_a_batch_written_behind_commits_nothing_before_its_outputs_are_dur
     await pipeline.writes.drain()
     assert source.commits[-1] == {TopicPartition(topic, 0): offset}
     assert {c.tokens.request_id for c in sink.outputs.completed} == {"wb-1", "wb-2"}
+
+
+async def test_a_fenced_worker_finishes_its_write_in_flight_before_it_stops() -> None:
+    """A worker whose static membership is lost stops; a write of its in flight (close
+    decisions of requests the partitions' new owner reads too) is finished first, not cut
+    half way: an unapplied decision would keep that owner waiting for an apply that never
+    comes.  Nothing of it is committed."""
+    sink = _HeldSink()
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1",
+        redis_url_setting="redis://127.0.0.1:1/0",
+        worker_instance_id="worker-0",
+    )
+    pipeline = create_app(settings, lambda app: Sinks(sink), consume=False)
+    source = _CommitLog()
+    pipeline.source = source  # type: ignore[assignment]
+    topic = TOPICS.raw_sse.name
+    _, records = raw_records(
+        Source.OPENAI,
+        (SAMPLES / "openai/text_usage.sse").read_bytes(),
+        tenant="acme",
+        request_id="in-flight",
+    )
+    batch = FetchedBatch(
+        pipeline.revocations.generation,
+        tuple(
+            RawMessage(topic, 0, i, 1_790_000_000.0, b"in-flight", v) for i, v in enumerate(records)
+        ),
+    )
+    run = asyncio.ensure_future(pipeline.agents["process-raw"].fun(_Backlog([batch])))
+    await asyncio.wait_for(run, 5)  # applied; its write waits on the store
+    assert pipeline.writes is not None
+    assert pipeline.writes.pending
+    assert pipeline.lost is not None
+    pipeline.lost(MembershipLost("worker-0", TOPICS.processors_group))
+    stopping = asyncio.ensure_future(pipeline.app.on_shutdown())  # runs close_sinks
+    await asyncio.sleep(0.05)
+    assert not stopping.done()  # the write is waited for, not cancelled
+    sink.through.release()
+    await asyncio.wait_for(stopping, 5)
+    assert [c.tokens.request_id for c in sink.outputs.completed] == ["in-flight"]
+    assert sink.flushes == 1
+    assert source.commits == []
 
 
 class _Wall:

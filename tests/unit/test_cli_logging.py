@@ -208,12 +208,17 @@ def test_the_worker_gives_faust_its_log_format(
     main(["worker", "--log-format", "json", "--loglevel", "info"])
     err = capsys.readouterr().err
     # the start line is a record of the chosen format too, as are the trust-everyone warning
-    # and the content policy, and the framing
-    start, framing, trust, content = map(json.loads, err.splitlines())
+    # and the content policy, the framing and the group membership
+    start, framing, membership, trust, content = map(json.loads, err.splitlines())
     assert (framing["level"], framing["logger"]) == ("INFO", "streamtally.cli")
     assert framing["message"] == (
         "avro framing: single-object (STREAMTALLY_AVRO_FRAMING), schema registry none "
         "(Confluent-framed values refused)"
+    )
+    assert (membership["level"], membership["logger"]) == ("INFO", "streamtally.cli")
+    assert membership["message"] == (
+        "group membership: dynamic (no STREAMTALLY_WORKER_INSTANCE_ID), session timeout 10 s "
+        "(STREAMTALLY_SESSION_TIMEOUT)"
     )
     assert (content["level"], content["logger"]) == ("INFO", "streamtally.cli")
     assert content["message"] == (
@@ -247,3 +252,49 @@ def test_the_worker_gives_faust_its_log_format(
         got = json.loads(line)
         assert (got["logger"], got["level"]) == (name, "WARNING")
         assert got["message"] == f"from {name}: {HOSTILE}"
+
+
+@pytest.mark.usefixtures("root_logging")
+def test_the_worker_runs_as_the_static_member_its_instance_id_names(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--instance-id`` wins over STREAMTALLY_WORKER_INSTANCE_ID, is checked as it is, and
+    the worker's consumer joins with it (the start says which membership it has)."""
+    import streamtally.cli.worker
+    import streamtally.processors.app
+
+    async def ensure_topics(servers: str, topics: Any) -> list[str]:
+        return []
+
+    async def check_layout(url: str, *, cluster: bool) -> None:
+        return None
+
+    made: ClassVar[list[dict[str, Any]]] = []
+    monkeypatch.setattr(FakeWorker, "made", made)
+    monkeypatch.setattr(faust, "Worker", FakeWorker)
+    monkeypatch.setattr(streamtally.cli.worker, "ensure_topics", ensure_topics)
+    monkeypatch.setattr(streamtally.cli.worker, "_check_layout", check_layout)
+    given: list[Settings] = []
+    real_create_app = streamtally.processors.app.create_app
+
+    def create_app(settings: Settings, sinks: Any, **kwargs: Any) -> Any:
+        given.append(settings)
+        return real_create_app(settings, sinks, consume=False, **kwargs)
+
+    monkeypatch.setattr(streamtally.processors.app, "create_app", create_app)
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:1")
+    monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")
+    monkeypatch.setenv("STREAMTALLY_WORKER_INSTANCE_ID", "from-env")
+    main(["worker", "--log-format", "json", "--loglevel", "info", "--instance-id", "worker-7"])
+    messages = [json.loads(line)["message"] for line in capsys.readouterr().err.splitlines()]
+    assert (
+        "group membership: static, instance id 'worker-7', session timeout 45 s "
+        "(STREAMTALLY_SESSION_TIMEOUT)"
+    ) in messages
+    assert [s.worker_instance_id for s in given] == ["worker-7"]
+    # a bad id: one line, exit 2, no worker
+    assert main(["worker", "--instance-id", "worker 7"]) == 2
+    err = capsys.readouterr().err
+    assert "STREAMTALLY_WORKER_INSTANCE_ID='worker 7'" in err
+    assert "should match pattern" in err
+    assert len(given) == 1

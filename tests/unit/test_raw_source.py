@@ -10,13 +10,21 @@ later commit would skip their open requests, which would then never be billed.
 from __future__ import annotations
 
 import asyncio
+import inspect
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 from aiokafka import TopicPartition
 
-from streamtally.processors.source import RawSource, Revocations
+from streamtally.processors.source import (
+    MembershipLost,
+    RawSource,
+    Revocations,
+    heartbeat_interval,
+    member_id,
+)
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 
@@ -104,3 +112,110 @@ def test_the_listener_moves_on_the_fence_the_caller_checks_batches_against() -> 
     # and it cannot be swapped behind the listener's back
     with pytest.raises(AttributeError):
         source.revocations = Revocations()  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------- static membership
+
+
+def _static_settings(**more: str) -> Settings:
+    return Settings.load({"STREAMTALLY_WORKER_INSTANCE_ID": "worker-0", **more})
+
+
+async def test_a_static_member_joins_with_its_id_and_a_session_that_outlasts_a_restart() -> None:
+    topics = Topics.in_namespace("unit")
+    static = RawSource(_static_settings(), topics, lambda _: asyncio.sleep(0), Revocations())
+    assert static._consumer._group_instance_id == "worker-0"
+    assert static._consumer._session_timeout_ms == 45_000
+    # heartbeats every second at most: also how long a fenced member may read on
+    assert static._consumer._heartbeat_interval_ms == 1_000
+    dynamic = RawSource(Settings.load({}), topics, lambda _: asyncio.sleep(0), Revocations())
+    assert dynamic._consumer._group_instance_id is None
+    assert dynamic._consumer._session_timeout_ms == 10_000
+    assert dynamic._consumer._heartbeat_interval_ms == 1_000
+
+
+def test_the_heartbeat_is_a_tenth_of_the_session_within_bounds() -> None:
+    assert heartbeat_interval(6.0) == 0.6
+    assert heartbeat_interval(10.0) == 1.0
+    assert heartbeat_interval(45.0) == 1.0
+    assert heartbeat_interval(3.0) == 0.5
+
+
+def test_aiokafka_keeps_the_member_id_where_member_id_reads_it() -> None:
+    """`member_id` reads aiokafka's private ``_coordinator.member_id``: pinned here, so an
+    upgrade that moves it fails this test rather than the fencing of static members."""
+    from aiokafka.consumer import consumer as consumer_module
+    from aiokafka.consumer.group_coordinator import GroupCoordinator
+    from aiokafka.protocol.group import JoinGroupRequest
+
+    assert "self._coordinator = GroupCoordinator(" in inspect.getsource(
+        consumer_module.AIOKafkaConsumer.start
+    )
+    # "unknown member": the member id cleared, before the revoke of the join that follows
+    assert JoinGroupRequest.UNKNOWN_MEMBER_ID == ""
+    reset = inspect.getsource(GroupCoordinator.reset_generation)
+    assert "self.member_id = JoinGroupRequest.UNKNOWN_MEMBER_ID" in reset
+    assert member_id(SimpleNamespace(_coordinator=SimpleNamespace(member_id="w-0-1f"))) == "w-0-1f"
+    assert member_id(SimpleNamespace(_coordinator=None)) is None
+
+
+class _Coordinator:
+    def __init__(self, member: str) -> None:
+        self.member_id = member
+
+
+async def _revoke_in_a_task(
+    settings: Settings, member: str, revoked: set[TopicPartition]
+) -> tuple[asyncio.Task[None], list[set[TopicPartition]], list[MembershipLost], Revocations]:
+    """A revoke through the source's listener, in a task of its own (aiokafka's coordination
+    task), with the coordinator's member id `member` at that moment."""
+    seen: list[set[TopicPartition]] = []
+    lost: list[MembershipLost] = []
+
+    async def on_revoked(tps: set[TopicPartition]) -> None:
+        seen.append(tps)
+
+    fence = Revocations()
+    source = RawSource(settings, Topics.in_namespace("unit"), on_revoked, fence)
+    source._consumer = SimpleNamespace(_coordinator=_Coordinator(member))  # type: ignore[assignment]
+    source.on_lost = lost.append
+    task = asyncio.create_task(source._listener.on_partitions_revoked(revoked))
+    await asyncio.wait([task])
+    return task, seen, lost, fence
+
+
+def test_a_static_member_whose_membership_is_gone_stops_instead_of_joining_again() -> None:
+    """aiokafka heartbeats without the instance id: fenced by a later worker with the same
+    id, a member hears "unknown member", clears its member id, revokes and would join
+    again, taking the id back (the two would take turns, each reading the partitions).
+    The revoke with the member id gone stops it: the worker is told, the partitions are
+    fenced and not handed to the worker's revoke (no commit), and aiokafka's task that
+    would send the join is cancelled."""
+    tp = TopicPartition("unit.raw.sse", 2)
+    task, seen, lost, fence = asyncio.run(_revoke_in_a_task(_static_settings(), "", {tp}))
+    assert task.cancelled()  # the coordination task: no JoinGroup goes out
+    assert seen == []  # no commit of the partitions another worker owns now
+    assert [(e.instance_id, e.group) for e in lost] == [("worker-0", "unit.processors")]
+    assert "another worker joined with the same instance id" in str(lost[0])
+    assert fence.stale(("unit.raw.sse", 2), 0)  # batches fetched before it are not applied
+
+
+@pytest.mark.parametrize(
+    ("settings", "member", "revoked"),
+    [
+        # a rebalance of the group (a member joins or leaves): the member id stays
+        (_static_settings(), "worker-0-5d87f833", {TopicPartition("unit.raw.sse", 2)}),
+        # the first join: nothing to revoke yet, no member id yet
+        (_static_settings(), "", set()),
+        # a dynamic member that is told "unknown member" joins again as a new one
+        (Settings.load({}), "", {TopicPartition("unit.raw.sse", 2)}),
+    ],
+)
+def test_any_other_revoke_is_a_rebalance_as_before(
+    settings: Settings, member: str, revoked: set[TopicPartition]
+) -> None:
+    task, seen, lost, _ = asyncio.run(_revoke_in_a_task(settings, member, revoked))
+    assert not task.cancelled()
+    assert task.exception() is None
+    assert seen == [revoked]
+    assert lost == []

@@ -261,3 +261,57 @@ def test_export_sets_the_children_environment_and_reads_the_settings_again(
     assert os.environ["STREAMTALLY_AVRO_FRAMING"] == "confluent"
     with pytest.raises(ValueError, match="not streamtally settings: PATH"):
         export({"PATH": "/nowhere"})
+
+
+def test_a_worker_is_a_dynamic_member_unless_given_an_instance_id() -> None:
+    dynamic = Settings.load({})
+    assert dynamic.worker_instance_id is None
+    assert dynamic.session_timeout == 10.0
+    static = Settings.load({"STREAMTALLY_WORKER_INSTANCE_ID": "billing-worker-0"})
+    assert static.worker_instance_id == "billing-worker-0"
+    assert static.session_timeout == 45.0  # outlasts a restart in place
+    # a session of its own, either way
+    assert Settings.load({"STREAMTALLY_SESSION_TIMEOUT": "20"}).session_timeout == 20.0
+    both = {"STREAMTALLY_WORKER_INSTANCE_ID": "w.1", "STREAMTALLY_SESSION_TIMEOUT": "30"}
+    assert Settings.load(both).session_timeout == 30.0
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "says"),
+    [
+        ("STREAMTALLY_WORKER_INSTANCE_ID", "worker 1", "should match pattern"),
+        ("STREAMTALLY_WORKER_INSTANCE_ID", "pod/0", "should match pattern"),
+        ("STREAMTALLY_WORKER_INSTANCE_ID", "w" * 250, "at most 249 characters"),
+        # the broker's default group.min.session.timeout.ms and group.max.session.timeout.ms
+        ("STREAMTALLY_SESSION_TIMEOUT", "5", "greater than or equal to 6"),
+        ("STREAMTALLY_SESSION_TIMEOUT", "1801", "less than or equal to 1800"),
+        ("STREAMTALLY_SESSION_TIMEOUT", "soon", "valid number"),
+    ],
+)
+def test_a_bad_instance_id_or_session_timeout_says_what_is_wrong(
+    variable: str, value: str, says: str
+) -> None:
+    with pytest.raises(InputError, match=rf"^bad setting: {variable}=.*{says}"):
+        Settings.load({variable: value})
+
+
+def test_a_static_members_session_must_outlast_its_restart() -> None:
+    with pytest.raises(InputError, match="needs a session of at least 15 s"):
+        Settings.load(
+            {"STREAMTALLY_WORKER_INSTANCE_ID": "w-0", "STREAMTALLY_SESSION_TIMEOUT": "10"}
+        )
+    # the same session is fine for a dynamic member
+    assert Settings.load({"STREAMTALLY_SESSION_TIMEOUT": "10"}).session_timeout == 10.0
+
+
+def test_an_instance_id_given_on_the_command_line_is_checked_as_the_variable() -> None:
+    settings = Settings.load({"STREAMTALLY_NAMESPACE": "team-a"})
+    static = settings.with_instance_id("w-2")
+    assert static.worker_instance_id == "w-2"
+    assert static.session_timeout == 45.0
+    assert static.namespace == "team-a"  # the rest as it was
+    with pytest.raises(InputError, match="STREAMTALLY_WORKER_INSTANCE_ID='w 2'"):
+        settings.with_instance_id("w 2")
+    short = Settings.load({"STREAMTALLY_SESSION_TIMEOUT": "8"})
+    with pytest.raises(InputError, match="at least 15 s"):
+        short.with_instance_id("w-2")

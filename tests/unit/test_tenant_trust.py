@@ -453,6 +453,7 @@ def test_the_worker_warns_once_in_trust_everyone_mode(
 class _Args:
     loglevel = "info"
     log_format = "text"
+    instance_id = None
 
 
 async def _no_topics(*args: Any) -> None:
