@@ -79,6 +79,11 @@ class BillingIndex:
             return None
         return Entry(digest, self._conflicts.pop(key, None) is not None)
 
+    def peek(self, key: int) -> Entry | None:
+        """The entry of `key`, left in the index; None when nothing was billed."""
+        digest = self._digests.get(key)
+        return None if digest is None else Entry(digest, key in self._conflicts)
+
     def remaining(self) -> set[int]:
         """The keys never taken: billed, but for no request the replay found."""
         return set(self._digests)
