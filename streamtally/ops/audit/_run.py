@@ -43,6 +43,7 @@ from streamtally.ops.audit._split import (
     raw_partition_of,
 )
 from streamtally.ops.corrections import read_corrections
+from streamtally.processors.content import content_policy
 from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
@@ -102,7 +103,8 @@ def replay_processor(settings: Settings, prices: PriceTable) -> RequestProcessor
     clock that never moves (the input's times alone close quiet requests).  It keeps every
     timed-out request's amendable state (the worker keeps the latest in memory and all in
     Redis; the replay has no Redis to ask), so each late record amends as in the worker:
-    memory grows with the raw bytes of the requests closed at their timeout."""
+    memory grows with the raw bytes of the requests closed at their timeout.  Its content
+    policy and chunks setting are the worker's (`STREAMTALLY_CONTENT`, `STREAMTALLY_CHUNKS`)."""
     processor = RequestProcessor(
         prices,
         timeout=settings.request_timeout,
@@ -117,6 +119,11 @@ def replay_processor(settings: Settings, prices: PriceTable) -> RequestProcessor
         ),
     )
     processor.amendable_memory_bytes = sys.maxsize
+    # The chunks the worker writes, made as it makes them (their values dropped): a record
+    # whose chunk does not encode is dead-lettered by both, and one the worker writes no
+    # chunk of (STREAMTALLY_CHUNKS=off) costs the replay no encoding either.
+    processor.content = content_policy(settings)
+    processor.chunks_topic = settings.chunks_topic
     return processor
 
 
