@@ -381,8 +381,9 @@ def run_snapshot(args: argparse.Namespace, settings: Settings) -> int:
     write_stdout(
         escape(
             f"snapshot of {snap.raw_records():,} raw and {snap.billing_records():,} billing "
-            f"records, {len(plan.rows):,} usage rows, taken at {snap.taken_at.isoformat()}\n"
+            f"records, {len(plan.rows):,} usage rows, taken at {snap.taken_at.isoformat()}"
         )
+        + "\n"
     )
     return 0
 
@@ -391,7 +392,8 @@ def run_part(args: argparse.Namespace, settings: Settings) -> int:
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     out = _out_path(args.out)
     assert out is not None
-    plan, share = _read_plan(args.snapshot), Share.parse(args.share)
+    share = Share.parse(args.share)
+    plan = _read_plan(args.snapshot)
     servers = kafka_of(args, settings)
     done = run_redis(
         args.redis_url or settings.redis_url,
@@ -400,7 +402,7 @@ def run_part(args: argparse.Namespace, settings: Settings) -> int:
     )
     _write(out, json_text(done.part.to_json()) + "\n")
     read = done.part.raw_records["read"]
-    write_stdout(escape(f"share {share}: {read:,} raw records replayed\n"))
+    write_stdout(escape(f"share {share}: {read:,} raw records replayed") + "\n")
     return 0
 
 

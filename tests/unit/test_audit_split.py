@@ -26,6 +26,8 @@ from streamtally.ops.audit._split import (
     Part,
     Plan,
     Share,
+    billing_by_partition,
+    billing_partition_of,
     merge_parts,
     part_of,
     raw_partition_of,
@@ -156,12 +158,24 @@ def _plan(stored: list[dict[str, Any]]) -> Plan:
     return Plan(snapshot, "streamtally", None, tuple(stored))
 
 
-def _share(share: Share, plan: Plan, replay: dict[int, list[Outcome]], bills: list[Any]) -> Part:
+#: How a share finds its bills: by their raw partition (provenance, else the request id's
+#: hash: the billing topic read whole), or by the billing partition the worker wrote them
+#: to (the request id's hash: a share reads its own billing partitions).
+ROUTES = {"raw partition": raw_partition_of, "billing partition": billing_partition_of}
+
+
+def _share(
+    share: Share,
+    plan: Plan,
+    replay: dict[int, list[Outcome]],
+    bills: list[Any],
+    route: str = "raw partition",
+) -> Part:
     """What `run_share` does for `share`, its replay's outcomes given."""
     scope = Scope(TimeRange())
     index = BillingIndex()
     for bill in bills:
-        if share.count == 1 or share.owns(raw_partition_of(bill, PARTITIONS)):
+        if share.count == 1 or share.owns(ROUTES[route](bill, PARTITIONS)):
             index.add(bill)
     ledger = Ledger(index, scope)
     read = 0
@@ -187,18 +201,19 @@ def _share(share: Share, plan: Plan, replay: dict[int, list[Outcome]], bills: li
     return Part.from_json(json.loads(json_text(part.to_json())))  # through its file
 
 
-def _report(count: int) -> tuple[str, str]:
+def _report(count: int, route: str = "raw partition") -> tuple[str, str]:
     replay, bills, stored = _scene()
     plan = _plan(stored)
-    parts = [_share(Share(i, count), plan, replay, bills) for i in range(count)]
+    parts = [_share(Share(i, count), plan, replay, bills, route) for i in range(count)]
     report = merged_report(plan, merge_parts(list(reversed(parts))))
     return json_text(report.to_json(), indent=2), report.csv_text()
 
 
+@pytest.mark.parametrize("route", sorted(ROUTES))
 @pytest.mark.parametrize("count", [2, 3, 4, 6])
-def test_merged_parts_are_the_report_of_one_process(count: int) -> None:
+def test_merged_parts_are_the_report_of_one_process(count: int, route: str) -> None:
     one = _report(1)
-    assert _report(count) == one
+    assert _report(count, route) == one
     doc = json.loads(one[0])
     kinds = {d["kind"] for d in doc["discrepancies"]}
     assert kinds == {k.value for k in Kind}, "every discrepancy kind is in the scene"
@@ -217,6 +232,15 @@ def test_merged_parts_are_the_report_of_one_process(count: int) -> None:
         "abort-z",
     ]
     assert doc["totals"]["globex"]["requests"] == 4
+
+
+def test_shares_read_their_own_billing_partitions_when_the_counts_agree() -> None:
+    plan = _plan([])
+    assert billing_by_partition(plan.snapshot)
+    other = dataclasses.replace(plan.snapshot, billing=dict.fromkeys(range(3), (0, 5)))
+    assert not billing_by_partition(other)
+    bill = event("chatcmpl-9")
+    assert billing_partition_of(bill, PARTITIONS) == raw_partition_of(bill, PARTITIONS)
 
 
 def test_a_merge_wants_every_share_of_one_snapshot_once() -> None:

@@ -110,15 +110,16 @@ async def index_billing(
     *,
     corrections: CorrectionLog | None = None,
     progress: Callable[[int], None] | None = None,
+    standing: Callable[[BillingEvent], bool] | None = None,
 ) -> None:
     """Add the events of `ranges` (partition -> [start, end)) that `accept` takes to `index`.
 
-    With `corrections`, the bills as corrected: the bills the corrections stand first, then
-    the billing events no correction supersedes.
+    With `corrections`, the bills as corrected: the bills the corrections stand first (those
+    `standing` takes; default `accept`), then the billing events no correction supersedes.
     """
     if corrections is not None:
         for bill in corrections.standing():
-            if accept(bill):
+            if (standing or accept)(bill):
                 index.add(bill)
     start = {p: r[0] for p, r in ranges.items()}
     end = {p: r[1] for p, r in ranges.items()}

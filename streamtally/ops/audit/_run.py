@@ -38,6 +38,8 @@ from streamtally.ops.audit._split import (
     Part,
     Plan,
     Share,
+    billing_by_partition,
+    billing_partition_of,
     merge_parts,
     part_of,
     raw_partition_of,
@@ -218,25 +220,38 @@ async def run_share(
             end={p: r[1] for p, r in snapshot.corrections.items()},
         )
     scope = Scope(snapshot.window, plan.tenants)
+    # The billing partitions of this share's numbers (see `_split`), else all of them.
+    by_partition = share.count > 1 and billing_by_partition(snapshot)
+    billing = {
+        p: r if not by_partition or share.owns(p) else (r[1], r[1])
+        for p, r in snapshot.billing.items()
+    }
     raw_records = sum(end - start for ranges in raw.values() for start, end in ranges.values())
-    meter = _Meter(raw_records + snapshot.billing_records(), progress)
+    billing_records = sum(end - start for start, end in billing.values())
+    meter = _Meter(raw_records + billing_records, progress)
     index = BillingIndex()
 
-    def mine(event: BillingEvent) -> bool:
+    def by_content(event: BillingEvent) -> bool:
         return scope.accepts(event) and share.owns(raw_partition_of(event, raw_partitions))
 
-    if snapshot.billing_records() or len(corrections):
+    def standing(event: BillingEvent) -> bool:  # a corrected bill, on no partition
+        return scope.accepts(event) and share.owns(billing_partition_of(event, len(billing)))
+
+    if billing_records or len(corrections):
         await index_billing(
             servers,
             snapshot.billing_topic,
-            snapshot.billing,
-            scope.accepts if share.count == 1 else mine,
+            billing,
+            by_content if share.count > 1 and not by_partition else scope.accepts,
             index,
             corrections=corrections,
             progress=meter,
+            standing=standing if by_partition else None,
         )
-    if share.index:  # what does not decode belongs to no request: share 0 reports it
-        index.bad, bad_corrections = [], []
+    if share.index:  # corrections (and, read whole, billing records) undecodable: share 0's
+        bad_corrections = []
+        if not by_partition:
+            index.bad = []
     if refuse_bad and (index.bad or bad_corrections):
         raise InputError(
             f"{len(index.bad)} billing and {len(bad_corrections)} correction records in range "
@@ -285,7 +300,7 @@ async def run_share(
         found = await find_events(
             servers,
             snapshot.billing_topic,
-            snapshot.billing,
+            billing,
             wanted,
             corrections=corrections,
         )

@@ -3,24 +3,29 @@
 The raw topics are co-partitioned by request id (`streamtally.topics`): all of a request's
 records are on one partition number of every raw topic.  Share ``i/N`` replays the raw
 partitions ``p`` with ``p % N == i`` (`Share.owns`), of every raw topic, and indexes the
-billing events of its requests: an event's raw partition is the one its provenance names
-(BillingEvent v3: where the worker folded it from), else the one its request id hashes to
-on the raw topics (murmur2 of the key, as the producers partition, `raw_partition_of`).
-Each share reads the whole billing topic (to decode it is to know where an event
-belongs) but keeps its own events only.
+billing events of its requests.  The worker writes a request's bills on the billing
+partition its request id hashes to, the number of its raw partition when the billing topic
+has as many partitions as the raw topics (`billing_by_partition`, the declared topics): a
+share then reads the billing partitions of its own numbers only (the bills a correction
+stands, by `billing_partition_of`).  Otherwise each share reads the whole billing topic and
+keeps the events whose raw partition is its own: the one their provenance names
+(BillingEvent v3: where the worker folded it from), else the one their request id hashes
+to on the raw topics (`raw_partition_of`).
 
 A share writes a `Part`: its counts, its discrepancies, the replay's sums per usage row
 and per tenant, and the few things a merge needs to check across shares: the requests it
 closed and found no bill for (their replayed event), the bills it indexed and no request
 of its own took (the index entry and the events whole), and the partial requests it had
 no bill for.  `merge_parts` adds the parts up, then matches a request one share missed
-with a bill another share held (an event whose provenance was altered, or of a producer
-that partitions otherwise: routed to the wrong share) exactly as one process would have
+with a bill another share held (a new call of a reused id, whose bill is keyed by the
+call's own id; an event whose provenance was altered, or of a producer that partitions
+otherwise: routed to another share than its request's) exactly as one process would have
 compared them, and drops a bill another share's partial request accounts for.  The usage
 rows are compared once, after the merge, with the rows the snapshot read.
 
 One limit: two billing events with one ``event_id`` that are routed to different shares
-(one of them with a provenance partition or a request id that is not its request's) are
+(written to different billing partitions, or one of them with a provenance partition or a
+request id that is not its request's) are
 judged separately: one matches, the other is reported as ``unexpected_billing``, where one
 process reports a ``conflicting_billing``.  Both are discrepancies, never a clean report.
 
@@ -68,6 +73,8 @@ __all__ = [
     "Part",
     "Plan",
     "Share",
+    "billing_by_partition",
+    "billing_partition_of",
     "merge_parts",
     "part_of",
     "raw_partition_of",
@@ -110,8 +117,22 @@ def raw_partition_of(event: BillingEvent, raw_partitions: int) -> int:
     partition its request id hashes to (murmur2 of `encode_key`, the default partitioner)."""
     if event.has_provenance and event.raw_partition is not None:
         return event.raw_partition
+    return billing_partition_of(event, raw_partitions)
+
+
+def billing_by_partition(snapshot: Snapshot) -> bool:
+    """Whether a share reads the billing partitions of its own numbers only: the billing
+    topic has as many partitions as every raw topic (the worker writes a request's bills on
+    the partition of its request id, the number its raw records are on)."""
+    counts = {len(ranges) for ranges in snapshot.raw.values()}
+    return counts == {len(snapshot.billing)}
+
+
+def billing_partition_of(event: BillingEvent, partitions: int) -> int:
+    """The billing partition the worker writes the bill `event` to (murmur2 of its
+    request id over `partitions`)."""
     hashed: int = murmur2(encode_key(event.request_id))
-    return (hashed & 0x7FFFFFFF) % raw_partitions
+    return (hashed & 0x7FFFFFFF) % partitions
 
 
 def _b64(event: BillingEvent) -> str:
