@@ -23,11 +23,11 @@ otherwise: routed to another share than its request's) exactly as one process wo
 compared them, and drops a bill another share's partial request accounts for.  The usage
 rows are compared once, after the merge, with the rows the snapshot read.
 
-One limit: two billing events with one ``event_id`` that are routed to different shares
+One limit: billing events of one ``event_id`` that are routed to different shares
 (written to different billing partitions, or one of them with a provenance partition or a
-request id that is not its request's) are
-judged separately: one matches, the other is reported as ``unexpected_billing``, where one
-process reports a ``conflicting_billing``.  Both are discrepancies, never a clean report.
+request id that is not its request's) are judged apart: the request's share judges those
+it holds, the other share reports its own as ``unexpected_billing``, where one process
+reports a ``conflicting_billing``.  Either way a discrepancy, never a clean report.
 
 `run_audit` of one process is share ``0/1`` merged alone: the same code writes both
 reports, so a split run's merged report is byte for byte the one process's.
@@ -260,7 +260,8 @@ class Part:
     raw_records: Counter[str] = field(default_factory=Counter)
     billing_in_scope: int = 0
     billing_superseded: int = 0
-    #: (partition, offset, reason) of billing records that did not decode (share 0 only).
+    #: (partition, offset, reason) of billing records that did not decode: of the share's
+    #: own billing partitions, or (the billing topic read whole) share 0's alone.
     billing_bad: list[tuple[int, int, str]] = field(default_factory=list)
     corrections_read: int = 0
     bills_corrected: int = 0
