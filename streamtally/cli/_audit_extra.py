@@ -222,18 +222,25 @@ class PartitionLines:
 
     def __init__(self) -> None:
         self._start = time.monotonic()
+        #: The audit's own count (`Progress`, every half second): billing records included.
         self.done = 0
         self.total = 0
+        self.partitions = 0
+        self.records = 0
 
     def __call__(self, done: int, total: int) -> None:
         self.done, self.total = done, total
 
     def partition(self, topic: str, partition: int, records: int) -> None:
+        self.partitions += 1
+        self.records += records
         took = max(time.monotonic() - self._start, 1e-6)
-        share = f"{100 * self.done / self.total:.0f}%" if self.total else "-"
+        share = 100 * self.done / self.total if self.total else 0.0
+        overall = f", {self.done:,} of {self.total:,} records in all ({share:.0f}%)"
         print(
             f"streamtally audit: {topic} partition {partition} read: {records:,} records; "
-            f"{self.done:,} of {self.total:,} in all ({share}), {self.done / took:,.0f}/s",
+            f"{self.partitions:,} partitions, {self.records:,} raw records read so far, "
+            f"{self.records / took:,.0f}/s" + (overall if self.total else ""),
             file=sys.stderr,
             flush=True,
         )

@@ -615,3 +615,24 @@ def test_the_help_documents_the_provider_and_nightly_options(
         "--progress-lines",
     ):
         assert word in text
+
+
+def test_each_raw_partition_is_told_once_when_read_to_its_end() -> None:
+    from streamtally.ops.audit._run import _partitions_read
+    from streamtally.wire.kafka import TopicRecord
+
+    def record(partition: int, offset: int) -> TopicRecord:
+        return TopicRecord("t", partition, offset, None, b"", 0)
+
+    told: list[tuple[str, int, int]] = []
+    seen: set[int] = set()
+    ranges = {0: (10, 12), 1: (0, 3), 2: (5, 5), 3: (0, 4)}
+    tell = lambda *args: told.append(args)  # noqa: E731
+    _partitions_read([record(0, 10), record(1, 0)], "t", ranges, tell, seen)
+    assert told == []
+    _partitions_read([record(0, 11), record(1, 1), record(0, 11)], "t", ranges, tell, seen)
+    assert told == [("t", 0, 2)]
+    # the topic read: the partitions with records in range not told yet (3's last record
+    # was not seen: a gap at its end), never one with none in range
+    _partitions_read(None, "t", ranges, tell, seen)
+    assert told == [("t", 0, 2), ("t", 1, 3), ("t", 3, 4)]
