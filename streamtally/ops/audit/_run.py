@@ -55,6 +55,30 @@ class AuditOptions:
     rerate_name: str = ""
     #: ``--correct``: write a correction per discrepancy and set the usage rows right.
     correct: bool = False
+    #: Told (raw topic, partition, records read) as each raw partition is read to its end
+    #: (``--progress-lines``); a partition with nothing in range is not read.
+    partition_read: Callable[[str, int, int], None] | None = None
+
+
+def _partitions_read(
+    batch: list[TopicRecord] | None,
+    topic: str,
+    ranges: dict[int, tuple[int, int]],
+    tell: Callable[[str, int, int], None],
+    told: set[int],
+) -> None:
+    """`tell` each partition of `batch` whose last record in range it holds; without a
+    batch (the topic read), each partition with records in range not told yet."""
+    ends = (
+        [(r.partition, r.offset + 1) for r in batch]
+        if batch is not None
+        else [(p, end) for p, (start, end) in sorted(ranges.items()) if end > start]
+    )
+    for partition, reached in ends:
+        start, end = ranges[partition]
+        if reached >= end and partition not in told:
+            told.add(partition)
+            tell(topic, partition, end - start)
 
 
 class _Meter:
@@ -197,10 +221,15 @@ async def run_audit(
         start = {p: r[0] for p, r in ranges.items()}
         end = {p: r[1] for p, r in ranges.items()}
         reading = read_topic(servers, name, start=start, end=end)
+        told: set[int] = set()
         async with contextlib.aclosing(reading) as records:
             async for batch in _batches(records, options.batch_size):
                 await replay.feed(batch)
                 meter(len(batch))
+                if options.partition_read is not None:
+                    _partitions_read(batch, name, ranges, options.partition_read, told)
+        if options.partition_read is not None:
+            _partitions_read(None, name, ranges, options.partition_read, told)
     replay.finish()
     wanted = ledger.close_index()
     if wanted:
