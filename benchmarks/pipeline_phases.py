@@ -36,6 +36,7 @@ from benchmarks.pipeline_workload import (
 )
 from streamtally.core.identity import RequestRef
 from streamtally.errors import StackError
+from streamtally.processors.stages import difference, summarise
 from streamtally.topics import output_key
 from streamtally.wire.kafka import idempotent_producer
 
@@ -200,6 +201,7 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
     schedule = interleave(requests, settings.concurrency)
     raw_events = sum(r.events for r in requests)
     ids = [r.request_id for r in requests]
+    stages_before = await ctx.worker.stages()
     ctx.progress(
         f"latency: {len(requests):,} requests ({raw_events:,} raw events) at "
         f"{settings.rate:,.0f} raw events/s for ~{settings.seconds:g} s …"
@@ -250,6 +252,12 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
         await producer.stop()
     await ctx.watcher.wait(ctx.worker, ctx.progress, "latency", len(ids))
     cpu = ctx.worker.cpu_seconds() - cpu_before
+    stages_after = await ctx.worker.stages()
+    if stages_before is None or stages_after is None:
+        ctx.notes.append("latency: the worker's /stages did not answer: no per-stage figures")
+        stages: dict[str, Any] = {}
+    else:
+        stages = summarise(difference(stages_after, stages_before))
     seconds = last_send - start
     measured = [
         (sent_at[r] - start, (ctx.watcher.seen[r] - sent_at[r]) * 1000)
@@ -286,4 +294,5 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
         mean_ms=round(sum(latencies) / len(latencies), 2) if latencies else None,
         worker_cpu_seconds=cpu,
         windows=windows,
+        stages=stages,
     )

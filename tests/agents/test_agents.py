@@ -324,6 +324,8 @@ async def test_a_failed_batch_stops_every_commit_and_asks_the_worker_to_stop() -
             yield fetched
 
         await pipeline.agents["process-raw"].fun(stream())
+        assert pipeline.committer is not None
+        await pipeline.committer.settle()  # commits are sent in the background
 
     await feed(request("ok-1"))  # closed and flushed: its records committed
     committed = list(source.commits)
@@ -379,6 +381,8 @@ async def test_a_lost_membership_stops_commits_and_applying_and_asks_the_worker_
             yield fetched
 
         await pipeline.agents["process-raw"].fun(stream())
+        assert pipeline.committer is not None
+        await pipeline.committer.settle()  # commits are sent in the background
 
     await feed(request("before"))
     assert [list(c.values()) for c in source.commits] == [[offset]]
@@ -462,6 +466,8 @@ async def test_a_batch_written_behind_commits_nothing_before_its_outputs_are_dur
     await asyncio.wait_for(run, 5)
     assert pipeline.writes is not None
     await pipeline.writes.drain()
+    assert pipeline.committer is not None
+    await pipeline.committer.settle()
     assert source.commits[-1] == {TopicPartition(topic, 0): offset}
     assert {c.tokens.request_id for c in sink.outputs.completed} == {"wb-1", "wb-2"}
 
@@ -690,6 +696,8 @@ class _TwoOwners:
             yield fetched
 
         await self.pipeline.agents["process-raw"].fun(stream())
+        assert self.pipeline.committer is not None
+        await self.pipeline.committer.settle()  # commits are sent in the background
 
     def other_owner_times_out_r(self, first: int) -> Completed:
         """Another owner read r's records up to (not with) its END, from offset `first`,
@@ -703,6 +711,11 @@ class _TwoOwners:
         [theirs] = other.expire().completed
         assert theirs.closed.reason is CloseReason.TIMEOUT
         return theirs
+
+    async def settle(self) -> None:
+        """The background committer's commit sent and done."""
+        assert self.pipeline.committer is not None
+        await self.pipeline.committer.settle()
 
     def committed(self) -> int | None:
         return self.source.commits[-1][self.tp] if self.source.commits else None
@@ -744,9 +757,11 @@ async def test_a_close_decided_elsewhere_is_committed_past_only_once_it_is_appli
     assert two.committed() == r_first  # s and t done, but behind r
     assert two.pipeline.gate.waiting_elsewhere() == [two.r]
     await two.pipeline.timers["close-quiet-requests"]()
+    await two.settle()
     assert two.committed() == r_first  # still not applied: still held
     two.redis.applied.add(two.r)  # the other owner's write goes through
     await two.pipeline.timers["close-quiet-requests"]()
+    await two.settle()
     assert two.committed() == len(two.log)
     assert two.pipeline.gate.waiting_elsewhere() == []
     assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "t"]
