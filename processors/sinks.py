@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError, ProducerClosed
@@ -86,6 +86,9 @@ class KafkaSink:
     (murmur2 of the request id, `encode_key`), so a request keeps its partition number
     on every topic; the outputs' keys are the request's identity (`output_key`).
     """
+
+    #: The step of a request's close its flush ends (`processors.stages`).
+    stage: Final = "kafka"
 
     def __init__(
         self, kafka: KafkaConnection | str, topics: Topics, framing: Framing = SINGLE_OBJECT
@@ -175,6 +178,9 @@ class RedisOutputs:
 
     Given a client, it wraps it in a `RedisStore` (and closes it on `stop`).
     """
+
+    #: The step of a request's close its flush ends: the Tokens is readable after it.
+    stage: Final = "redis"
 
     def __init__(self, client: aioredis.Redis | RedisStore) -> None:
         self.store = client if isinstance(client, RedisStore) else RedisStore(client)
@@ -397,8 +403,9 @@ class Sinks:
 
 
 def _stamp(times: BatchTimes, sink: object) -> None:
-    """Stamp `times` with the end of `sink`'s flush: Kafka's acks, or Redis' script."""
-    store = _store(sink)
+    """Stamp `times` with the end of `sink`'s flush, by the step its `stage` names:
+    ``kafka`` (the acks), ``redis`` (the Tokens script); none: nothing."""
+    store = getattr(sink, "stage", None)
     if store == "kafka":
         times.produced = times.now()
     elif store == "redis":

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from streamtally.processors.requests import (
 )
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, MembershipLost, RawMessage
+from streamtally.processors.stages import BatchTimes, summarise
 from streamtally.producers import raw_records
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -797,3 +799,46 @@ async def test_a_close_decided_elsewhere_and_never_applied_is_closed_where_decid
     )
     assert r_amended.tokens.finish_reason.value == "stop"
     assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "r", "r"]
+
+
+async def test_a_fetched_batch_counts_its_stages_once_per_request_it_closed() -> None:
+    """The worker times a batch's way (`processors.stages`): a fetched batch that closes a
+    request adds each stage once, from its END record's Kafka timestamp to the sink that
+    ends the Tokens' write; a batch that closes none adds nothing."""
+
+    class RedisLike(RecordingSink):
+        stage = "redis"  # its flush ends the request's write, as RedisOutputs' does
+
+    sink = RedisLike()
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1", redis_url_setting="redis://127.0.0.1:1/0"
+    )
+    pipeline = create_app(settings, lambda app: Sinks(sink), consume=False)
+    _, records = raw_records(
+        Source.OPENAI,
+        (SAMPLES / "openai/text_usage.sse").read_bytes(),
+        tenant="acme",
+        request_id="timed",
+    )
+    produced = time.time() - 0.25  # the END record was produced 250 ms before the fetch
+    messages = tuple(
+        RawMessage(TOPICS.raw_sse.name, 0, i, produced, b"timed", value)
+        for i, value in enumerate(records)
+    )
+
+    def fetched(part: tuple[RawMessage, ...]) -> FetchedBatch:
+        times = BatchTimes(fetched=time.perf_counter(), fetched_wall=time.time())
+        return FetchedBatch(pipeline.revocations.generation, part, times)
+
+    async def stream() -> Any:
+        yield fetched(messages[:-1])  # no request closed: nothing counted
+        yield fetched(messages[-1:])  # its END
+
+    await pipeline.agents["process-raw"].fun(stream())
+    summary = summarise(pipeline.metrics.stages.snapshot())
+    assert [c.tokens.request_id for c in sink.outputs.completed] == ["timed"]
+    for stage in ("fetch", "decode", "queue", "apply", "lookup", "write_wait", "total"):
+        assert summary[stage]["requests"] == 1, stage
+    assert 250 <= summary["fetch"]["p50_ms"] < 400
+    assert summary["total"]["p50_ms"] >= summary["fetch"]["p50_ms"]
+    assert b'streamtally_stage_seconds_count{stage="total"} 1.0' in (pipeline.metrics.exposition())
