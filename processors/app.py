@@ -7,8 +7,11 @@
 - the agent `process-raw` takes one batch at a time: it decodes the records
   (each names its request: tenant and request id), asks the sinks' lookup
   about requests it has not seen (closed by an earlier run?), hands each
-  record to `RequestProcessor`, writes the outputs through the sinks, and
-  commits what `CommitGate` releases;
+  record to `RequestProcessor`, and hands the outputs to `WriteBehind`, which
+  writes them through the sinks while the agent takes the next batch (it does
+  not wait for a write before it takes a batch, only before it starts the next
+  write); once they are durable, what `CommitGate` releases goes to the
+  `Committer`, which commits it in the background (`processors.writes`);
 - a timer closes requests that went quiet; another reads the input clocks
   (`processors.clock`) four times a second, without waiting for a batch, so
   that a write hanging through an outage is never taken for quiet time.
@@ -177,12 +180,6 @@ def _end_timestamps(outputs: Outputs, messages: Sequence[RawMessage]) -> list[fl
         for m in messages
         if m.offset in offsets and m.timestamp is not None and (m.key, m.offset) in closing
     ]
-
-
-def _batch_waiting(stream: Any) -> bool:
-    """Whether another batch already waits in the agent's channel (faust's stream)."""
-    channel = getattr(stream, "channel", None)
-    return channel is not None and not channel.empty()
 
 
 def create_app(
@@ -380,15 +377,21 @@ def create_app(
                 if isinstance(fetched, ExaminedBatch | FetchedBatch):
                     _times_of(fetched).started = started
                 try:
+                    # Its write starts once the write before it is done and goes on behind:
+                    # the agent takes the next batch at once, also when none waits yet (an
+                    # idle worker's write ends by itself, its records committed by the
+                    # `Committer`; a batch that comes meanwhile is applied meanwhile).
                     await apply(fetched)
-                    if not _batch_waiting(stream):
-                        # No batch waiting to overlap the write with: finish it now (an idle
-                        # worker commits as soon as it can, and a test sees its outputs).
-                        await writes.drain()
                 except Exception as exc:
                     fail(exc)
                     raise
                 metrics.batch_seconds.observe(time.perf_counter() - started)
+        # A stream that ends (agent tests; faust's never does): its last write is finished.
+        try:
+            await writes.drain()
+        except Exception as exc:
+            fail(exc)
+            raise
 
     async def apply(fetched: ExaminedBatch | FetchedBatch | Sequence[RawMessage]) -> None:
         fence = pipeline.revocations
@@ -438,6 +441,9 @@ def create_app(
         async with pipeline.batch_lock:
             started = time.perf_counter()
             try:
+                # The write in flight first (an idle agent leaves its last one behind): a
+                # write that hangs holds the closes back, as it holds the batches.
+                await writes.drain()
                 await writes.submit(processor.expire(), ())
                 await writes.drain()
             except Exception as exc:

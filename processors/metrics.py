@@ -209,7 +209,8 @@ class WorkerMetrics:
         )
         self.batch_seconds = Histogram(
             "streamtally_batch_seconds",
-            "Seconds to apply, write and commit one raw-record batch.",
+            "Seconds to apply one raw-record batch (waiting for the write of the batch before "
+            "it, if still in flight; its own write goes on behind).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
