@@ -36,6 +36,7 @@ from benchmarks.pipeline_workload import (
 )
 from streamtally.core.identity import RequestRef
 from streamtally.errors import StackError
+from streamtally.processors.stages import difference, summarise
 from streamtally.topics import output_key
 from streamtally.wire.kafka import idempotent_producer
 
@@ -200,12 +201,18 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
     schedule = interleave(requests, settings.concurrency)
     raw_events = sum(r.events for r in requests)
     ids = [r.request_id for r in requests]
+    stages_before = await ctx.worker.stages()
     ctx.progress(
         f"latency: {len(requests):,} requests ({raw_events:,} raw events) at "
         f"{settings.rate:,.0f} raw events/s for ~{settings.seconds:g} s …"
     )
     sent_at: dict[str, float] = {}
     acked: set[str] = set()
+    failed: list[BaseException] = []
+
+    def on_done(future: asyncio.Future[Any]) -> None:
+        if not future.cancelled() and future.exception() is not None:
+            failed.append(future.exception())  # type: ignore[arg-type]
 
     def on_ack(request_id: str) -> Callable[[asyncio.Future[Any]], None]:
         def done(future: asyncio.Future[Any]) -> None:
@@ -219,7 +226,6 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
     try:
         ctx.watcher.expect(ids)
         cpu_before = ctx.worker.cpu_seconds()
-        futures: list[asyncio.Future[Any]] = []
         sent = raw_sent = 0
         start = time.perf_counter()
         last_report = start
@@ -235,7 +241,7 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
                     future.add_done_callback(on_ack(end_of))
                 else:
                     raw_sent += 1
-                futures.append(future)
+                    future.add_done_callback(on_done)
                 sent += 1
             if now - last_report >= 2.0:
                 last_report = now
@@ -245,11 +251,21 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
                 )
             await asyncio.sleep(_PACE_SLICE)
         last_send = time.perf_counter()
-        await asyncio.gather(*futures)
+        # Not a gather over every send of the phase: its setup, one callback per future
+        # in one go, held this process's loop for some 300 ms after the last sends, while
+        # their records waited in the producer and the Tokens' notifications here (the
+        # phase's last requests measured that much slower).
+        await producer.flush()
     finally:
         await producer.stop()
     await ctx.watcher.wait(ctx.worker, ctx.progress, "latency", len(ids))
     cpu = ctx.worker.cpu_seconds() - cpu_before
+    stages_after = await ctx.worker.stages()
+    if stages_before is None or stages_after is None:
+        ctx.notes.append("latency: the worker's /stages did not answer: no per-stage figures")
+        stages: dict[str, Any] = {}
+    else:
+        stages = summarise(difference(stages_after, stages_before))
     seconds = last_send - start
     measured = [
         (sent_at[r] - start, (ctx.watcher.seen[r] - sent_at[r]) * 1000)
@@ -264,6 +280,8 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
         (k * WINDOW_SECONDS, len(v), round(_percentile(sorted(v), 50), 1), round(max(v), 1))
         for k, v in sorted(by_window.items())
     ]
+    if failed:
+        ctx.notes.append(f"latency: {len(failed)} raw events were not acknowledged ({failed[0]})")
     if len(latencies) != len(ids):
         ctx.notes.append(f"latency: {len(ids) - len(latencies)} requests have no latency figure")
 
@@ -286,4 +304,5 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
         mean_ms=round(sum(latencies) / len(latencies), 2) if latencies else None,
         worker_cpu_seconds=cpu,
         windows=windows,
+        stages=stages,
     )

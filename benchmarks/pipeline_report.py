@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import platform
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from pathlib import Path
 from typing import Any, Final
@@ -134,6 +134,9 @@ class Latency:
     worker_cpu_seconds: float
     #: Per window of `WINDOW_SECONDS` (by END send time): start second, requests, p50, max (ms).
     windows: list[tuple[float, int, float, float]]
+    #: Inside the worker, per stage of a request's close (`streamtally.processors.stages`):
+    #: requests, mean, p50, p90, p99 and p99.9 (ms), over the requests this phase closed.
+    stages: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +250,25 @@ def _ms(value: float | None) -> str:
     return "n/a" if value is None else f"{value:,.1f} ms"
 
 
+def format_stages(stages: dict[str, dict[str, Any]]) -> list[str]:
+    """The latency phase's per-stage table (the worker's /stages), one line per stage."""
+    if not stages:
+        return []
+    lines = [
+        "latency inside the worker, by stage (per request closed; END record's Kafka "
+        "timestamp to Tokens in Redis):",
+        f"  {'stage':<14}{'p50':>10}{'p90':>10}{'p99':>10}{'p99.9':>10}{'mean':>10}",
+    ]
+    for stage, row in stages.items():
+        cells = "".join(
+            f"{'n/a' if row[k] is None else format(row[k], ',.1f'):>10}"
+            for k in ("p50_ms", "p90_ms", "p99_ms", "p999_ms", "mean_ms")
+        )
+        lines.append(f"  {stage:<14}{cells}")
+    lines.append("  (ms; buckets 5 % wide; total spans fetch to redis, commit follows the Tokens)")
+    return lines
+
+
 def format_report(report: PipelineReport) -> str:
     m, t, c, lat, mem = (
         report.machine,
@@ -314,6 +336,7 @@ def format_report(report: PipelineReport) -> str:
         f"{lat.worker_cpu_seconds:.1f} s",
         "latency p50/max by 5 s window of END sends: "
         + ", ".join(f"{at:g}s {p50:,.0f}/{top:,.0f} ms" for at, _, p50, top in lat.windows),
+        *format_stages(lat.stages),
         f"memory: peak {mem.peak_rss_mib:,.1f} MiB (sampled max {mem.sampled_peak_rss_mib:,.1f}, "
         f"idle after warm-up {mem.idle_rss_mib:,.1f}, {mem.samples} samples)",
         f"worker log: {report.worker_log}",

@@ -2,15 +2,21 @@
 
 `BenchWorker` is a `streamtally.ops.worker_process.WorkerProcess` started at
 once, whose resident set (sampled, and its peak) and CPU time are read from
-Linux' /proc; `BenchWorkers` is several of them in one consumer group, seen as
-one: CPU time summed, memory of the largest.
+Linux' /proc, and whose per-stage latency histograms are read from its ``/stages``
+(`streamtally.processors.stages`) on a port of its own; `BenchWorkers` is several
+of them in one consumer group, seen as one: CPU time summed, memory of the largest,
+stage histograms added up.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import socket
 from pathlib import Path
+from typing import Any
+
+import aiohttp
 
 from benchmarks.pipeline_workload import Progress
 from streamtally.ops.worker_process import WorkerProcess
@@ -27,6 +33,14 @@ class BenchWorker(WorkerProcess):
     """
 
     def __init__(self, env: dict[str, str], log: Path) -> None:
+        #: Where its /stages is served: a port free now (not 6066, which another worker on
+        #: the machine may hold).
+        self.web_port = _free_port()
+        env = {
+            **env,
+            "STREAMTALLY_WEB_HOST": "127.0.0.1",
+            "STREAMTALLY_WEB_PORT": str(self.web_port),
+        }
         super().__init__(log, env, loglevel="warning", truncate_log=True)
         self.rss_samples: list[int] = []
         self.start()
@@ -62,6 +76,20 @@ class BenchWorker(WorkerProcess):
             if rss is not None:
                 self.rss_samples.append(rss)
             await asyncio.sleep(every)
+
+    async def stages(self) -> dict[str, Any] | None:
+        """Its stage histograms so far (``/stages``); None when it does not answer."""
+        url = f"http://127.0.0.1:{self.web_port}/stages"
+        try:
+            async with (
+                aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+                session.get(url) as response,
+            ):
+                response.raise_for_status()
+                found: dict[str, Any] = await response.json()
+                return found
+        except (aiohttp.ClientError, TimeoutError):
+            return None
 
     def shut_down(self, progress: Progress) -> None:
         """SIGTERM if it still runs, SIGKILL after 30 s; says so."""
@@ -118,6 +146,36 @@ class BenchWorkers:
                 self.rss_samples.append(rss)
             await asyncio.sleep(every)
 
+    async def stages(self) -> dict[str, Any] | None:
+        """The members' stage histograms added up (None when one does not answer)."""
+        found = [await m.stages() for m in self.members]
+        if any(f is None for f in found):
+            return None
+        return merge_stages([f for f in found if f is not None])
+
     def shut_down(self, progress: Progress) -> None:
         for member in self.members:
             member.shut_down(progress)
+
+
+def merge_stages(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several workers' /stages snapshots as one (counts and sums added)."""
+    merged: dict[str, Any] = {**snapshots[0], "stages": {}}
+    for snapshot in snapshots:
+        for stage, data in snapshot["stages"].items():
+            into = merged["stages"].setdefault(
+                stage, {"count": 0, "sum_seconds": 0.0, "buckets": {}}
+            )
+            into["count"] += data["count"]
+            into["sum_seconds"] += data["sum_seconds"]
+            for key, n in data["buckets"].items():
+                into["buckets"][key] = into["buckets"].get(key, 0) + n
+    return merged
+
+
+def _free_port() -> int:
+    """A TCP port of 127.0.0.1 that is free now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port

@@ -13,6 +13,7 @@ can hold every stream after its first events until told to go on.  A call on
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import signal
@@ -42,7 +43,10 @@ TAPPED_PATH: Final = "/v1/chat/completions"
 PLAIN_PATH: Final = "/v1/plain/stream"
 SAMPLE: Final = "openai/long_text_bench.sse"
 _LISTENING: Final = re.compile(rb"proxy: listening on [^\s:]+:(\d+)")
-_STATS: Final = re.compile(rb"appended to the spool (\d+), sent (\d+), failed (\d+)", re.MULTILINE)
+_STATS: Final = re.compile(
+    rb"appended to the spool (\d+)(?: \(\d+ keep-alives\))?, sent (\d+), failed (\d+)",
+    re.MULTILINE,
+)
 
 
 def sample_events(name: str = SAMPLE) -> list[bytes]:
@@ -60,6 +64,15 @@ def rss_bytes(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise RuntimeError(f"no VmRSS for process {pid}")
+
+
+def children(pid: int) -> list[int]:
+    """The pids of process `pid`'s children (Linux: /proc/PID/task/*/children)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            out.extend(int(child) for child in (task / "children").read_text().split())
+    return out
 
 
 @dataclass
@@ -155,7 +168,8 @@ class ProxyProcess:
 
     @property
     def rss(self) -> int:
-        return rss_bytes(self.proc.pid)
+        """The proxy's RSS with its sender process's (its children's), if any."""
+        return rss_bytes(self.proc.pid) + sum(rss_bytes(pid) for pid in children(self.proc.pid))
 
     def stop(self) -> ProxyStats | None:
         """SIGTERM, wait for the exit; the tap's counts from its last line."""

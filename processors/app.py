@@ -7,8 +7,11 @@
 - the agent `process-raw` takes one batch at a time: it decodes the records
   (each names its request: tenant and request id), asks the sinks' lookup
   about requests it has not seen (closed by an earlier run?), hands each
-  record to `RequestProcessor`, writes the outputs through the sinks, and
-  commits what `CommitGate` releases;
+  record to `RequestProcessor`, and hands the outputs to `WriteBehind`, which
+  writes them through the sinks while the agent takes the next batch (it does
+  not wait for a write before it takes a batch, only before it starts the next
+  write); once they are durable, what `CommitGate` releases goes to the
+  `Committer`, which commits it in the background (`processors.writes`);
 - a timer closes requests that went quiet; another reads the input clocks
   (`processors.clock`) four times a second, without waiting for a batch, so
   that a write hanging through an outage is never taken for quiet time.
@@ -36,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,9 +68,10 @@ from streamtally.processors.source import (
     RawSource,
     Revocations,
 )
-from streamtally.processors.writes import Holds, WriteBehind
+from streamtally.processors.stages import BatchTimes
+from streamtally.processors.writes import Committer, Holds, WriteBehind
 from streamtally.settings import Settings
-from streamtally.topics import Topics
+from streamtally.topics import Topics, encode_key
 from streamtally.wire.connection import faust_options
 from streamtally.wire.framing import learn_ids
 from streamtally.wire.tenant_keys import TenantTrust
@@ -120,6 +124,8 @@ class Pipeline:
     broken: BaseException | None = None
     #: The batch written while the next is applied (`processors.writes`); set by create_app.
     writes: WriteBehind | None = None
+    #: Commits what the gate releases, off the batches' path (`processors.writes`).
+    committer: Committer | None = None
     #: The app's timers by name (create_app registers them with faust): what they run.
     timers: dict[str, Callable[[], Awaitable[None]]] = field(default_factory=dict)
     #: What the consumer's rebalance listener calls with the partitions revoked (set by
@@ -160,10 +166,20 @@ class _WorkerApp(faust.App):
             await hook()
 
 
-def _batch_waiting(stream: Any) -> bool:
-    """Whether another batch already waits in the agent's channel (faust's stream)."""
-    channel = getattr(stream, "channel", None)
-    return channel is not None and not channel.empty()
+def _times_of(batch: ExaminedBatch | FetchedBatch) -> BatchTimes:
+    return batch.fetched.times if isinstance(batch, ExaminedBatch) else batch.times
+
+
+def _end_timestamps(outputs: Outputs, messages: Sequence[RawMessage]) -> list[float]:
+    """The Kafka timestamps of the records that closed `outputs.completed` (their END
+    markers): one pass over the batch, only for a batch that closed requests."""
+    closing = {(encode_key(d.ref.request_id), d.closed.offset) for d in outputs.completed}
+    offsets = {offset for _, offset in closing}
+    return [
+        m.timestamp
+        for m in messages
+        if m.offset in offsets and m.timestamp is not None and (m.key, m.offset) in closing
+    ]
 
 
 def create_app(
@@ -233,9 +249,9 @@ def create_app(
             pipeline.sinks.on_error = metrics.sink_error
         return pipeline.sinks
 
-    async def finish(outputs: Outputs, holds: Holds) -> None:
+    async def finish(outputs: Outputs, holds: Holds, times: BatchTimes | None) -> None:
         """Write the outputs, then hold the batch's records and commit those now done."""
-        written = await sinks().write(outputs)
+        written = await sinks().write(outputs, times)
         metrics.written(written.outputs)
         # Only now, with the batch's outputs durable, may its records be released.
         for tp, offset, ref, span in holds:
@@ -249,8 +265,12 @@ def create_app(
         gate.elsewhere(written.elsewhere)
         if written.elsewhere or gate.waiting_elsewhere():
             await closed_elsewhere(written.elsewhere)
+        # Committed off this path (`Committer`): the next batch's write does not wait for it.
+        stored = [times.stored] * len(times.ends) if times is not None and times.stored else []
         if gate.release() and pipeline.source is not None and pipeline.broken is None:
-            await pipeline.source.commit(gate.committable())
+            committer.request(gate.committable(), stored)
+        if times is not None:
+            times.record(metrics.stages)
 
     async def closed_elsewhere(new: frozenset[RequestRef]) -> None:
         """Ask Redis about the requests whose close another owner decided first (`new`:
@@ -312,6 +332,18 @@ def create_app(
     pipeline.lost = lost
     writes = pipeline.writes = WriteBehind(finish, fail)
 
+    async def commit(offsets: Mapping[Any, int]) -> None:
+        """One commit of released offsets, unless the pipeline broke since they were."""
+        source = pipeline.source
+        if source is not None and pipeline.broken is None:
+            await source.commit(offsets)
+
+    def committed(waits: list[float]) -> None:
+        for wait in waits:
+            metrics.stages.observe("commit", wait)
+
+    committer = pipeline.committer = Committer(commit, committed=committed)
+
     async def learn(refs: set[RequestRef]) -> None:
         """Ask Redis which of the batch's requests (and new calls) an earlier run closed."""
         unknown = sorted(processor.unknown(refs))
@@ -342,16 +374,24 @@ def create_app(
                 continue  # another worker holds these partitions now: nothing more applied
             async with pipeline.batch_lock:  # a revoke waits for the batch in flight
                 started = time.perf_counter()
+                if isinstance(fetched, ExaminedBatch | FetchedBatch):
+                    _times_of(fetched).started = started
                 try:
+                    # Its write starts once the write before it is done and goes on behind:
+                    # the agent takes the next batch at once, also when none waits yet (an
+                    # idle worker's write ends by itself, its records committed by the
+                    # `Committer`; a batch that comes meanwhile is applied meanwhile).
                     await apply(fetched)
-                    if not _batch_waiting(stream):
-                        # No batch waiting to overlap the write with: finish it now (an idle
-                        # worker commits as soon as it can, and a test sees its outputs).
-                        await writes.drain()
                 except Exception as exc:
                     fail(exc)
                     raise
                 metrics.batch_seconds.observe(time.perf_counter() - started)
+        # A stream that ends (agent tests; faust's never does): its last write is finished.
+        try:
+            await writes.drain()
+        except Exception as exc:
+            fail(exc)
+            raise
 
     async def apply(fetched: ExaminedBatch | FetchedBatch | Sequence[RawMessage]) -> None:
         fence = pipeline.revocations
@@ -363,6 +403,7 @@ def create_app(
             fetched = examine(fetched)
         generation, messages = fetched.fetched.generation, fetched.fetched.messages
         examined = fetched.examined
+        times = fetched.fetched.times
         if fence.generation != generation:
             # Records of a partition revoked since the fetch are another worker's now.
             pairs = [
@@ -381,11 +422,16 @@ def create_app(
         outputs = Outputs()
         # A record's request is (tenant, request id), known only from its body.
         raws = processor.take_batch(messages, examined, outputs)
+        looked_up = time.perf_counter()
         await learn(processor.to_learn(raws))
         await learn_amendable(processor.to_amend(raws))
+        times.lookup = time.perf_counter() - looked_up
         holds = processor.arrive_batch(outputs, messages, raws, tps, TopicPartition)
+        if outputs.completed:
+            times.ends = _end_timestamps(outputs, messages)
+        times.applied = time.perf_counter()
         # Written while the next batch is applied; its records are held once it is durable.
-        await writes.submit(outputs, holds)
+        await writes.submit(outputs, holds, times)
 
     pipeline.agents["process-raw"] = app.agent(batches, name="process-raw")(process)
 
@@ -395,6 +441,9 @@ def create_app(
         async with pipeline.batch_lock:
             started = time.perf_counter()
             try:
+                # The write in flight first (an idle agent leaves its last one behind): a
+                # write that hangs holds the closes back, as it holds the batches.
+                await writes.drain()
                 await writes.submit(processor.expire(), ())
                 await writes.drain()
             except Exception as exc:
@@ -431,6 +480,7 @@ def create_app(
         # The batch written behind: its records held, what is done committed (a write that
         # failed broke the pipeline: nothing is committed below).
         await writes.settle()
+        await committer.settle()  # no commit of the background committer in flight with it
         if pipeline.source is not None and pipeline.broken is None:
             await pipeline.source.commit(
                 {tp: o for tp, o in gate.committable().items() if tp in tps}
@@ -463,7 +513,9 @@ def create_app(
                 except StreamtallyError as exc:  # the registry is unreachable: stop
                     fail(exc)
                     raise
-                await batches.send(value=examine(batch))
+                examined = examine(batch)
+                batch.times.decoded = time.perf_counter()
+                await batches.send(value=examined)
         except Exception as exc:
             # The consumer's fatal errors (a session timeout the broker refuses, a group
             # it may not join, a fenced instance id at a join): nothing more is read.
@@ -471,6 +523,8 @@ def create_app(
             raise
         finally:
             processor.live = None
+            # What was released and not yet committed (stopping: at once, no interval).
+            await committer.settle()
             pipeline.source = None
             await source.stop()
 

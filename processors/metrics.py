@@ -15,6 +15,8 @@ scraped.
 port 0: no server):
 
 - ``/metrics``: the Prometheus text exposition;
+- ``/stages``: where the requests' close latency went, per stage, as JSON
+  (`processors.stages`: fine buckets, for a benchmark to difference);
 - ``/health``: 200 while the process and its event loop run;
 - ``/ready``: 200 once the consumer group gave this worker its partitions (an
   empty assignment counts: more workers than partitions) and Kafka and Redis
@@ -40,6 +42,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 from streamtally.processors.outputs import Counters, Outputs
+from streamtally.processors.stages import Stages
 from streamtally.wire.records import DeadLetter, UsageSource
 
 __all__ = [
@@ -206,7 +209,8 @@ class WorkerMetrics:
         )
         self.batch_seconds = Histogram(
             "streamtally_batch_seconds",
-            "Seconds to apply, write and commit one raw-record batch.",
+            "Seconds to apply one raw-record batch (waiting for the write of the batch before "
+            "it, if still in flight; its own write goes on behind).",
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
@@ -244,6 +248,22 @@ class WorkerMetrics:
             registry=r,
         )
         self.up = Gauge("streamtally_ready", "1 when /ready answers 200, else 0.", registry=r)
+        self.stage_seconds = Histogram(
+            "streamtally_stage_seconds",
+            "Seconds each closed request spent in each stage of the worker, from its END "
+            "marker's Kafka timestamp to its Tokens in Redis (processors.stages).",
+            ["stage"],
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        #: The same spans in fine buckets (served on /stages).
+        self.stages = Stages()
+        self.stages.on_observe = self._stage_observed
+
+    def _stage_observed(self, stage: str, seconds: float, requests: int) -> None:
+        histogram = self.stage_seconds.labels(stage)
+        for _ in range(requests):
+            histogram.observe(seconds)
 
     # -- recorded by the worker ---------------------------------------------------------
 
@@ -344,12 +364,16 @@ async def _watch(
 
 
 def web_app(metrics: WorkerMetrics) -> web.Application:
-    """The aiohttp application of /metrics, /health and /ready."""
+    """The aiohttp application of /metrics, /stages, /health and /ready."""
 
     async def metrics_page(request: web.Request) -> web.Response:
         del request
         body = metrics.exposition()
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def stages(request: web.Request) -> web.Response:
+        del request
+        return web.json_response(metrics.stages.snapshot())
 
     async def health(request: web.Request) -> web.Response:
         del request
@@ -362,6 +386,7 @@ def web_app(metrics: WorkerMetrics) -> web.Application:
 
     app = web.Application()
     app.router.add_get("/metrics", metrics_page)
+    app.router.add_get("/stages", stages)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     return app

@@ -31,7 +31,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError, ProducerClosed
@@ -43,6 +43,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
 from streamtally.processors.amendable import Amendable
 from streamtally.processors.requests import Closed, Outputs
+from streamtally.processors.stages import BatchTimes
 from streamtally.store import RedisSink, RedisStore, amended_request
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
@@ -85,6 +86,9 @@ class KafkaSink:
     (murmur2 of the request id, `encode_key`), so a request keeps its partition number
     on every topic; the outputs' keys are the request's identity (`output_key`).
     """
+
+    #: The step of a request's close its flush ends (`processors.stages`).
+    stage: Final = "kafka"
 
     def __init__(
         self, kafka: KafkaConnection | str, topics: Topics, framing: Framing = SINGLE_OBJECT
@@ -174,6 +178,9 @@ class RedisOutputs:
 
     Given a client, it wraps it in a `RedisStore` (and closes it on `stop`).
     """
+
+    #: The step of a request's close its flush ends: the Tokens is readable after it.
+    stage: Final = "redis"
 
     def __init__(self, client: aioredis.Redis | RedisStore) -> None:
         self.store = client if isinstance(client, RedisStore) else RedisStore(client)
@@ -299,7 +306,7 @@ class Sinks:
                 if stop is not None:
                     await stop()
 
-    async def write(self, outputs: Outputs) -> Written:
+    async def write(self, outputs: Outputs, times: BatchTimes | None = None) -> Written:
         """Make the outputs durable, retrying each step until it succeeds.
 
         Every step is idempotent, so a retry after a lost reply is harmless;
@@ -307,6 +314,9 @@ class Sinks:
         The completions of requests whose close was decided otherwise already (by the
         partition's other owner) are left out and named in `Written.elsewhere`: the
         caller must not take them for done before that close is applied.
+
+        `times` (`processors.stages`) is stamped as the steps end: the close decisions
+        (``begun``), Kafka's acks (``produced``), Redis' script (``stored``).
         """
         if not outputs:
             return Written(outputs)
@@ -320,12 +330,16 @@ class Sinks:
                     self._failed(sink),
                 )
                 decided_otherwise |= found or set()
+            if times is not None:
+                times.begun = times.now()
             if decided_otherwise:  # one close decision per request, whoever made it first
                 outputs = outputs.without(decided_otherwise)
             for sink in self._sinks:
                 sink.add(outputs)
             for sink in self._sinks:
                 await retry(sink.flush, type(sink).__name__, self._health, self._failed(sink))
+                if times is not None:
+                    _stamp(times, sink)
         return Written(outputs, frozenset(decided_otherwise))
 
     async def find_closed(self, refs: list[RequestRef]) -> dict[RequestRef, Closed]:
@@ -386,6 +400,17 @@ class Sinks:
             return None
         store = sink if isinstance(sink, str) else _store(sink)
         return lambda exc: hook(store, exc, True)
+
+
+def _stamp(times: BatchTimes, sink: object) -> None:
+    """Stamp `times` with the end of `sink`'s flush, by the step its `stage` names:
+    ``kafka`` (the acks), ``redis`` (the Tokens script); none: nothing."""
+    store = getattr(sink, "stage", None)
+    if store == "kafka":
+        times.produced = times.now()
+    elif store == "redis":
+        times.stored = times.now()
+        times.stored_wall = time.time()
 
 
 def _store(sink: object) -> str:

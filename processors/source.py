@@ -37,12 +37,13 @@ from collections.abc import (
     Mapping,
     Sequence,
 )
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
+from streamtally.processors.stages import BatchTimes
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.connection import client_options
@@ -150,6 +151,8 @@ class FetchedBatch:
 
     generation: int
     messages: tuple[RawMessage, ...]
+    #: When it was fetched and where it went since (`processors.stages`).
+    times: BatchTimes = field(default_factory=BatchTimes)
 
 
 class _Listener(ConsumerRebalanceListener):  # type: ignore[misc]
@@ -308,6 +311,7 @@ class RawSource:
             # stale while the consumer's position moved past them, and a later commit
             # skipped their open requests (never billed).
             generation = self._revocations.generation
+            times = BatchTimes(fetched=time.perf_counter(), fetched_wall=time.time())
             batch = tuple(
                 RawMessage(
                     tp.topic,
@@ -322,7 +326,7 @@ class RawSource:
                 for record in records
             )
             if batch:
-                yield FetchedBatch(generation, batch)
+                yield FetchedBatch(generation, batch, times)
 
     async def commit(self, offsets: Mapping[Any, int]) -> None:
         """Commit these offsets of partitions this consumer still owns."""

@@ -6,14 +6,14 @@
     ...
     await spool.close()                            # fsync, cursor, unlock
 
-Layout.  A directory of its own per process (``lock`` says which: a second
+Layout.  A directory of its own per writer (``lock`` says which: a second
 process opening it gets `SpoolLocked`, naming the directory and the pid that
-holds it):
+holds it; a sender process reads it without the lock, below):
 
     00000000000000000000.seg   segment files, named by the global byte
     00000000000067108903.seg   position of their first record (20 digits)
     cursor                     {"position": N}: Kafka acknowledged every record before N
-    lock                       the pid of the process that has the spool open
+    lock                       the pid of the process that writes the spool
     rejected/records.seg       records Kafka refused for good (same framing), kept
     rejected/torn-<seg>-<offset>.bin   bytes cut off a torn last segment, kept
 
@@ -67,6 +67,19 @@ from memory for what was appended by this process while the sender kept up
 (at most `memory_bytes` of them held), else from the segment files (after a
 restart, or when Kafka fell behind).  After a failure it `rewind`s to the
 cursor and sends again from there.
+
+Two processes.  The sender may run in a process of its own
+(`streamtally.producers.sender_process`, the proxy's default).  The `Spool`
+(the writer, holding the lock) is then told so (`read_elsewhere`: nothing is
+kept in memory for it) and still does everything above but reading: it
+recovers, appends, rolls, fsyncs, writes the cursor file and deletes the
+segments before it; the sender's reports move its cursor (`settled`), so that
+`full`, `wait_for_room`, the counts and the age stay its own.  The sender
+process reads through a `SpoolReader`: the segment files only, up to the end
+the writer published (whole records, already written; a segment begun since
+it last looked is found by listing the directory), and it writes nothing but
+``rejected/records.seg``.  Both share the cursor's logic (`_Cursor`: take,
+acknowledge, reject, rewind) and the reading of segment files (`_Segments`).
 """
 
 from __future__ import annotations
@@ -287,7 +300,269 @@ def _lock(directory: Path) -> int:
     return fd
 
 
-class Spool:
+def list_bases(directory: Path) -> list[int]:
+    """The bases of the segment files in `directory`, in order."""
+    return sorted(
+        int(path.name[: -len(SEGMENT_SUFFIX)])
+        for path in directory.glob("*" + SEGMENT_SUFFIX)
+        if path.name[: -len(SEGMENT_SUFFIX)].isdigit()
+    )
+
+
+class _Segments:
+    """The segment files read back, by the writer's own sender or by a sender process."""
+
+    def __init__(self, directory: Path, bases: list[int]) -> None:
+        self.directory = directory
+        #: Segment bases in order (the writer's own list, which it extends as it rolls).
+        self.bases = bases
+        self._fds: dict[int, int] = {}
+
+    def read(
+        self, position: int, stop: int, limit: int, *, relist: bool = False
+    ) -> list[SpoolRecord]:
+        """Records from `position` (whole ones before `stop`, at most `limit`, at least one)
+        read from their segment file.  `relist`: another process writes the segments, and
+        one not known yet (begun since) is looked for in the directory."""
+        for attempt in range(2 if relist else 1):
+            if attempt:
+                self.bases[:] = list_bases(self.directory)
+            index = bisect.bisect_right(self.bases, position) - 1
+            if index < 0:
+                continue
+            base = self.bases[index]
+            segment_end = self.bases[index + 1] if index + 1 < len(self.bases) else stop
+            want = min(stop, segment_end) - position
+            fd = self._open(base)
+            data = os.pread(fd, min(want, READ_BYTES), position - base)
+            if not data:
+                continue  # the end of this segment: the next one begins here
+            scan = decode_frames(data, position, limit=limit)
+            if not scan.records and scan.short and len(data) < want:
+                (length,) = struct.unpack_from("<I", data) if len(data) >= 4 else (0,)
+                data = os.pread(fd, FRAME.size + length, position - base)  # one large record
+                scan = decode_frames(data, position, limit=1)
+            if not scan.records:
+                raise SpoolCorrupt(
+                    f"spool {self.directory}: {segment_name(base)} at byte {position - base}: "
+                    f"{scan.problem or 'no record'} (read back after it was written)"
+                )
+            return scan.records
+        raise SpoolCorrupt(f"spool {self.directory}: no segment holds position {position}")
+
+    def _open(self, base: int) -> int:
+        fd = self._fds.get(base)
+        if fd is None:
+            for old in [b for b in self._fds if b < base]:
+                os.close(self._fds.pop(old))
+            fd = os.open(self.directory / segment_name(base), os.O_RDONLY)
+            self._fds[base] = fd
+        return fd
+
+    def forget(self, base: int) -> None:
+        """The segment at `base` is deleted: close it if it is open."""
+        fd = self._fds.pop(base, None)
+        if fd is not None:
+            os.close(fd)
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds = {}
+
+
+class _Cursor:
+    """What a sender moves over a spool's records: the read position, and the cursor over
+    what Kafka acknowledged (or refused for good: kept aside first).  The writer's
+    `Spool` and a sender process's `SpoolReader` share it."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        #: Records acknowledged (Kafka has them) and rejected since this one was opened.
+        self.sent = 0
+        self.rejected = 0
+        self._cursor = 0  # Kafka has every record before it
+        self._end = 0  # the position after the last record
+        self._read = 0  # the next record `take` gives
+        self._unsent_records = 0
+        self._rejected_fd: int | None = None
+        self._closed = False
+        self._listeners: list[Callable[[], None]] = []
+        self._advanced = asyncio.Event()
+
+    @property
+    def cursor(self) -> int:
+        """Kafka acknowledged every record before this position."""
+        return self._cursor
+
+    @property
+    def end(self) -> int:
+        """The position after the last record appended (for a reader: published)."""
+        return self._end
+
+    @property
+    def unsent_bytes(self) -> int:
+        """Framed bytes appended and not yet acknowledged."""
+        return self._end - self._cursor
+
+    @property
+    def unsent_records(self) -> int:
+        return self._unsent_records
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def add_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` when records were added (the sender's wake-up)."""
+        self._listeners.append(listener)
+
+    def rewind(self, position: int) -> None:
+        """Take again from `position` (at the cursor or after it, not after the read one)."""
+        if not self._cursor <= position <= self._read:
+            raise ValueError(
+                f"rewind to {position}: not between the cursor {self._cursor} and the read "
+                f"position {self._read}"
+            )
+        self._read = position
+
+    def unread(self) -> bool:
+        """Records appended and not yet taken."""
+        return self._read < self._end
+
+    def acknowledge(self, position: int, records: int) -> None:
+        """Kafka has the `records` records from the cursor up to `position` (a record's end)."""
+        if not self._cursor < position <= self._read:
+            raise ValueError(
+                f"acknowledge up to {position}: not after the cursor {self._cursor} and up "
+                f"to the read position {self._read}"
+            )
+        self._cursor = position
+        self._unsent_records -= records
+        self.sent += records
+        self._moved()
+
+    def reject(self, record: SpoolRecord, error: BaseException | str) -> Path:
+        """Kafka refused `record` for good: keep it in ``rejected/records.seg`` (fsynced),
+        then move the cursor past it (it must be at the cursor).  The file kept."""
+        if record.position != self._cursor:
+            raise ValueError(f"reject {record.position}: the cursor is at {self._cursor}")
+        rejected = self.directory / REJECTED_DIR
+        path = rejected / ("records" + SEGMENT_SUFFIX)
+        if self._rejected_fd is None:
+            rejected.mkdir(exist_ok=True)
+            self._rejected_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            _fsync_dir(rejected)
+        frame = encode_frame(
+            record.source, record.key, record.value, record.auth, record.appended_at
+        )
+        os.write(self._rejected_fd, frame)  # one write, O_APPEND: whole even if two append
+        os.fsync(self._rejected_fd)
+        log.error(
+            "spool %s: Kafka refused a record of request %r (%s, %d bytes) for good: %s; "
+            "kept in %s, not sent",
+            self.directory,
+            record.key,
+            record.source.value,
+            len(record.value),
+            error,
+            path,
+        )
+        self._cursor = record.end
+        self._unsent_records -= 1
+        self.rejected += 1
+        self._moved()
+        return path
+
+    def _moved(self) -> None:
+        """The cursor moved."""
+        self._advanced.set()
+
+    async def wait_sent(self, timeout: float) -> bool:
+        """Wait at most `timeout` seconds until every record appended is acknowledged."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._cursor < self._end:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                return False
+            self._advanced.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._advanced.wait(), remaining)
+        return True
+
+
+class SpoolReader(_Cursor):
+    """A sender process's view of a spool that another process (the writer, `Spool`)
+    appends to (see "Two processes" in the module docstring).
+
+    It reads the segment files only: whole records before the end the writer published
+    (`publish`), never past it.  It writes nothing but ``rejected/records.seg``: its
+    acknowledgements are reported to the writer (`add_progress_listener`), which writes
+    the cursor file and deletes the segments sent.  `written` counts the records the
+    writer holds up to `end` (since it opened the spool), `before` those of them before
+    `cursor`: what `unsent_records` is made of.
+    """
+
+    def __init__(
+        self, directory: Path | str, *, cursor: int, end: int, written: int = 0, before: int = 0
+    ) -> None:
+        if not 0 <= cursor <= end:
+            raise ValueError(f"a reader from {cursor} to {end}: not 0 <= cursor <= end")
+        super().__init__(Path(directory))
+        self._cursor = self._read = cursor
+        self._end = end
+        self._written = written
+        self._unsent_records = written - before
+        self._segments = _Segments(self.directory, list_bases(self.directory))
+        self._progress: list[Callable[[], None]] = []
+
+    def publish(self, end: int, written: int) -> None:
+        """The writer appended up to `end` (whole records, in the operating system), the
+        `written`-th record last."""
+        if end < self._end:
+            raise ValueError(f"publish {end}: before the end published, {self._end}")
+        self._unsent_records += written - self._written
+        self._end, self._written = end, written
+        for listener in self._listeners:
+            listener()
+
+    def add_progress_listener(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` when the cursor moved (to report it to the writer)."""
+        self._progress.append(listener)
+
+    def _moved(self) -> None:
+        super()._moved()
+        for listener in self._progress:
+            listener()
+
+    def take(self, max_records: int, max_bytes: int = READ_BYTES) -> list[SpoolRecord]:
+        """The next records after the read position, in order (at most `max_records`, and
+        about `max_bytes`, at least one); [] when all that was published was taken."""
+        if self._closed:
+            raise SpoolClosed(f"the reader of the spool {self.directory} is closed")
+        out: list[SpoolRecord] = []
+        taken = 0
+        while self._read < self._end and len(out) < max_records and taken < max_bytes:
+            records = self._segments.read(
+                self._read, self._end, max_records - len(out), relist=True
+            )
+            out.extend(records)
+            taken += records[-1].end - records[0].position
+            self._read = records[-1].end
+        return out
+
+    def close(self) -> None:
+        """Close the files it reads (and its rejected records' file)."""
+        self._closed = True
+        self._segments.close()
+        if self._rejected_fd is not None:
+            os.close(self._rejected_fd)
+            self._rejected_fd = None
+        self._advanced.set()
+
+
+class Spool(_Cursor):
     """A write-ahead spool of raw records in `directory` (see the module docstring)."""
 
     def __init__(
@@ -314,17 +589,17 @@ class Spool:
             raise ValueError(f"segment_bytes must be >= {FRAME.size + HEAD.size}")
         if not sync_interval_s > 0 or not cursor_interval_s > 0:
             raise ValueError("sync_interval_s and cursor_interval_s must be > 0")
-        self.directory = Path(directory)
+        super().__init__(Path(directory))
         self.max_bytes = max_bytes
         self.headroom_bytes = headroom_bytes
         self.segment_bytes = segment_bytes
         self.sync_interval_s = sync_interval_s
         self.cursor_interval_s = cursor_interval_s
         self.memory_bytes = memory_bytes
-        #: Records appended, acknowledged (Kafka has them) and rejected by this process.
+        #: Records appended by this process (`sent` and `rejected`: see `_Cursor`).
         self.appended = 0
-        self.sent = 0
-        self.rejected = 0
+        #: Unsent records found when it was opened.
+        self.recovered = 0
         #: Bytes cut off a torn last segment when it was opened.
         self.truncated_bytes = 0
 
@@ -332,27 +607,21 @@ class Spool:
         self._lock_fd: int | None = _lock(self.directory)
         #: Segment bases in order, and their paths.
         self._bases: list[int] = []
+        self._segments = _Segments(self.directory, self._bases)
         self._fd: int | None = None  # the last segment, open to append
         self._segment_size = 0  # its valid bytes
-        self._cursor = 0  # Kafka has every record before it
         self._durable_cursor = -1  # what the cursor file says
-        self._end = 0  # the position after the last record
         self._synced = 0  # everything before it is fsynced
-        self._read = 0  # the next record `take` gives
-        self._unsent_records = 0
         #: (position, appended at) of some unsent records, for the age of the oldest.
         self._checkpoints: deque[tuple[int, float]] = deque()
         self._cache: deque[SpoolRecord] = deque()
         self._cache_bytes = 0
         self._caching = True
-        self._read_fds: dict[int, int] = {}
+        #: A sender process reads the segment files (`read_elsewhere`): no cache, no `take`.
+        self._elsewhere = False
         self._retired: list[int] = []  # segment descriptors fsynced, to close
         self._dir_dirty = False
-        self._rejected_fd: int | None = None
-        self._closed = False
-        self._listeners: list[Callable[[], None]] = []
         self._room = asyncio.Event()
-        self._advanced = asyncio.Event()
         self._sync_lock = asyncio.Lock()
         self._sync_task: asyncio.Task[None] | None = None
         try:
@@ -364,37 +633,19 @@ class Spool:
     # ------------------------------------------------------------------ state
 
     @property
-    def cursor(self) -> int:
-        """Kafka acknowledged every record before this position."""
-        return self._cursor
-
-    @property
-    def end(self) -> int:
-        """The position after the last record appended."""
-        return self._end
-
-    @property
     def synced(self) -> int:
         """Every record before this position is fsynced."""
         return self._synced
 
     @property
-    def unsent_bytes(self) -> int:
-        """Framed bytes appended and not yet acknowledged."""
-        return self._end - self._cursor
-
-    @property
-    def unsent_records(self) -> int:
-        return self._unsent_records
+    def written(self) -> int:
+        """Records it holds or held since it was opened: those found unsent, then appended."""
+        return self.recovered + self.appended
 
     @property
     def full(self) -> bool:
         """No room for new calls: `unsent_bytes` >= `max_bytes` - `headroom_bytes`."""
         return self._end - self._cursor >= self.max_bytes - self.headroom_bytes
-
-    @property
-    def closed(self) -> bool:
-        return self._closed
 
     def oldest_unsent_age_s(self, now: float | None = None) -> float:
         """Seconds since the oldest unsent record was appended (0 when all are sent).
@@ -416,11 +667,7 @@ class Spool:
         for leftover in directory.glob(CURSOR_FILE + ".*.tmp"):
             leftover.unlink()
         cursor = self._read_cursor()
-        bases = sorted(
-            int(path.name[: -len(SEGMENT_SUFFIX)])
-            for path in directory.glob("*" + SEGMENT_SUFFIX)
-            if path.name[: -len(SEGMENT_SUFFIX)].isdigit()
-        )
+        bases = list_bases(directory)
         if cursor is None:
             cursor = bases[0] if bases else 0
         else:
@@ -480,7 +727,8 @@ class Spool:
                     kept_at,
                 )
             end = valid_end
-        self._bases = kept
+        self._bases[:] = kept
+        self.recovered = self._unsent_records
         self._cursor = self._read = cursor
         self._end = self._synced = end
         if kept:
@@ -564,7 +812,7 @@ class Spool:
         self._unsent_records += 1
         self.appended += 1
         self._checkpoint(position, now)
-        if not self._caching and not self._cache:
+        if not self._caching and not self._cache and not self._elsewhere:
             self._caching = self._read == position
         if self._caching:
             self._cache.append(SpoolRecord(position, end, source, key, value, auth, now))
@@ -605,15 +853,13 @@ class Spool:
             self._room.clear()
             await self._room.wait()
 
-    def add_listener(self, listener: Callable[[], None]) -> None:
-        """Call `listener()` after each append (the sender's wake-up)."""
-        self._listeners.append(listener)
-
     # ------------------------------------------------------------------ reading
 
     def take(self, max_records: int, max_bytes: int = READ_BYTES) -> list[SpoolRecord]:
         """The next records after the read position, in order (at most `max_records`, and
         about `max_bytes`, at least one); [] when all were taken."""
+        if self._elsewhere:
+            raise SpoolError(f"spool {self.directory}: a sender process reads it (not `take`)")
         out: list[SpoolRecord] = []
         cache = self._cache
         taken = 0
@@ -627,7 +873,7 @@ class Spool:
                 continue
             else:
                 stop = cache[0].position if cache else self._end
-                records = self._read_disk(self._read, stop, max_records - len(out))
+                records = self._segments.read(self._read, stop, max_records - len(out))
                 out.extend(records)
                 taken += sum(r.size for r in records)
                 self._read = records[-1].end
@@ -637,91 +883,32 @@ class Spool:
             self._read = record.end
         return out
 
-    def _read_disk(self, position: int, stop: int, limit: int) -> list[SpoolRecord]:
-        """Records from `position` (before `stop`) read from their segment file."""
-        index = bisect.bisect_right(self._bases, position) - 1
-        if index < 0:
-            raise SpoolCorrupt(f"spool {self.directory}: no segment holds position {position}")
-        base = self._bases[index]
-        segment_end = self._bases[index + 1] if index + 1 < len(self._bases) else self._end
-        fd = self._read_fds.get(base)
-        if fd is None:
-            for old in [b for b in self._read_fds if b < base]:
-                os.close(self._read_fds.pop(old))
-            fd = os.open(self.directory / segment_name(base), os.O_RDONLY)
-            self._read_fds[base] = fd
-        want = min(stop, segment_end) - position
-        data = os.pread(fd, min(want, READ_BYTES), position - base)
-        scan = decode_frames(data, position, limit=limit)
-        if not scan.records and scan.short and len(data) < want:
-            (length,) = struct.unpack_from("<I", data) if len(data) >= 4 else (0,)
-            data = os.pread(fd, FRAME.size + length, position - base)  # one large record
-            scan = decode_frames(data, position, limit=1)
-        if not scan.records:
-            raise SpoolCorrupt(
-                f"spool {self.directory}: {segment_name(base)} at byte {position - base}: "
-                f"{scan.problem or 'no record'} (read back after it was written)"
-            )
-        return scan.records
-
-    def rewind(self, position: int) -> None:
-        """Take again from `position` (at the cursor or after it, not after the read one)."""
-        if not self._cursor <= position <= self._read:
-            raise ValueError(
-                f"rewind to {position}: not between the cursor {self._cursor} and the read "
-                f"position {self._read}"
-            )
-        self._read = position
-
-    def unread(self) -> bool:
-        """Records appended and not yet taken."""
-        return self._read < self._end
-
     # ------------------------------------------------------------------ the cursor
 
-    def acknowledge(self, position: int, records: int) -> None:
-        """Kafka has the `records` records from the cursor up to `position` (a record's end)."""
-        if not self._cursor < position <= self._read:
-            raise ValueError(
-                f"acknowledge up to {position}: not after the cursor {self._cursor} and up "
-                f"to the read position {self._read}"
-            )
-        self._cursor = position
-        self._unsent_records -= records
-        self.sent += records
-        self._moved()
+    def read_elsewhere(self) -> None:
+        """A sender process reads this spool (a `SpoolReader` on its directory): no record
+        is kept in memory for `take` any more, and the cursor moves by `settled`."""
+        self._elsewhere = True
+        self._caching = False
+        self._cache.clear()
+        self._cache_bytes = 0
 
-    def reject(self, record: SpoolRecord, error: BaseException | str) -> Path:
-        """Kafka refused `record` for good: keep it in ``rejected/records.seg`` (fsynced),
-        then move the cursor past it (it must be at the cursor).  The file kept."""
-        if record.position != self._cursor:
-            raise ValueError(f"reject {record.position}: the cursor is at {self._cursor}")
-        rejected = self.directory / REJECTED_DIR
-        path = rejected / ("records" + SEGMENT_SUFFIX)
-        if self._rejected_fd is None:
-            rejected.mkdir(exist_ok=True)
-            self._rejected_fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            _fsync_dir(rejected)
-        frame = encode_frame(
-            record.source, record.key, record.value, record.auth, record.appended_at
-        )
-        os.write(self._rejected_fd, frame)
-        os.fsync(self._rejected_fd)
-        log.error(
-            "spool %s: Kafka refused a record of request %r (%s, %d bytes) for good: %s; "
-            "kept in %s, not sent",
-            self.directory,
-            record.key,
-            record.source.value,
-            len(record.value),
-            error,
-            path,
-        )
-        self._cursor = record.end
-        self._unsent_records -= 1
-        self.rejected += 1
+    def settled(self, cursor: int, sent: int, rejected: int) -> None:
+        """The sender process reports: Kafka acknowledged `sent` more records and `rejected`
+        more were refused for good (kept aside), every record before `cursor` being one of
+        those.  The cursor file follows at the next sync."""
+        if not self._elsewhere:
+            raise SpoolError(f"spool {self.directory}: its own sender moves the cursor")
+        if not self._cursor <= cursor <= self._end:
+            raise ValueError(
+                f"settled up to {cursor}: not between the cursor {self._cursor} and the end "
+                f"{self._end}"
+            )
+        self._cursor = cursor
+        self._unsent_records -= sent + rejected
+        self.sent += sent
+        self.rejected += rejected
         self._moved()
-        return path
 
     def _moved(self) -> None:
         checkpoints = self._checkpoints
@@ -731,20 +918,7 @@ class Spool:
             checkpoints.clear()
         if self._end - self._cursor < self.max_bytes:
             self._room.set()
-        self._advanced.set()
-
-    async def wait_sent(self, timeout: float) -> bool:
-        """Wait at most `timeout` seconds until every record appended is acknowledged."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while self._cursor < self._end:
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                return False
-            self._advanced.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._advanced.wait(), remaining)
-        return True
+        super()._moved()
 
     # ------------------------------------------------------------------ syncing
 
@@ -802,9 +976,7 @@ class Spool:
         bases = self._bases
         while len(bases) > 1 and bases[1] <= self._durable_cursor:
             base = bases.pop(0)
-            fd = self._read_fds.pop(base, None)
-            if fd is not None:
-                os.close(fd)
+            self._segments.forget(base)
             (self.directory / segment_name(base)).unlink()
 
     # ------------------------------------------------------------------ closing
@@ -829,12 +1001,12 @@ class Spool:
             self._release()
 
     def _release(self) -> None:
-        for fd in [self._fd, self._rejected_fd, *self._retired, *self._read_fds.values()]:
+        for fd in [self._fd, self._rejected_fd, *self._retired]:
             if fd is not None:
                 os.close(fd)
         self._fd = self._rejected_fd = None
         self._retired = []
-        self._read_fds = {}
+        self._segments.close()
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # closing it releases the flock
             self._lock_fd = None

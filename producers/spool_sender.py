@@ -7,7 +7,9 @@
 
 One asyncio task takes records from the spool in spool order (`Spool.take`:
 from memory for what was just appended, from the segment files after a
-restart or while Kafka is behind) and hands them to a `Sender` (in
+restart or while Kafka is behind; or, in a sender process of its own,
+`SpoolReader.take` from the files the writer published:
+`streamtally.producers.sender_process`) and hands them to a `Sender` (in
 production `KafkaSender`: `RawProducer.send`, the idempotent producer with
 ``acks=all``), up to `max_in_flight` records unacknowledged at once.  The
 producer keeps their order (one request's records share a key, so a
@@ -60,7 +62,7 @@ from streamtally.connection import KafkaConnection
 from streamtally.core.models import Source
 from streamtally.errors import StreamtallyError
 from streamtally.producers.raw import RawProducer
-from streamtally.producers.spool import Spool, SpoolError, SpoolRecord
+from streamtally.producers.spool import Spool, SpoolError, SpoolReader, SpoolRecord
 from streamtally.wire.tenant_keys import ProducerKey
 
 __all__ = [
@@ -168,7 +170,7 @@ class SpoolSender:
 
     def __init__(
         self,
-        spool: Spool,
+        spool: Spool | SpoolReader,
         sender: Sender,
         *,
         max_in_flight: int = DEFAULT_MAX_IN_FLIGHT,

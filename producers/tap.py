@@ -37,6 +37,14 @@ default).  A SIGKILLed process loses nothing it appended: a `Tap` opened on
 the same directory sends from the cursor again (the records sent twice are
 duplicates the worker drops).
 
+Where the sender runs.  By default in this process, as a task of its event
+loop.  With ``sender_process=True`` (what ``streamtally proxy`` does unless
+``--sender inline``) it runs in a child process that the tap starts, and
+starts again should it die (`streamtally.producers.sender_process`): this
+process then only appends, and the Kafka client's work leaves its event
+loop and its core.  The same `SpoolSender` runs there, over a reader of the
+same spool; the child goes when this process goes, SIGKILL included.
+
 Keep-alives. A call can be silent for minutes while it is alive (a reasoning model
 thinking before its first token or between two), and the worker closes a request as
 timed out once it has been quiet for its request timeout
@@ -122,6 +130,7 @@ from streamtally.core.models import Source, utc_now
 from streamtally.core.normalize import ADAPTERS, fallback_request_id, make_adapter
 from streamtally.core.sse import SseDecoder, SseEvent
 from streamtally.errors import InvalidEvent
+from streamtally.producers.sender_process import SenderConfig, SenderProcess
 from streamtally.producers.spool import (
     DEFAULT_MAX_BYTES,
     DEFAULT_SYNC_INTERVAL_S,
@@ -211,6 +220,8 @@ class TapStats:
     #: Bytes in the spool not yet acknowledged by Kafka, and the age of the oldest of them.
     spool_bytes: int = 0
     oldest_unsent_age_s: float = 0.0
+    #: Sender processes started again after one died (with ``sender_process``).
+    sender_restarts: int = 0
 
 
 class Tap:
@@ -236,6 +247,7 @@ class Tap:
         key: ProducerKey | None = None,
         keepalive_s: float | None = DEFAULT_KEEPALIVE_S,
         framing: Framing = SINGLE_OBJECT,
+        sender_process: bool = False,
     ) -> None:
         if spool_bytes < 1:
             raise ValueError(f"spool_bytes must be >= 1, got {spool_bytes}")
@@ -245,7 +257,16 @@ class Tap:
             )
         if not spool_sync_ms > 0:
             raise ValueError(f"spool_sync_ms must be > 0, got {spool_sync_ms}")
-        if sender is None:
+        self._process_config: SenderConfig | None = None
+        if sender_process:
+            if sender is not None:
+                raise ValueError("sender_process runs KafkaSender: not with a sender of your own")
+            if bootstrap_servers is None:
+                raise ValueError("give bootstrap_servers")
+            self._process_config = SenderConfig(
+                bootstrap_servers, namespace, linger_ms, key, max_in_flight
+            )
+        elif sender is None:
             if bootstrap_servers is None:
                 raise ValueError("give bootstrap_servers (or a sender)")
             sender = KafkaSender(bootstrap_servers, namespace, linger_ms, key)
@@ -267,7 +288,7 @@ class Tap:
         self._stats = TapStats()
         self._sender = sender
         self._spool: Spool | None = None
-        self._spool_sender: SpoolSender | None = None
+        self._spool_sender: SpoolSender | SenderProcess | None = None
         #: Records not encoded or not spooled (the sender counts those Kafka refused).
         self._failed = 0
         #: Seconds without a record before a request in flight gets a keep-alive (None: off).
@@ -282,6 +303,11 @@ class Tap:
         if self._spool is None:
             raise RuntimeError("the tap is not started: `async with Tap(...)` or `await start()`")
         return self._spool
+
+    @property
+    def sender_process(self) -> SenderProcess | None:
+        """The sender process (started with ``sender_process=True``; else None)."""
+        return self._spool_sender if isinstance(self._spool_sender, SenderProcess) else None
 
     @property
     def full(self) -> bool:
@@ -299,6 +325,8 @@ class Tap:
             stats.failed = self._failed + spool.rejected
             stats.spool_bytes = spool.unsent_bytes
             stats.oldest_unsent_age_s = spool.oldest_unsent_age_s()
+            if isinstance(self._spool_sender, SenderProcess):
+                stats.sender_restarts = self._spool_sender.restarts
         else:
             stats.failed = self._failed
         return stats
@@ -315,11 +343,16 @@ class Tap:
             options["segment_bytes"] = self.spool_segment_bytes
         spool = await asyncio.to_thread(Spool, self.spool_dir, **options)
         await spool.start()
-        spool_sender = SpoolSender(
-            spool,
-            self._sender,
-            **({} if self.max_in_flight is None else {"max_in_flight": self.max_in_flight}),
-        )
+        spool_sender: SpoolSender | SenderProcess
+        if self._process_config is not None:
+            spool_sender = SenderProcess(spool, self._process_config)
+        else:
+            assert self._sender is not None
+            spool_sender = SpoolSender(
+                spool,
+                self._sender,
+                **({} if self.max_in_flight is None else {"max_in_flight": self.max_in_flight}),
+            )
         try:
             await spool_sender.start()
         except BaseException:

@@ -452,6 +452,12 @@ class Settings(BaseSettings):
     api_tokens_path: Path | None = Field(
         None, validation_alias=_env("STREAMTALLY_API_TOKENS", "api_tokens_path")
     )
+    #: ``audit --provider-usage``: how far the provider's counts and the ledger's may differ
+    #: and still match, ``rel=0.001,tokens=2000,requests=2`` (``--provider-tolerance``
+    #: wins; `streamtally.ops.provider_usage.Tolerance`); none: exact.
+    provider_tolerance: str | None = Field(
+        None, validation_alias=_env("STREAMTALLY_PROVIDER_TOLERANCE", "provider_tolerance")
+    )
     state_dir_setting: Path | None = Field(
         None, validation_alias=_env("STREAMTALLY_STATE_DIR", "state_dir_setting")
     )

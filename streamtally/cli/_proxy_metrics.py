@@ -143,6 +143,11 @@ class ProxyCollector(Collector):
         yield _counter(
             t + "records_failed", "Raw records not encoded or refused by Kafka.", tap.failed
         )
+        yield _counter(
+            t + "sender_restarts",
+            "Spool sender processes started again after one died.",
+            tap.sender_restarts,
+        )
 
     def describe(self) -> Iterable[Any]:
         return []

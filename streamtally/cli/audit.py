@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
-from streamtally.cli import _output
+from streamtally.cli import _audit_extra, _output
 from streamtally.cli._args import add_kafka_to_read, file_or_stdin, kafka_of
 from streamtally.cli._output import escape, json_text, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
@@ -131,7 +131,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "own fold and pricing, and compare each request with its billing event and the "
             "usage rows in Redis."
         ),
-        epilog=_EPILOG,
+        epilog=_EPILOG + "\n" + _audit_extra.PROVIDER_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--since", type=_time, metavar="TIME", help="first receive time audited")
@@ -161,6 +161,7 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         metavar="N",
         help="run the audit as N processes, each a share of the raw partitions (default 1)",
     )
+    _audit_extra.add_arguments(parser)
     add_kafka_to_read(parser)
     add_redis_url(parser)
     parser.set_defaults(func=run)
@@ -265,31 +266,52 @@ def rerate_prices(name: str | None, settings: Settings) -> PriceTable | None:
 def run(args: argparse.Namespace, settings: Settings) -> int:
     # aiokafka logs every failed connection attempt; the error raised says it in one line.
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    provider = _audit_extra.load_provider_inputs(args, settings)  # before anything is read
+    lines = _audit_extra.PartitionLines() if args.progress_lines else None
     options = AuditOptions(
-        window=TimeRange(args.since, args.until),
+        window=_audit_extra.window_of(args),
         tenants=frozenset(args.tenant) if args.tenant else None,
         rerate=rerate_prices(args.prices, settings),
         rerate_name=args.prices or "",
         correct=args.correct,
+        partition_read=None if lines is None else lines.partition,
     )
     out = _out_path(args.out)
     servers = kafka_of(args, settings)
+    if args.workers > 1 and (args.correct or args.prices):
+        raise InputError("--correct and --prices run in one process: drop --workers")
+    progress: Any = lines
+    if lines is None and not args.json and sys.stderr.isatty() and args.workers == 1:
+        progress = _ProgressLine()
+    if lines is not None:
+        lines.step(f"auditing {_window_text(options.window)}")
     if args.workers > 1:
-        if args.correct or args.prices:
-            raise InputError("--correct and --prices run in one process: drop --workers")
         report = _run_workers(args, settings, options)
-        return _print(report, args.json, out)
-    progress = None if args.json or not sys.stderr.isatty() else _ProgressLine()
-    try:
-        report = run_redis(
-            args.redis_url or settings.redis_url,
-            lambda store: run_audit(settings, store, options, servers=servers, progress=progress),
-            cluster=settings.redis_cluster,
+    else:
+        try:
+            report = run_redis(
+                args.redis_url or settings.redis_url,
+                lambda store: run_audit(
+                    settings, store, options, servers=servers, progress=progress
+                ),
+                cluster=settings.redis_cluster,
+            )
+        finally:
+            if isinstance(progress, _ProgressLine):
+                progress.end()
+    if lines is not None:
+        lines.step(f"replay and comparisons done: {len(report.discrepancies):,} discrepancies")
+    if provider is not None:
+        report = _audit_extra.check_provider_usage(
+            report,
+            provider,
+            servers=servers,
+            settings=settings,
+            tenants=options.tenants,
+            window=options.window,
+            quiet=args.json and lines is None,
         )
-    finally:
-        if progress is not None:
-            progress.end()
-    return _print(report, args.json, out)
+    return _print(report, args.json, out, lines)
 
 
 def _child_args(args: argparse.Namespace) -> list[str]:
@@ -417,7 +439,12 @@ def run_merge(args: argparse.Namespace, settings: Settings) -> int:
     return _print(report, args.json, out)
 
 
-def _print(report: Report, as_json: bool, out: Path | None) -> int:
+def _print(
+    report: Report,
+    as_json: bool,
+    out: Path | None,
+    lines: _audit_extra.PartitionLines | None = None,
+) -> int:
     if as_json:
         write_stdout(json_text(report.to_json()) + "\n")
     else:
@@ -429,7 +456,18 @@ def _print(report: Report, as_json: bool, out: Path | None) -> int:
             else (json_text(report.to_json(), indent=2) + "\n")
         )
         _write(out, text)
+    if lines is not None:
+        lines.step(
+            f"done: {len(report.discrepancies):,} discrepancies"
+            + (f", report in {out}" if out is not None else "")
+        )
     return 0 if report.clean else 1
+
+
+def _window_text(window: TimeRange) -> str:
+    since = "the beginning" if window.since is None else window.since.isoformat()
+    until = "the snapshot" if window.until is None else window.until.isoformat()
+    return f"raw records received from {since} to {until}"
 
 
 def format_report(report: Report) -> str:
@@ -477,6 +515,7 @@ def format_report(report: Report) -> str:
                 else ""
             )
         )
+    lines.extend(_audit_extra.provider_summary(doc.get("provider_usage")))
     text = "".join(escape(line) + "\n" for line in lines)
     if doc["rerating"] is not None:
         text += format_rerating(doc["rerating"])

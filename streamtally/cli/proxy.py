@@ -55,6 +55,13 @@ Sizes.  A non-streaming body is teed whole (in part records when it is over
 512 KiB) up to ``--max-body-bytes`` (64 MiB by default; spooled to a
 temporary file while it arrives); a larger one is teed as the usage found in
 its first and last 64 KiB, with a warning, and counted.
+
+Kafka.  The tap appends every record to its spool (``--spool-dir``) and a
+sender produces them to Kafka from there: by default a sender process the
+proxy starts (``--sender process``: `streamtally.producers.sender_process`),
+so that the Kafka client shares neither the proxy's event loop nor its core;
+the proxy starts it again should it die, and it exits when the proxy goes,
+SIGKILL included.  ``--sender inline`` runs it in the proxy's event loop.
 """
 
 from __future__ import annotations
@@ -145,6 +152,8 @@ _VERSION: Final = re.compile(r"v\d+(?:[a-z]+\d*)?")
 CLIENT_POLL_S: Final = 0.25
 #: `--unmetered`: what a call to a path the proxy does not meter gets.
 UNMETERED: Final = ("forward", "reject")
+#: `--sender`: where the spool's records are produced to Kafka.
+SENDERS: Final = ("process", "inline")
 #: Headers aiohttp's client would add on its own: only those the client sent go upstream.
 _AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 
@@ -800,6 +809,15 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "machine at most this much",
     )
     parser.add_argument(
+        "--sender",
+        choices=SENDERS,
+        default="process",
+        help="where the spool's records are produced to Kafka: a sender process of the "
+        "proxy's own, which it starts and starts again should it die (the default: the "
+        "Kafka client then shares neither the event loop nor the core of the client "
+        "streams), or inline, in the proxy's process",
+    )
+    parser.add_argument(
         "--max-body-bytes",
         type=positive,
         default=DEFAULT_MAX_BODY_BYTES,
@@ -842,6 +860,7 @@ async def _serve(
         spool_bytes=args.spool_bytes,
         spool_sync_ms=args.spool_sync_ms,
         keepalive_s=args.keepalive_seconds or None,
+        sender_process=args.sender == "process",
     ) as tap:
         proxy = ProxyServer(args.upstream, tap, api_keys=api_keys, options=proxy_options)
         try:
@@ -872,7 +891,8 @@ async def _serve(
         f"tapped for their encoding {sum(proxy.tees.stats.undecodable.values())}; records "
         f"appended to the spool {stats.appended} ({stats.keepalives} keep-alives), sent "
         f"{stats.sent}, failed {stats.failed}, "
-        f"left in the spool {stats.spool_bytes} bytes"
+        f"left in the spool {stats.spool_bytes} bytes; sender processes started again "
+        f"{stats.sender_restarts}"
     )
     return 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from streamtally.processors.requests import (
 )
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, MembershipLost, RawMessage
+from streamtally.processors.stages import BatchTimes, summarise
 from streamtally.producers import raw_records
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -324,6 +326,8 @@ async def test_a_failed_batch_stops_every_commit_and_asks_the_worker_to_stop() -
             yield fetched
 
         await pipeline.agents["process-raw"].fun(stream())
+        assert pipeline.committer is not None
+        await pipeline.committer.settle()  # commits are sent in the background
 
     await feed(request("ok-1"))  # closed and flushed: its records committed
     committed = list(source.commits)
@@ -379,6 +383,8 @@ async def test_a_lost_membership_stops_commits_and_applying_and_asks_the_worker_
             yield fetched
 
         await pipeline.agents["process-raw"].fun(stream())
+        assert pipeline.committer is not None
+        await pipeline.committer.settle()  # commits are sent in the background
 
     await feed(request("before"))
     assert [list(c.values()) for c in source.commits] == [[offset]]
@@ -406,19 +412,16 @@ class _HeldSink(RecordingSink):
 
 
 class _Backlog:
-    """The agent's stream with another batch always waiting in its channel (a backlog):
-    the agent writes each batch behind, while it applies the next."""
+    """The agent's stream as faust's: it never ends, so the agent writes each batch behind
+    while it applies the next, or waits for one (the test cancels the agent)."""
 
     def __init__(self, batches: list[FetchedBatch]) -> None:
         self.batches = batches
-        self.channel = self
-
-    def empty(self) -> bool:
-        return False
 
     async def __aiter__(self) -> Any:
         for batch in self.batches:
             yield batch
+        await asyncio.Event().wait()
 
 
 async def test_a_batch_written_behind_commits_nothing_before_its_outputs_are_durable() -> None:
@@ -459,9 +462,11 @@ async def test_a_batch_written_behind_commits_nothing_before_its_outputs_are_dur
         await asyncio.sleep(0.001)
     assert source.commits == [{TopicPartition(topic, 0): first_end}]
     sink.through.release()
-    await asyncio.wait_for(run, 5)
     assert pipeline.writes is not None
-    await pipeline.writes.drain()
+    await asyncio.wait_for(pipeline.writes.drain(), 5)
+    run.cancel()
+    assert pipeline.committer is not None
+    await pipeline.committer.settle()
     assert source.commits[-1] == {TopicPartition(topic, 0): offset}
     assert {c.tokens.request_id for c in sink.outputs.completed} == {"wb-1", "wb-2"}
 
@@ -494,9 +499,10 @@ async def test_a_fenced_worker_finishes_its_write_in_flight_before_it_stops() ->
         ),
     )
     run = asyncio.ensure_future(pipeline.agents["process-raw"].fun(_Backlog([batch])))
-    await asyncio.wait_for(run, 5)  # applied; its write waits on the store
+    while pipeline.processor.counters.received < len(records):  # applied ...
+        await asyncio.sleep(0.001)
     assert pipeline.writes is not None
-    assert pipeline.writes.pending
+    assert pipeline.writes.pending  # ... and its write waits on the store
     assert pipeline.lost is not None
     pipeline.lost(MembershipLost("worker-0", TOPICS.processors_group))
     stopping = asyncio.ensure_future(pipeline.app.on_shutdown())  # runs close_sinks
@@ -507,6 +513,7 @@ async def test_a_fenced_worker_finishes_its_write_in_flight_before_it_stops() ->
     assert [c.tokens.request_id for c in sink.outputs.completed] == ["in-flight"]
     assert sink.flushes == 1
     assert source.commits == []
+    run.cancel()
 
 
 class _Wall:
@@ -575,7 +582,10 @@ async def test_a_write_hanging_through_an_outage_is_not_taken_for_quiet_time() -
     broker["answers"] = True  # back: the write goes through, then the next one
     sink.through.release()
     sink.through.release()
-    await asyncio.wait_for(run, 5)
+    while pipeline.batch_lock.locked():  # the agent submitted the second batch's write
+        await asyncio.sleep(0.001)
+    assert pipeline.writes is not None
+    await asyncio.wait_for(pipeline.writes.drain(), 5)
     for _ in range(4):
         wall.now += 0.25
         await watch()
@@ -589,6 +599,7 @@ async def test_a_write_hanging_through_an_outage_is_not_taken_for_quiet_time() -
         await watch()
     await close_quiet()
     assert processor.counters.requests_timed_out == 2
+    run.cancel()
 
 
 class _SharedRedis:
@@ -690,6 +701,8 @@ class _TwoOwners:
             yield fetched
 
         await self.pipeline.agents["process-raw"].fun(stream())
+        assert self.pipeline.committer is not None
+        await self.pipeline.committer.settle()  # commits are sent in the background
 
     def other_owner_times_out_r(self, first: int) -> Completed:
         """Another owner read r's records up to (not with) its END, from offset `first`,
@@ -703,6 +716,11 @@ class _TwoOwners:
         [theirs] = other.expire().completed
         assert theirs.closed.reason is CloseReason.TIMEOUT
         return theirs
+
+    async def settle(self) -> None:
+        """The background committer's commit sent and done."""
+        assert self.pipeline.committer is not None
+        await self.pipeline.committer.settle()
 
     def committed(self) -> int | None:
         return self.source.commits[-1][self.tp] if self.source.commits else None
@@ -744,9 +762,11 @@ async def test_a_close_decided_elsewhere_is_committed_past_only_once_it_is_appli
     assert two.committed() == r_first  # s and t done, but behind r
     assert two.pipeline.gate.waiting_elsewhere() == [two.r]
     await two.pipeline.timers["close-quiet-requests"]()
+    await two.settle()
     assert two.committed() == r_first  # still not applied: still held
     two.redis.applied.add(two.r)  # the other owner's write goes through
     await two.pipeline.timers["close-quiet-requests"]()
+    await two.settle()
     assert two.committed() == len(two.log)
     assert two.pipeline.gate.waiting_elsewhere() == []
     assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "t"]
@@ -782,3 +802,105 @@ async def test_a_close_decided_elsewhere_and_never_applied_is_closed_where_decid
     )
     assert r_amended.tokens.finish_reason.value == "stop"
     assert [done.ref.request_id for done in two.redis.written] == ["before", "s", "r", "r"]
+
+
+async def test_a_fetched_batch_counts_its_stages_once_per_request_it_closed() -> None:
+    """The worker times a batch's way (`processors.stages`): a fetched batch that closes a
+    request adds each stage once, from its END record's Kafka timestamp to the sink that
+    ends the Tokens' write; a batch that closes none adds nothing."""
+
+    class RedisLike(RecordingSink):
+        stage = "redis"  # its flush ends the request's write, as RedisOutputs' does
+
+    sink = RedisLike()
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1", redis_url_setting="redis://127.0.0.1:1/0"
+    )
+    pipeline = create_app(settings, lambda app: Sinks(sink), consume=False)
+    _, records = raw_records(
+        Source.OPENAI,
+        (SAMPLES / "openai/text_usage.sse").read_bytes(),
+        tenant="acme",
+        request_id="timed",
+    )
+    produced = time.time() - 0.25  # the END record was produced 250 ms before the fetch
+    messages = tuple(
+        RawMessage(TOPICS.raw_sse.name, 0, i, produced, b"timed", value)
+        for i, value in enumerate(records)
+    )
+
+    def fetched(part: tuple[RawMessage, ...]) -> FetchedBatch:
+        times = BatchTimes(fetched=time.perf_counter(), fetched_wall=time.time())
+        return FetchedBatch(pipeline.revocations.generation, part, times)
+
+    async def stream() -> Any:
+        yield fetched(messages[:-1])  # no request closed: nothing counted
+        yield fetched(messages[-1:])  # its END
+
+    await pipeline.agents["process-raw"].fun(stream())
+    summary = summarise(pipeline.metrics.stages.snapshot())
+    assert [c.tokens.request_id for c in sink.outputs.completed] == ["timed"]
+    for stage in ("fetch", "decode", "queue", "apply", "lookup", "write_wait", "total"):
+        assert summary[stage]["requests"] == 1, stage
+    assert 250 <= summary["fetch"]["p50_ms"] < 400
+    assert summary["total"]["p50_ms"] >= summary["fetch"]["p50_ms"]
+    assert b'streamtally_stage_seconds_count{stage="total"} 1.0' in (pipeline.metrics.exposition())
+
+
+async def test_an_idle_agent_leaves_its_write_behind_and_applies_the_next_batch_at_once() -> None:
+    """No batch waits when a write starts (an idle worker): the agent does not wait for the
+    write before it takes the next batch, which comes while the store still writes; it is
+    applied at once (its own write waits for the one before, and nothing is committed before
+    its outputs are durable)."""
+    sink = _HeldSink()
+    settings = Settings(
+        kafka_bootstrap_servers="127.0.0.1:1", redis_url_setting="redis://127.0.0.1:1/0"
+    )
+    pipeline = create_app(settings, lambda app: Sinks(sink), consume=False)
+    source = _CommitLog()
+    pipeline.source = source  # type: ignore[assignment]
+    topic = TOPICS.raw_sse.name
+    transcript = (SAMPLES / "openai/text_usage.sse").read_bytes()
+    batches, offset = [], 0
+    for request_id in ("idle-1", "idle-2"):
+        _, records = raw_records(Source.OPENAI, transcript, tenant="acme", request_id=request_id)
+        batches.append(
+            FetchedBatch(
+                pipeline.revocations.generation,
+                tuple(
+                    RawMessage(topic, 0, offset + i, 1_790_000_000.0, request_id.encode(), v)
+                    for i, v in enumerate(records)
+                ),
+            )
+        )
+        offset += len(records)
+    later = asyncio.Event()
+
+    async def stream() -> Any:
+        yield batches[0]
+        await later.wait()  # nothing waits in the channel: the worker is idle
+        yield batches[1]
+        await asyncio.Event().wait()
+
+    run = asyncio.ensure_future(pipeline.agents["process-raw"].fun(stream()))
+    first = len(batches[0].messages)
+    while pipeline.processor.counters.received < first:
+        await asyncio.sleep(0.001)
+    await asyncio.sleep(0.01)
+    assert pipeline.writes is not None
+    assert pipeline.writes.pending  # the first batch's write waits on the store ...
+    later.set()
+    while pipeline.processor.counters.received < offset:  # ... and the next is applied
+        await asyncio.sleep(0.001)
+    assert sink.flushes == 0
+    assert pipeline.processor.counters.requests_completed == 2
+    assert source.commits == []
+    sink.through.release()
+    sink.through.release()
+    while pipeline.batch_lock.locked():
+        await asyncio.sleep(0.001)
+    await asyncio.wait_for(pipeline.writes.drain(), 5)
+    assert pipeline.committer is not None
+    await pipeline.committer.settle()
+    assert source.commits[-1] == {TopicPartition(topic, 0): offset}
+    run.cancel()

@@ -1,7 +1,7 @@
 """A gateway process that taps through a spool, for tests that kill it (test_tap_spool.py).
 
-    python -m tests.integration.tap_child stream SPOOL_DIR NAMESPACE TENANT RUN SAMPLE N
-    python -m tests.integration.tap_child resume SPOOL_DIR NAMESPACE
+    python -m tests.integration.tap_child stream SPOOL_DIR NAMESPACE TENANT RUN SAMPLE N SENDER
+    python -m tests.integration.tap_child resume SPOOL_DIR NAMESPACE SENDER
 
 ``stream`` taps `N` requests (ids ``RUN-0`` ...) of the SSE transcript `SAMPLE`
 (a path under samples/, OpenAI), started 0.15 s apart, one event every 3 ms,
@@ -12,6 +12,9 @@ It runs until killed (it then waits for ever).
 
 ``resume`` opens a `Tap` on the same spool, waits until Kafka has everything it
 holds, prints ``SENT <records>`` and closes.
+
+`SENDER` is ``inline`` (the tap's sender in its event loop) or ``process`` (a sender
+process of its own, `Tap(sender_process=True)`, as the proxy's default).
 
 Kafka is ``KAFKA_BOOTSTRAP_SERVERS``.
 """
@@ -35,7 +38,9 @@ def say(line: str) -> None:
     sys.stdout.flush()
 
 
-async def stream(spool: Path, namespace: str, tenant: str, run: str, sample: str, n: int) -> None:
+async def stream(
+    spool: Path, namespace: str, tenant: str, run: str, sample: str, n: int, process: bool
+) -> None:
     events = list(read_events(Source.OPENAI, (SAMPLES / sample).open("rb")))
     servers = os.environ["KAFKA_BOOTSTRAP_SERVERS"]
 
@@ -49,15 +54,17 @@ async def stream(spool: Path, namespace: str, tenant: str, run: str, sample: str
                 await asyncio.sleep(0.003)
         say(f"END {rid} {len(events)}")
 
-    async with Tap(servers, namespace=namespace, spool_dir=spool, max_in_flight=1) as tap:
+    async with Tap(
+        servers, namespace=namespace, spool_dir=spool, max_in_flight=1, sender_process=process
+    ) as tap:
         await asyncio.gather(*(one(tap, index) for index in range(n)))
         say("DONE")
         await asyncio.sleep(3600)  # killed before
 
 
-async def resume(spool: Path, namespace: str) -> None:
+async def resume(spool: Path, namespace: str, process: bool) -> None:
     servers = os.environ["KAFKA_BOOTSTRAP_SERVERS"]
-    async with Tap(servers, namespace=namespace, spool_dir=spool) as tap:
+    async with Tap(servers, namespace=namespace, spool_dir=spool, sender_process=process) as tap:
         if not await tap.spool.wait_sent(120):
             raise SystemExit(f"not sent within 120 s: {tap.spool.unsent_records} records")
         say(f"SENT {tap.stats.sent}")
@@ -66,10 +73,12 @@ async def resume(spool: Path, namespace: str) -> None:
 def main() -> None:
     mode, spool, namespace, *rest = sys.argv[1:]
     if mode == "stream":
-        tenant, run, sample, n = rest
-        asyncio.run(stream(Path(spool), namespace, tenant, run, sample, int(n)))
+        tenant, run, sample, n, sender = rest
+        process = sender == "process"
+        asyncio.run(stream(Path(spool), namespace, tenant, run, sample, int(n), process))
     else:
-        asyncio.run(resume(Path(spool), namespace))
+        (sender,) = rest
+        asyncio.run(resume(Path(spool), namespace, sender == "process"))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,8 @@ A local aiohttp upstream streams one of our OpenAI transcripts (with its
 usage, as the proxy asks for it: `tests.openai_upstream`) to 1,000 streaming
 calls of ten tenants, released at once (no semaphore; connection limits off).
 `ProxyServer` with a real `Tap` (its spool in the test's directory, its own
-topic namespace) sits in front.  A tenth of the calls *think*: after their
+topic namespace, its sender in a process of its own as the proxy's default)
+sits in front.  A tenth of the calls *think*: after their
 first events the upstream waits, a few seconds, as a reasoning model may.
 Once they all wait and Kafka has every record so far, the broker is paused
 for `PAUSE_S` seconds (SIGSTOP of the local stack's Kafka processes, found by
@@ -250,7 +251,10 @@ async def traffic(
     seen = Traffic()
     loop = asyncio.get_running_loop()
     async with Tap(
-        settings.bootstrap_servers, namespace=settings.namespace, spool_dir=spool_dir
+        settings.bootstrap_servers,
+        namespace=settings.namespace,
+        spool_dir=spool_dir,
+        sender_process=True,  # as `streamtally proxy` runs it
     ) as tap:
         proxy = ProxyServer(f"http://127.0.0.1:{up_port}", tap, options=ProxyOptions())
         port = await proxy.start("127.0.0.1", 0)

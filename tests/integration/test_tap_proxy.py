@@ -5,8 +5,9 @@ stream (with its usage only when the request asks for it, as a real
 OpenAI-compatible server does: `tests.openai_upstream`), a Gemini
 non-streaming body (one event of a Gemini transcript), and streams that stop
 at a point and wait until their client has gone away, then go on to their
-end.  The proxy (`ProxyServer`, the command's own code, with a real `Tap`)
-sits in front; plain aiohttp clients call it, none of them asking for usage.
+end.  The proxy (`ProxyServer`, the command's own code, with a real `Tap`
+whose sender is a process of its own, as the command's default) sits in
+front; plain aiohttp clients call it, none of them asking for usage.
 
 Checked: every client gets exactly what the upstream would have sent it
 without the proxy (the OpenAI stream without usage); the upstream was asked
@@ -172,7 +173,7 @@ async def traffic(servers: str, namespace: str, tenants: dict[str, str]) -> Seen
     upstream = Upstream()
     seen = Seen()
     up_port = await upstream.start()
-    async with Tap(servers, namespace=namespace) as tap:
+    async with Tap(servers, namespace=namespace, sender_process=True) as tap:
         proxy = ProxyServer(f"http://127.0.0.1:{up_port}", tap)
         port = await proxy.start("127.0.0.1", 0)
         base = f"http://127.0.0.1:{port}"

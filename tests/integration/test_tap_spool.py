@@ -16,11 +16,18 @@ same spool directory sends them.  Then, on the real stack:
 - the real worker bills each request as `streamtally fold` folds what was
   appended: the whole transcript for the requests that ended, the events
   appended for those cut off (closed by the worker's request timeout).
+
+Twice: with the tap's sender inline (in the gateway's event loop), and in a
+sender process of its own (``Tap(sender_process=True)``, the proxy's default).
+In the second, the sender process is SIGKILLed first, mid-stream (the tap starts
+a new one, from the cursor), and the sender process there when the gateway is
+SIGKILLed must exit by itself (no sender outlives its writer).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -56,6 +63,25 @@ SAMPLE = "openai/long_text_bench.sse"
 REQUESTS = 10
 #: Lines ``E``/``END`` read from the child before it is killed (of about 1,960).
 KILL_AFTER = 900
+#: Lines read before the sender process alone is SIGKILLed (``process`` only).
+KILL_SENDER_AFTER = 300
+
+
+def children(pid: int) -> set[int]:
+    """The pids of the children of process `pid` (Linux)."""
+    out: set[int] = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):
+            out.update(int(child) for child in (task / "children").read_text().split())
+    return out
+
+
+def alive(pid: int) -> bool:
+    """Process `pid` runs (a zombie, exited and not yet reaped, does not)."""
+    try:
+        return "\nState:\tZ" not in Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
 
 
 def raw_records(servers: str, namespace: str, tenant: str) -> list[tuple[str, int, EventKind]]:
@@ -73,8 +99,9 @@ def folded(path: Path) -> dict[str, Any]:
     return dict(json.loads(done.out))
 
 
+@pytest.mark.parametrize("sender", ["inline", "process"])
 def test_a_sigkilled_tap_resends_its_spool_and_every_appended_record_is_billed(
-    worker: WorkerProcess, bootstrap_servers: str, redis_url: str, tmp_path: Path
+    worker: WorkerProcess, bootstrap_servers: str, redis_url: str, tmp_path: Path, sender: str
 ) -> None:
     run = "spool-" + uuid.uuid4().hex[:10]
     tenant = f"t-{run}"
@@ -84,7 +111,17 @@ def test_a_sigkilled_tap_resends_its_spool_and_every_appended_record_is_billed(
     child = [sys.executable, "-m", "tests.integration.tap_child"]
     try:
         gateway = subprocess.Popen(
-            [*child, "stream", str(spool_dir), namespace, tenant, run, SAMPLE, str(REQUESTS)],
+            [
+                *child,
+                "stream",
+                str(spool_dir),
+                namespace,
+                tenant,
+                run,
+                SAMPLE,
+                str(REQUESTS),
+                sender,
+            ],
             cwd=REPO,
             env=env,
             stdout=subprocess.PIPE,
@@ -93,14 +130,27 @@ def test_a_sigkilled_tap_resends_its_spool_and_every_appended_record_is_billed(
         assert gateway.stdout is not None
         lines: list[str] = []
         deadline = time.monotonic() + 120
+        killed_sender: int | None = None
         while len(lines) < KILL_AFTER and time.monotonic() < deadline:
             line = gateway.stdout.readline()
             assert line, f"the child ended early (code {gateway.poll()}): {lines[-3:]}"
             lines.append(line.strip())
+            if sender == "process" and len(lines) == KILL_SENDER_AFTER:
+                (killed_sender,) = children(gateway.pid)
+                os.kill(killed_sender, signal.SIGKILL)
         assert "DONE" not in lines
+        senders = children(gateway.pid)
+        if sender == "process":
+            assert killed_sender is not None
+            assert len(senders) == 1
+            assert killed_sender not in senders, "a new sender process was started"
         gateway.send_signal(signal.SIGKILL)
         lines += [line.strip() for line in gateway.stdout.read().splitlines()]
         assert gateway.wait(10) == -signal.SIGKILL
+        orphans = time.monotonic() + 15
+        while any(alive(pid) for pid in senders) and time.monotonic() < orphans:
+            time.sleep(0.05)
+        assert not any(alive(pid) for pid in senders), "no sender outlives its writer"
 
         appended: set[tuple[str, int]] = set()
         ended: dict[str, int] = {}
@@ -122,7 +172,7 @@ def test_a_sigkilled_tap_resends_its_spool_and_every_appended_record_is_billed(
         assert left > 0
 
         resumed = subprocess.run(
-            [*child, "resume", str(spool_dir), namespace],
+            [*child, "resume", str(spool_dir), namespace, sender],
             cwd=REPO,
             env=env,
             capture_output=True,

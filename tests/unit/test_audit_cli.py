@@ -121,12 +121,14 @@ def test_the_json_report_has_the_documented_shape() -> None:
         "aborted",
         "totals",
         "rerating",
+        "provider_usage",
         "corrections",
         "snapshot",
     }
     assert doc["aborted"] == {"count": 0, "requests": [], "listed": 0}
     assert doc["rerating"] is None  # without --prices
     assert doc["corrections"] is None  # without --correct
+    assert doc["provider_usage"] is None  # without --provider-usage
     assert set(doc["requests"]) == {
         "replayed",
         "amended",

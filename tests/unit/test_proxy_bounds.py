@@ -456,6 +456,7 @@ async def test_a_full_spool_refuses_new_calls_before_forwarding_and_keeps_the_re
         assert f"streamtally_tap_spool_bytes {float(tap.stats.spool_bytes)}" in text
         assert "streamtally_tap_spool_oldest_unsent_seconds" in text
         assert "streamtally_tap_keepalives_total 0.0" in text
+        assert "streamtally_tap_sender_restarts_total 0.0" in text
         assert 'streamtally_proxy_calls_refused_total{reason="spool_full"}' in text
         appended = tap.stats.appended
         sender.hold = False

@@ -8,6 +8,7 @@ import pytest
 
 from streamtally.core.identity import RequestRef
 from streamtally.processors.outputs import Outputs
+from streamtally.processors.stages import BatchTimes
 from streamtally.processors.writes import Holds, WriteBehind
 
 pytestmark = pytest.mark.timeout(10)
@@ -24,7 +25,8 @@ class Store:
     def gate(self, name: str) -> asyncio.Event:
         return self.gates.setdefault(name, asyncio.Event())
 
-    async def write(self, outputs: Outputs, holds: Holds) -> None:
+    async def write(self, outputs: Outputs, holds: Holds, times: BatchTimes | None) -> None:
+        del times
         name = str(holds[0][1]) if holds else "timer"
         self.log.append(f"start {name}")
         await self.gate(name).wait()

@@ -91,6 +91,10 @@ class Kind(StrEnum):
     #: instead of amending it (its amendable state had expired, or a worker of before
     #: amendments read them).  A missing bill of its own kind: billable records, unbilled.
     UNBILLED_AMENDMENT = "unbilled_amendment"
+    #: ``--provider-usage``: the provider's usage report and the bills that stand differ in
+    #: a (day, model, tenant) beyond the tolerance (`streamtally.ops.provider_usage`);
+    #: `expected` is the provider's count, `found` the ledger's.  Never corrected.
+    PROVIDER_USAGE_MISMATCH = "provider_usage_mismatch"
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,7 +5,9 @@
 cancelled before any usage: a count and their tenant and request id; no discrepancy),
 `totals` (per tenant, from the replay),
 `rerating` (``--prices``: per tenant, billed, at the other prices and the difference; null
-without it), `corrections` (``--correct``: what was written; null without it) and
+without it), `provider_usage` (``--provider-usage``: the provider's reports against the
+ledger, `streamtally.ops.provider_usage`; null without it), `corrections` (``--correct``:
+what was written; null without it) and
 `snapshot` (what was read: topics, partitions, offset ranges, and how the
 raw records were used).
 """
@@ -53,6 +55,8 @@ class Report:
     #: `Aborted.to_json`: requests billed as aborted (cancelled before any usage), their
     #: own kind, not discrepancies.
     aborted: dict[str, Any] | None = None
+    #: `ProviderCheck.to_json` with ``--provider-usage``, else None.
+    provider_usage: dict[str, Any] | None = None
 
     @property
     def clean(self) -> bool:
@@ -73,6 +77,7 @@ class Report:
             else {"count": 0, "requests": [], "listed": 0},
             "totals": self.totals,
             "rerating": self.rerating,
+            "provider_usage": self.provider_usage,
             "corrections": self.corrections,
             "snapshot": self.snapshot,
         }

@@ -84,6 +84,30 @@ class AuditOptions:
     rerate_name: str = ""
     #: ``--correct``: write a correction per discrepancy and set the usage rows right.
     correct: bool = False
+    #: Told (raw topic, partition, records read) as each raw partition is read to its end
+    #: (``--progress-lines``); a partition with nothing in range is not read.
+    partition_read: Callable[[str, int, int], None] | None = None
+
+
+def _partitions_read(
+    batch: list[TopicRecord] | None,
+    topic: str,
+    ranges: dict[int, tuple[int, int]],
+    tell: Callable[[str, int, int], None],
+    told: set[int],
+) -> None:
+    """`tell` each partition of `batch` whose last record in range it holds; without a
+    batch (the topic read), each partition with records in range not told yet."""
+    ends = (
+        [(r.partition, r.offset + 1) for r in batch]
+        if batch is not None
+        else [(p, end) for p, (start, end) in sorted(ranges.items()) if end > start]
+    )
+    for partition, reached in ends:
+        start, end = ranges[partition]
+        if reached >= end and partition not in told:
+            told.add(partition)
+            tell(topic, partition, end - start)
 
 
 class _Meter:
@@ -191,6 +215,7 @@ async def run_share(
     progress: Progress | None = None,
     refuse_bad: bool = False,
     batch_size: int = 2000,
+    partition_read: Callable[[str, int, int], None] | None = None,
 ) -> ShareRun:
     """Replay the raw partitions of `share` of `plan` and check their requests' bills
     (see `_split`); `refuse_bad`: `InputError` when a billing or correction record in range
@@ -289,10 +314,15 @@ async def run_share(
         start = {p: r[0] for p, r in ranges.items()}
         end = {p: r[1] for p, r in ranges.items()}
         reading = read_topic(servers, name, start=start, end=end)
+        told: set[int] = set()
         async with contextlib.aclosing(reading) as records:
             async for batch in _batches(records, batch_size):
                 await replay.feed(batch)
                 meter(len(batch))
+                if partition_read is not None:
+                    _partitions_read(batch, name, ranges, partition_read, told)
+        if partition_read is not None:
+            _partitions_read(None, name, ranges, partition_read, told)
     replay.finish()
     wanted = ledger.close_index()
     found: dict[int, list[BillingEvent]] = {}
@@ -411,6 +441,7 @@ async def run_audit(
         progress=progress,
         refuse_bad=options.correct,
         batch_size=options.batch_size,
+        partition_read=options.partition_read,
     )
     merged = merge_parts([done.part])
     if progress is not None:
