@@ -55,10 +55,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def leaf_parsers(parser: argparse.ArgumentParser) -> Iterator[argparse.ArgumentParser]:
-    """The parsers of every command (those without subcommands), depth first."""
+    """The parsers of every command (those without subcommands, or whose subcommands are
+    optional: ``audit`` and its steps), depth first."""
     commands = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
-    if not commands:
+    if not commands or not any(a.required for a in commands):
         yield parser
+    if not commands:
         return
     for action in commands:
         seen: set[int] = set()

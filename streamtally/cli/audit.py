@@ -9,9 +9,12 @@ usage row differences through `RedisStore.correct_row`.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import datetime
 from pathlib import Path
@@ -26,10 +29,17 @@ from streamtally.errors import InputError
 from streamtally.ops.audit import (
     CSV_COLUMNS,
     AuditOptions,
+    Part,
+    Plan,
     Report,
+    Share,
     TimeRange,
+    merge_parts,
+    merged_report,
     parse_time,
     run_audit,
+    run_share,
+    take_plan,
 )
 from streamtally.settings import Settings
 
@@ -89,6 +99,15 @@ read the bills as corrected, so the next run reports clean; a billing consumer
 applies the corrections the same way (see the README).  The exit status is still 1
 when there was something to correct.
 
+--workers N runs the audit as N processes on this machine: one snapshot, each
+process replaying the raw partitions p with p % N == i and checking the bills of
+their requests, the partial reports merged into the report one process writes,
+byte for byte (the usage rows are compared once, after the merge).  On several
+machines, the same in three steps (no --correct):
+  streamtally audit snapshot --out SNAP [--since T] [--until T] [--tenant T]
+  streamtally audit run --snapshot SNAP --share i/N --out PART   (i = 0 .. N-1)
+  streamtally audit merge --snapshot SNAP PART... [--json] [--out FILE]
+
 --out FILE writes the report as JSON, or the discrepancies as CSV when FILE ends
 in .csv.  Progress (rate, ETA) goes to stderr on a terminal, never with --json.
 exit status: 0 no discrepancy, 1 discrepancies, 2 a bad argument, Kafka or Redis
@@ -135,10 +154,63 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     parser.add_argument(
         "--out", type=file_or_stdin, metavar="FILE", help="also write the report (.csv: CSV)"
     )
+    parser.add_argument(
+        "--workers",
+        type=_workers,
+        default=1,
+        metavar="N",
+        help="run the audit as N processes, each a share of the raw partitions (default 1)",
+    )
     _audit_extra.add_arguments(parser)
     add_kafka_to_read(parser)
     add_redis_url(parser)
     parser.set_defaults(func=run)
+    steps = parser.add_subparsers(dest="step", metavar="STEP", required=False)
+    snap = steps.add_parser(
+        "snapshot",
+        help="take an audit's snapshot (offsets and usage rows) into a file",
+        description="Take the snapshot of a split audit: what every `audit run` reads.",
+    )
+    snap.add_argument("--since", type=_time, metavar="TIME", help="first receive time audited")
+    snap.add_argument("--until", type=_time, metavar="TIME", help="receive time audited before")
+    snap.add_argument("--tenant", action="append", metavar="T", help="audit this tenant")
+    snap.add_argument("--out", required=True, metavar="FILE", help="the snapshot file")
+    add_kafka_to_read(snap)
+    add_redis_url(snap)
+    snap.set_defaults(func=run_snapshot)
+    share = steps.add_parser(
+        "run",
+        help="audit one share of a snapshot's raw partitions into a part file",
+        description="Replay share i/N of the raw partitions of a snapshot (see audit --help).",
+    )
+    share.add_argument("--snapshot", required=True, metavar="FILE", help="`audit snapshot`'s")
+    share.add_argument("--share", required=True, metavar="i/N", help="0-based: 0/2 and 1/2")
+    share.add_argument("--out", required=True, metavar="PART", help="the part file")
+    add_kafka_to_read(share)
+    add_redis_url(share)
+    share.set_defaults(func=run_part)
+    merge = steps.add_parser(
+        "merge",
+        help="merge the parts of every share into the audit's report",
+        description="Merge the parts of shares 0/N to N-1/N of one snapshot into its report.",
+    )
+    merge.add_argument("--snapshot", required=True, metavar="FILE", help="`audit snapshot`'s")
+    merge.add_argument("parts", nargs="+", metavar="PART", help="`audit run`'s part files")
+    merge.add_argument("--json", action="store_true", help="print the report as JSON")
+    merge.add_argument(
+        "--out", type=file_or_stdin, metavar="FILE", help="also write the report (.csv: CSV)"
+    )
+    merge.set_defaults(func=run_merge)
+
+
+def _workers(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 256:
+        raise argparse.ArgumentTypeError(f"--workers {text!r}: want 1 to 256 processes")
+    return value
 
 
 class _ProgressLine:
@@ -206,20 +278,27 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     )
     out = _out_path(args.out)
     servers = kafka_of(args, settings)
+    if args.workers > 1 and (args.correct or args.prices):
+        raise InputError("--correct and --prices run in one process: drop --workers")
     progress: Any = lines
-    if lines is None and not args.json and sys.stderr.isatty():
+    if lines is None and not args.json and sys.stderr.isatty() and args.workers == 1:
         progress = _ProgressLine()
     if lines is not None:
         lines.step(f"auditing {_window_text(options.window)}")
-    try:
-        report = run_redis(
-            args.redis_url or settings.redis_url,
-            lambda store: run_audit(settings, store, options, servers=servers, progress=progress),
-            cluster=settings.redis_cluster,
-        )
-    finally:
-        if isinstance(progress, _ProgressLine):
-            progress.end()
+    if args.workers > 1:
+        report = _run_workers(args, settings, options)
+    else:
+        try:
+            report = run_redis(
+                args.redis_url or settings.redis_url,
+                lambda store: run_audit(
+                    settings, store, options, servers=servers, progress=progress
+                ),
+                cluster=settings.redis_cluster,
+            )
+        finally:
+            if isinstance(progress, _ProgressLine):
+                progress.end()
     if lines is not None:
         lines.step(f"replay and comparisons done: {len(report.discrepancies):,} discrepancies")
     if provider is not None:
@@ -232,7 +311,141 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             window=options.window,
             quiet=args.json and lines is None,
         )
-    if args.json:
+    return _print(report, args.json, out, lines)
+
+
+def _child_args(args: argparse.Namespace) -> list[str]:
+    """The connection options given to this command, for its worker processes."""
+    out = []
+    for name, flag in (("bootstrap_servers", "--bootstrap-servers"), ("redis_url", "--redis-url")):
+        value = getattr(args, name, None)
+        if value:
+            out += [flag, value]
+    return out
+
+
+def _run_workers(args: argparse.Namespace, settings: Settings, options: AuditOptions) -> Report:
+    """The snapshot here, each share in a process of its own, the parts merged here."""
+    servers = kafka_of(args, settings)
+    plan = run_redis(
+        args.redis_url or settings.redis_url,
+        lambda store: take_plan(settings, store, options, servers=servers),
+        cluster=settings.redis_cluster,
+    )
+    with tempfile.TemporaryDirectory(prefix="streamtally-audit-") as folder:
+        snapshot = Path(folder) / "snapshot.json"
+        snapshot.write_text(json_text(plan.to_json()), encoding="utf-8")
+        children = []
+        for i in range(args.workers):
+            part = Path(folder) / f"part-{i}.json"
+            command = [
+                sys.executable,
+                "-c",
+                "import sys; from streamtally.cli import main; sys.exit(main())",
+                "audit",
+                "run",
+                "--snapshot",
+                str(snapshot),
+                "--share",
+                f"{i}/{args.workers}",
+                "--out",
+                str(part),
+                *_child_args(args),
+            ]
+            children.append((part, subprocess.Popen(command, stdout=subprocess.DEVNULL)))
+        failed = [str(i) for i, (_, child) in enumerate(children) if child.wait() != 0]
+        if failed:
+            raise InputError(f"audit --workers: share(s) {', '.join(failed)} failed (above)")
+        parts = [_read_part(part) for part, _ in children]
+    return merged_report(plan, merge_parts(parts))
+
+
+def _read_json(name: str, what: str) -> Any:
+    try:
+        return json.loads(Path(name).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise InputError(f"cannot read {what} {escape(name)}: {exc.strerror or exc}") from exc
+    except ValueError as exc:
+        raise InputError(f"{what} {escape(name)} is not JSON: {exc}") from exc
+
+
+def _read_part(path: Path) -> Part:
+    return Part.from_json(_read_json(str(path), "the part"))
+
+
+def _read_plan(name: str) -> Plan:
+    return Plan.from_json(_read_json(name, "the snapshot"))
+
+
+def _write(path: Path, text: str) -> None:
+    try:
+        path.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise InputError(f"cannot write {escape(str(path))}: {exc.strerror or exc}") from exc
+
+
+def run_snapshot(args: argparse.Namespace, settings: Settings) -> int:
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    out = _out_path(args.out)
+    assert out is not None
+    options = AuditOptions(
+        window=TimeRange(args.since, args.until),
+        tenants=frozenset(args.tenant) if args.tenant else None,
+    )
+    servers = kafka_of(args, settings)
+    plan = run_redis(
+        args.redis_url or settings.redis_url,
+        lambda store: take_plan(settings, store, options, servers=servers),
+        cluster=settings.redis_cluster,
+    )
+    _write(out, json_text(plan.to_json()) + "\n")
+    snap = plan.snapshot
+    write_stdout(
+        escape(
+            f"snapshot of {snap.raw_records():,} raw and {snap.billing_records():,} billing "
+            f"records, {len(plan.rows):,} usage rows, taken at {snap.taken_at.isoformat()}"
+        )
+        + "\n"
+    )
+    return 0
+
+
+def run_part(args: argparse.Namespace, settings: Settings) -> int:
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    out = _out_path(args.out)
+    assert out is not None
+    share = Share.parse(args.share)
+    plan = _read_plan(args.snapshot)
+    servers = kafka_of(args, settings)
+    done = run_redis(
+        args.redis_url or settings.redis_url,
+        lambda store: run_share(settings, store, plan, share, servers=servers),
+        cluster=settings.redis_cluster,
+    )
+    _write(out, json_text(done.part.to_json()) + "\n")
+    read = done.part.raw_records["read"]
+    write_stdout(escape(f"share {share}: {read:,} raw records replayed") + "\n")
+    return 0
+
+
+def run_merge(args: argparse.Namespace, settings: Settings) -> int:
+    del settings
+    out = _out_path(args.out)
+    plan = _read_plan(args.snapshot)
+    parts = [_read_part(Path(name)) for name in args.parts]
+    if any(part.plan != plan.digest() for part in parts):
+        raise InputError("a part is of another snapshot than --snapshot")
+    report = merged_report(plan, merge_parts(parts))
+    return _print(report, args.json, out)
+
+
+def _print(
+    report: Report,
+    as_json: bool,
+    out: Path | None,
+    lines: _audit_extra.PartitionLines | None = None,
+) -> int:
+    if as_json:
         write_stdout(json_text(report.to_json()) + "\n")
     else:
         write_stdout(format_report(report))
@@ -242,10 +455,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
             if out.suffix.lower() == ".csv"
             else (json_text(report.to_json(), indent=2) + "\n")
         )
-        try:
-            out.write_text(text, encoding="utf-8")
-        except OSError as exc:
-            raise InputError(f"cannot write {escape(str(out))}: {exc.strerror or exc}") from exc
+        _write(out, text)
     if lines is not None:
         lines.step(
             f"done: {len(report.discrepancies):,} discrepancies"

@@ -251,6 +251,48 @@ def audit(*args: str) -> tuple[int, dict[str, Any]]:
     return result.code, json.loads(result.out)
 
 
+def split_matches_one(tmp_path: Path, *args: str) -> dict[str, Any]:
+    """One snapshot audited as share 0/1 and as shares 0/2 and 1/2: the merged reports are
+    the same bytes (JSON and CSV); and ``audit --workers 2`` (its own snapshot) reports what
+    ``audit`` does but for the time each snapshot was taken.  Returns the report."""
+    snap = tmp_path / "snapshot.json"
+    assert cli("audit", "snapshot", "--out", str(snap), *args).code == 0
+    parts: dict[str, Path] = {}
+    for share in ("0/1", "0/2", "1/2"):
+        parts[share] = tmp_path / f"part-{share.replace('/', '-')}.json"
+        done = cli(
+            "audit", "run", "--snapshot", str(snap), "--share", share, "--out", str(parts[share])
+        )
+        assert done.code == 0, done.err
+    halves = [json.loads(parts[s].read_text())["raw_records"]["read"] for s in ("0/2", "1/2")]
+    assert all(halves), halves  # each share replayed records of its own
+    outputs = {}
+    for name, shares in (("one", ["0/1"]), ("two", ["1/2", "0/2"])):
+        merged = cli(
+            "audit", "merge", "--snapshot", str(snap), "--json", *(str(parts[s]) for s in shares)
+        )
+        csv_out = tmp_path / f"{name}.csv"
+        cli(
+            "audit",
+            "merge",
+            "--snapshot",
+            str(snap),
+            "--out",
+            str(csv_out),
+            *(str(parts[s]) for s in shares),
+        )
+        outputs[name] = (merged.code, merged.out, csv_out.read_bytes())
+    assert outputs["two"] == outputs["one"]
+    code, one = audit(*args)
+    workers = cli("audit", "--json", "--workers", "2", *args)
+    assert workers.code == code, workers.err
+    two = json.loads(workers.out)
+    for report in (one, two):
+        del report["snapshot"]["taken_at"]
+    assert two == one
+    return json.loads(outputs["one"][1])
+
+
 def _found(report: dict[str, Any]) -> list[tuple[Any, ...]]:
     keys = ("kind", "request_id", "tenant", "model", "day", "field", "expected", "found")
     return sorted((tuple(d[k] for k in keys) for d in report["discrepancies"]), key=json.dumps)
@@ -274,6 +316,7 @@ def test_a_clean_run_reports_no_discrepancy(scene: Scene, tmp_path: Path) -> Non
     out = tmp_path / "report.json"
     code, report = audit("--out", str(out))
     assert code == 0, _found(report)
+    assert split_matches_one(tmp_path)["discrepancies"] == []
     everything = scene.everything
     assert report["discrepancies"] == []
     r = report["requests"]
@@ -482,10 +525,15 @@ async def _bill_behind_the_workers_back(scene: Scene, sent: Sent) -> BillingEven
 def test_each_tampering_is_reported_exactly(scene: Scene, tmp_path: Path) -> None:
     expected: list[tuple[Any, ...]] = []
 
+    steps = iter(range(100))
+
     def check(**counts: int) -> dict[str, Any]:
         code, report = audit()
         assert code == 1
         assert _found(report) == sorted(expected, key=json.dumps)
+        step = tmp_path / f"split-{next(steps)}"
+        step.mkdir()
+        assert _found(split_matches_one(step)) == _found(report)
         for name, value in counts.items():
             assert report["requests"][name] == value, name
         return report

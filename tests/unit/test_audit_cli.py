@@ -47,6 +47,10 @@ BILL = Discrepancy(Kind.USAGE_MISMATCH, "=HYPERLINK(1)", "acme", None, None, "in
         (["--since", "2026-11-24", "--until", "2026-11-24"], "must be before --until"),
         (["--out", "/nonexistent-folder/report.json"], "not a file in a writable folder"),
         (["--bootstrap-servers", "h:99999"], "port"),
+        (["--workers", "0"], "want 1 to 256 processes"),
+        (["--workers", "2", "--correct"], "run in one process"),
+        (["run", "--snapshot", "s.json", "--share", "2/2", "--out", "p.json"], "want 0 <= i < N"),
+        (["merge", "--snapshot", "/nonexistent/s.json", "p.json"], "cannot read the snapshot"),
     ],
 )
 def test_bad_input_is_one_line_and_status_2(

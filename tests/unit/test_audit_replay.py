@@ -546,6 +546,18 @@ def test_the_audit_replays_with_the_workers_request_timeouts() -> None:
     assert (processor.timeout_of("anthropic"), processor.timeout_of("openai")) == (900, 120)
 
 
+def test_the_audit_makes_chunks_as_the_worker_does() -> None:
+    """The worker's chunks setting and content policy: with the chunks topic off neither
+    encodes a chunk (nor dead-letters a record whose chunk would not encode)."""
+    from streamtally.ops.audit._run import replay_processor
+    from streamtally.settings import Settings
+
+    off = replay_processor(Settings(chunks_topic=False, content="none"), PRICES)
+    assert not off.chunks_topic
+    assert off.content.content.value == "none"
+    assert replay_processor(Settings(), PRICES).chunks_topic
+
+
 def test_an_amended_request_is_closed_where_each_revision_was() -> None:
     """The worker closed revision 0 at its third record and, records later, revision 1 at
     its sixth (both by timeout): the close history the audit looks up (one marker per line)

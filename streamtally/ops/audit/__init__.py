@@ -38,6 +38,11 @@ the version in force at its receive time (`streamtally.wire.billing.charge`), so
 that keeps its history re-bills the past as it was billed; a bill made under a version the
 table no longer holds shows as a ``cost_mismatch``.
 
+Split (``--workers N``, or ``audit snapshot`` / ``run --share i/N`` / ``merge`` on several
+machines; `_split`): one snapshot, each share replaying the raw partitions ``p % N == i``
+and checking its requests' bills, the parts merged into the report one process writes
+(one process runs share 0/1 and merges it alone); the usage rows compared after the merge.
+
 Re-rating (``--prices FILE``, `_rerate`): every request the replay closed is priced again
 at FILE's prices, at its receive time, and the report sums per tenant what was billed,
 what FILE charges and the difference.  Nothing is written.
@@ -51,7 +56,16 @@ from streamtally.ops.audit._range import TimeRange, parse_time
 from streamtally.ops.audit._report import CSV_COLUMNS, Report
 from streamtally.ops.audit._rerate import RerateSum, Rerating, rerated_cost
 from streamtally.ops.audit._rows import ROW_FIELDS, RowComparison, compare_rows
-from streamtally.ops.audit._run import AuditOptions, Progress, run_audit
+from streamtally.ops.audit._run import (
+    AuditOptions,
+    Progress,
+    ShareRun,
+    merged_report,
+    run_audit,
+    run_share,
+    take_plan,
+)
+from streamtally.ops.audit._split import Merged, Part, Plan, Share, merge_parts, raw_partition_of
 
 __all__ = [
     "CSV_COLUMNS",
@@ -60,15 +74,25 @@ __all__ = [
     "AuditOptions",
     "Discrepancy",
     "Kind",
+    "Merged",
+    "Part",
+    "Plan",
     "Progress",
     "Report",
     "RequestCounts",
     "RerateSum",
     "Rerating",
     "RowComparison",
+    "Share",
+    "ShareRun",
     "TimeRange",
     "compare_rows",
+    "merge_parts",
+    "merged_report",
     "parse_time",
+    "raw_partition_of",
     "rerated_cost",
     "run_audit",
+    "run_share",
+    "take_plan",
 ]

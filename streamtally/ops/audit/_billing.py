@@ -79,6 +79,11 @@ class BillingIndex:
             return None
         return Entry(digest, self._conflicts.pop(key, None) is not None)
 
+    def peek(self, key: int) -> Entry | None:
+        """The entry of `key`, left in the index; None when nothing was billed."""
+        digest = self._digests.get(key)
+        return None if digest is None else Entry(digest, key in self._conflicts)
+
     def remaining(self) -> set[int]:
         """The keys never taken: billed, but for no request the replay found."""
         return set(self._digests)
@@ -105,15 +110,16 @@ async def index_billing(
     *,
     corrections: CorrectionLog | None = None,
     progress: Callable[[int], None] | None = None,
+    standing: Callable[[BillingEvent], bool] | None = None,
 ) -> None:
     """Add the events of `ranges` (partition -> [start, end)) that `accept` takes to `index`.
 
-    With `corrections`, the bills as corrected: the bills the corrections stand first, then
-    the billing events no correction supersedes.
+    With `corrections`, the bills as corrected: the bills the corrections stand first (those
+    `standing` takes; default `accept`), then the billing events no correction supersedes.
     """
     if corrections is not None:
         for bill in corrections.standing():
-            if accept(bill):
+            if (standing or accept)(bill):
                 index.add(bill)
     start = {p: r[0] for p, r in ranges.items()}
     end = {p: r[1] for p, r in ranges.items()}

@@ -90,19 +90,31 @@ class Aborted:
     say (its events are checked like any other's)."""
 
     count: int = 0
-    #: (tenant, request id) of the first `ABORTED_LISTED`, in the replay's order.
+    #: (tenant, request id) of the `ABORTED_LISTED` first in (tenant, request id) order,
+    #: whatever order the replay met them in (a split audit's shares list the same ones);
+    #: unsorted, up to twice that many, between `listed` calls.
     requests: list[RequestRef] = field(default_factory=list)
 
     def add(self, event: BillingEvent) -> None:
         self.count += 1
-        if len(self.requests) < ABORTED_LISTED:
-            self.requests.append(RequestRef(event.tenant, event.request_id))
+        self.requests.append(RequestRef(event.tenant, event.request_id))
+        if len(self.requests) >= 2 * ABORTED_LISTED:
+            self.requests = self.listed()
+
+    def listed(self) -> list[RequestRef]:
+        """The requests the report names: the first `ABORTED_LISTED` in order."""
+        return sorted(self.requests)[:ABORTED_LISTED]
+
+    def merge(self, other: Aborted) -> None:
+        self.count += other.count
+        self.requests = sorted([*self.requests, *other.requests])[:ABORTED_LISTED]
 
     def to_json(self) -> dict[str, Any]:
+        listed = self.listed()
         return {
             "count": self.count,
-            "requests": [{"tenant": r.tenant, "request_id": r.request_id} for r in self.requests],
-            "listed": len(self.requests),
+            "requests": [{"tenant": r.tenant, "request_id": r.request_id} for r in listed],
+            "listed": len(listed),
         }
 
 
@@ -129,6 +141,9 @@ class Ledger:
     row_expected: dict[RowKey, dict[str, Any]] = field(default_factory=dict)
     _conflicting: set[int] = field(default_factory=set)
     _unexpected: set[int] = field(default_factory=set)
+    #: Event keys of partial requests the index held nothing for (a split audit's merge
+    #: needs them: such a bill may have been indexed by another share, `_split`).
+    partial_missed: set[int] = field(default_factory=set)
 
     # -- the replay's outcomes -----------------------------------------------------------
 
@@ -171,7 +186,9 @@ class Ledger:
         at the snapshot); its billing (if any) and its row are not checked."""
         self.counts.partial += 1
         self.partial_reasons[reason] += 1
-        self.index.take(event_key(event_id(ref.tenant, ref.request_id, revision)))
+        key = event_key(event_id(ref.tenant, ref.request_id, revision))
+        if self.index.take(key) is None:
+            self.partial_missed.add(key)
         self._unsure.add((ref.tenant, day))
 
     def dead_lettered(self, ref: RequestRef) -> None:
@@ -203,6 +220,34 @@ class Ledger:
         for key in self._unexpected:
             for event in found.get(key, ())[:1]:
                 self.discrepancies.append(unexpected_billing(event))
+
+    @property
+    def unexpected(self) -> set[int]:
+        """The keys `close_index` found billed for no request replayed here."""
+        return self._unexpected
+
+    @property
+    def missing(self) -> Mapping[int, BillingEvent]:
+        """event key -> the replay's event, for the requests billed nowhere in the index."""
+        return self._missing
+
+    def sums(self) -> tuple[dict[RowKey, RowSum], dict[str, RowSum], set[tuple[str, str]]]:
+        """The replay's sums per usage row and per tenant, and the (tenant, day) pairs a
+        partial request may be counted in."""
+        return self._rows, self._totals, self._unsure
+
+    def add_sums(
+        self,
+        rows: Mapping[RowKey, RowSum],
+        totals: Mapping[str, RowSum],
+        unsure: set[tuple[str, str]],
+    ) -> None:
+        """Add another replay's `sums` (a share of a split audit) to this one's."""
+        for key, other in rows.items():
+            self._rows.setdefault(key, RowSum()).merge(other)
+        for tenant, total in totals.items():
+            self._totals.setdefault(tenant, RowSum()).merge(total)
+        self._unsure |= unsure
 
     def compare_rows(self, stored: Sequence[Mapping[str, Any]]) -> tuple[RowComparison, int]:
         """The replay's usage rows against `stored` (`RedisStore.usage_rows`), those the

@@ -91,6 +91,10 @@ class Rerating:
             billed, rerated_cost(billed, self.prices)
         )
 
+    def sums(self) -> dict[str, RerateSum]:
+        """tenant -> the sum of its requests (what a split audit's share hands over)."""
+        return self._tenants
+
     def to_json(self) -> dict[str, Any]:
         """The report's ``rerating``: what was used, per tenant, and the total."""
         total = RerateSum()

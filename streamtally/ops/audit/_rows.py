@@ -58,6 +58,26 @@ class RowSum:
         units, pico = cost_parts(event.cost)
         self.cost_pico += sign * (units * PICO + pico)
 
+    def merge(self, other: RowSum) -> None:
+        """Add the sum `other` (of other requests) to this one."""
+        self.requests += other.requests
+        self.unpriced_requests += other.unpriced_requests
+        for i, value in enumerate(other.usage):
+            self.usage[i] += value
+        self.cost_pico += other.cost_pico
+
+    def to_list(self) -> list[int]:
+        """The sum as numbers: requests, unpriced, the usage fields, the cost in 10**-12."""
+        return [self.requests, self.unpriced_requests, *self.usage, self.cost_pico]
+
+    @classmethod
+    def from_list(cls, values: list[int]) -> RowSum:
+        """The sum `to_list` gave."""
+        n = len(USAGE_FIELDS)
+        if len(values) != n + 3:
+            raise ValueError(f"a row sum has {n + 3} numbers, not {len(values)}")
+        return cls(values[0], values[1], list(values[2 : 2 + n]), values[2 + n])
+
     def values(self) -> dict[str, Any]:
         """The row's `ROW_FIELDS` as JSON values."""
         units, pico = divmod(self.cost_pico, PICO)

@@ -1,5 +1,9 @@
 """One audit from start to end: snapshot, billing index, replay, comparisons, report.
 
+As `_split` runs it: `take_plan` (the snapshot and the usage rows), `run_share` for each
+share of the raw partitions (one process: share 0/1), `merge_parts`, then `merged_report`
+(the usage rows compared once).  ``--correct`` runs in one process only.
+
 Reads only: a consumer without a group for every topic, an admin request for the
 processors' committed offsets, and Redis reads through `RedisStore` (the usage rows,
 right after the snapshot, and the close markers of the requests replayed).
@@ -8,10 +12,13 @@ right after the snapshot, and the close markers of the requests replayed).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
@@ -25,8 +32,20 @@ from streamtally.ops.audit._range import TimeRange
 from streamtally.ops.audit._replay import Replay
 from streamtally.ops.audit._report import Report
 from streamtally.ops.audit._rerate import Rerating
-from streamtally.ops.audit._snapshot import Snapshot, take_snapshot
+from streamtally.ops.audit._snapshot import take_snapshot
+from streamtally.ops.audit._split import (
+    Merged,
+    Part,
+    Plan,
+    Share,
+    billing_by_partition,
+    billing_partition_of,
+    merge_parts,
+    part_of,
+    raw_partition_of,
+)
 from streamtally.ops.corrections import read_corrections
+from streamtally.processors.content import content_policy
 from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
@@ -35,9 +54,19 @@ from streamtally.topics import Topics
 from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.framing import SINGLE_OBJECT, framing_for
 from streamtally.wire.kafka import TopicRecord, read_topic
+from streamtally.wire.records import BillingEvent
 from streamtally.wire.tenant_keys import TenantTrust
 
-__all__ = ["AuditOptions", "Progress", "replay_processor", "run_audit"]
+__all__ = [
+    "AuditOptions",
+    "Progress",
+    "ShareRun",
+    "merged_report",
+    "replay_processor",
+    "run_audit",
+    "run_share",
+    "take_plan",
+]
 
 #: `progress(done, total)`: records read so far of the snapshot's, at most twice a second.
 Progress = Callable[[int, int], None]
@@ -100,7 +129,8 @@ def replay_processor(settings: Settings, prices: PriceTable) -> RequestProcessor
     clock that never moves (the input's times alone close quiet requests).  It keeps every
     timed-out request's amendable state (the worker keeps the latest in memory and all in
     Redis; the replay has no Redis to ask), so each late record amends as in the worker:
-    memory grows with the raw bytes of the requests closed at their timeout."""
+    memory grows with the raw bytes of the requests closed at their timeout.  Its content
+    policy and chunks setting are the worker's (`STREAMTALLY_CONTENT`, `STREAMTALLY_CHUNKS`)."""
     processor = RequestProcessor(
         prices,
         timeout=settings.request_timeout,
@@ -115,6 +145,11 @@ def replay_processor(settings: Settings, prices: PriceTable) -> RequestProcessor
         ),
     )
     processor.amendable_memory_bytes = sys.maxsize
+    # The chunks the worker writes, made as it makes them (their values dropped): a record
+    # whose chunk does not encode is dead-lettered by both, and one the worker writes no
+    # chunk of (STREAMTALLY_CHUNKS=off) costs the replay no encoding either.
+    processor.content = content_policy(settings)
+    processor.chunks_topic = settings.chunks_topic
     return processor
 
 
@@ -136,30 +171,69 @@ async def _batches(
         yield batch
 
 
-async def run_audit(
+async def take_plan(
     settings: Settings,
     store: RedisStore,
     options: AuditOptions,
     *,
     servers: KafkaConnection | str | None = None,
-    progress: Progress | None = None,
-) -> Report:
-    """Audit the namespace of `settings` (see `streamtally.ops.audit`)."""
-    servers = servers or settings.kafka
-    topics = Topics.in_namespace(settings.namespace)
-    prices = PriceTable.load_or_default(settings.prices_path)
+) -> Plan:
+    """The snapshot of an audit of the namespace of `settings`, with the usage rows read
+    within it (see `_snapshot`): what every share of it reads."""
     stored_rows: list[dict[str, object]] = []
 
     async def read_rows() -> None:  # inside the snapshot (see `_snapshot`)
         stored_rows.extend(await store.usage_rows())
 
     snapshot = await take_snapshot(
-        servers,
-        topics,
+        servers or settings.kafka,
+        Topics.in_namespace(settings.namespace),
         options.window,
         request_timeout=settings.longest_request_timeout,
         between=read_rows,
     )
+    return Plan(snapshot, settings.namespace, options.tenants, tuple(stored_rows))
+
+
+@dataclass(slots=True)
+class ShareRun:
+    """What `run_share` found: the part, and the share's ledger (for ``--correct``)."""
+
+    part: Part
+    ledger: Ledger
+    meter_done: int = 0
+
+
+async def run_share(
+    settings: Settings,
+    store: RedisStore,
+    plan: Plan,
+    share: Share,
+    *,
+    rerate: Rerating | None = None,
+    servers: KafkaConnection | str | None = None,
+    progress: Progress | None = None,
+    refuse_bad: bool = False,
+    batch_size: int = 2000,
+    partition_read: Callable[[str, int, int], None] | None = None,
+) -> ShareRun:
+    """Replay the raw partitions of `share` of `plan` and check their requests' bills
+    (see `_split`); `refuse_bad`: `InputError` when a billing or correction record in range
+    does not decode (``--correct`` cannot correct what it cannot read)."""
+    if plan.namespace != settings.namespace:
+        raise InputError(
+            f"the snapshot is of namespace {plan.namespace}, the settings name "
+            f"{settings.namespace} (STREAMTALLY_NAMESPACE)"
+        )
+    servers = servers or settings.kafka
+    snapshot = plan.snapshot
+    topics = Topics.in_namespace(settings.namespace)
+    prices = PriceTable.load_or_default(settings.prices_path)
+    raw = {
+        name: {p: r if share.owns(p) else (r[1], r[1]) for p, r in ranges.items()}
+        for name, ranges in snapshot.raw.items()
+    }
+    raw_partitions = max((len(ranges) for ranges in snapshot.raw.values()), default=1) or 1
     bad_corrections: list[tuple[int, int, str]] = []
     corrections = CorrectionLog()
     if any(end > start for start, end in snapshot.corrections.values()):
@@ -170,27 +244,46 @@ async def run_audit(
             start={p: r[0] for p, r in snapshot.corrections.items()},
             end={p: r[1] for p, r in snapshot.corrections.items()},
         )
-    scope = Scope(snapshot.window, options.tenants)
-    meter = _Meter(snapshot.raw_records() + snapshot.billing_records(), progress)
+    scope = Scope(snapshot.window, plan.tenants)
+    # The billing partitions of this share's numbers (see `_split`), else all of them.
+    by_partition = share.count > 1 and billing_by_partition(snapshot)
+    billing = {
+        p: r if not by_partition or share.owns(p) else (r[1], r[1])
+        for p, r in snapshot.billing.items()
+    }
+    raw_records = sum(end - start for ranges in raw.values() for start, end in ranges.values())
+    billing_records = sum(end - start for start, end in billing.values())
+    meter = _Meter(raw_records + billing_records, progress)
     index = BillingIndex()
-    if snapshot.billing_records() or len(corrections):
+
+    def by_content(event: BillingEvent) -> bool:
+        return scope.accepts(event) and share.owns(raw_partition_of(event, raw_partitions))
+
+    def standing(event: BillingEvent) -> bool:  # a corrected bill, on no partition
+        return scope.accepts(event) and share.owns(billing_partition_of(event, len(billing)))
+
+    if billing_records or len(corrections):
         await index_billing(
             servers,
             snapshot.billing_topic,
-            snapshot.billing,
-            scope.accepts,
+            billing,
+            by_content if share.count > 1 and not by_partition else scope.accepts,
             index,
             corrections=corrections,
             progress=meter,
+            standing=standing if by_partition else None,
         )
-    if options.correct and (index.bad or bad_corrections):
+    if share.index:  # corrections (and, read whole, billing records) undecodable: share 0's
+        bad_corrections = []
+        if not by_partition:
+            index.bad = []
+    if refuse_bad and (index.bad or bad_corrections):
         raise InputError(
             f"{len(index.bad)} billing and {len(bad_corrections)} correction records in range "
             "do not decode (see `streamtally audit --json`, snapshot): an audit cannot correct "
             "bills it cannot read; run it without --correct and repair those first"
         )
-    rerating = None if options.rerate is None else Rerating(options.rerate, options.rerate_name)
-    ledger = Ledger(index, scope, rerating=rerating)
+    ledger = Ledger(index, scope, rerating=rerate)
     processor = replay_processor(settings, prices)
     if settings.tenant_keys_path is not None:  # refuse what the worker refused
         processor.trust = TenantTrust.load(settings.tenant_keys_path)
@@ -210,12 +303,12 @@ async def run_audit(
         processor,
         sse_topic=topics.raw_sse.name,
         window=snapshot.window,
-        tenants=options.tenants,
+        tenants=plan.tenants,
         lookup=lookup,
         committed=snapshot.committed,
         outcomes=ledger,
     )
-    for name, ranges in snapshot.raw.items():
+    for name, ranges in raw.items():
         if not any(end > start for start, end in ranges.values()):
             continue
         start = {p: r[0] for p, r in ranges.items()}
@@ -223,96 +316,161 @@ async def run_audit(
         reading = read_topic(servers, name, start=start, end=end)
         told: set[int] = set()
         async with contextlib.aclosing(reading) as records:
-            async for batch in _batches(records, options.batch_size):
+            async for batch in _batches(records, batch_size):
                 await replay.feed(batch)
                 meter(len(batch))
-                if options.partition_read is not None:
-                    _partitions_read(batch, name, ranges, options.partition_read, told)
-        if options.partition_read is not None:
-            _partitions_read(None, name, ranges, options.partition_read, told)
+                if partition_read is not None:
+                    _partitions_read(batch, name, ranges, partition_read, told)
+        if partition_read is not None:
+            _partitions_read(None, name, ranges, partition_read, told)
     replay.finish()
     wanted = ledger.close_index()
+    found: dict[int, list[BillingEvent]] = {}
     if wanted:
-        ledger.resolve(
-            await find_events(
-                servers,
-                snapshot.billing_topic,
-                snapshot.billing,
-                wanted,
-                corrections=corrections,
+        found = await find_events(
+            servers,
+            snapshot.billing_topic,
+            billing,
+            wanted,
+            corrections=corrections,
+        )
+        ledger.resolve(found)
+    stats, counters = replay.stats, replay.processor.counters
+    raw_counts = Counter(
+        read=stats.read,
+        outside_range=stats.outside,
+        other_tenants=stats.other_tenants,
+        straddling=stats.straddling,
+        applied=counters.applied,
+        duplicates=counters.duplicates,
+        dead_lettered=counters.dead_lettered,
+        replays=counters.replayed,
+    )
+    part = part_of(share, plan.digest(), raw_counts, index=index, ledger=ledger, found=found)
+    part.corrections_read, part.bills_corrected = corrections.records, len(corrections)
+    part.corrections_bad = bad_corrections
+    return ShareRun(part, ledger, meter.done)
+
+
+def merged_report(
+    plan: Plan,
+    merged: Merged,
+    *,
+    rerate: Rerating | None = None,
+    corrections: dict[str, Any] | None = None,
+    rows_ledger: Ledger | None = None,
+) -> Report:
+    """The report of the audit of `plan` whose parts `merged` adds up: the usage rows
+    compared once, here; `rerate` (empty) names the ``--prices`` table."""
+    scope = Scope(plan.snapshot.window, plan.tenants)
+    ledger = rows_ledger if rows_ledger is not None else Ledger(BillingIndex(), scope)
+    ledger.add_sums(merged.rows, merged.totals, merged.unsure)
+    rows, skipped = ledger.compare_rows(plan.rows)
+    discrepancies = sorted(merged.discrepancies + rows.discrepancies, key=lambda d: d.sort_key())
+    raw = merged.raw_records
+    snapshot: dict[str, Any] = {
+        **plan.snapshot.to_json(),
+        "tenants": None if plan.tenants is None else sorted(plan.tenants),
+        "raw_records": {
+            name: raw[name]
+            for name in (
+                "read",
+                "outside_range",
+                "other_tenants",
+                "straddling",
+                "applied",
+                "duplicates",
+                "dead_lettered",
+                "replays",
             )
-        )
-    rows, skipped = ledger.compare_rows(stored_rows)
-    if progress is not None:
-        progress(meter.done, meter.total)
-    discrepancies = sorted(ledger.discrepancies + rows.discrepancies, key=lambda d: d.sort_key())
-    corrected = None
-    if options.correct:
-        corrected = Corrected(topics.corrections.name, audit_id=audit_id(snapshot.to_json()))
-        plan = plan_corrections(
-            discrepancies,
-            ledger,
-            audit=corrected.audit_id,
-            billing_before={p: end for p, (_, end) in snapshot.billing.items()},
-            currency=prices.currency,
-            now=utc_now(),
-        )
-        # Written in the framing of STREAMTALLY_AVRO_FRAMING (its schema registered first).
-        framing = framing_for(settings, (topics.corrections,)) if plan.corrections else None
-        await apply_plan(
-            plan,
-            servers=servers,
-            topic=topics.corrections,
-            store=store,
-            done=corrected,
-            framing=framing or SINGLE_OBJECT,
-        )
-    json_snapshot = _snapshot_json(snapshot, replay, index, ledger, options)
-    json_snapshot["correction_records"] = {
-        "read": corrections.records,
-        "bills_corrected": len(corrections),
-        "billing_records_superseded": index.superseded,
-        "undecodable": [{"partition": p, "offset": o, "reason": r} for p, o, r in bad_corrections],
+        },
+        "billing_records": {
+            "in_scope": merged.billing_in_scope,
+            "undecodable": [
+                {"partition": p, "offset": o, "reason": r}
+                for p, o, r in sorted(merged.billing_bad)[:100]
+            ],
+        },
+        "partial": dict(sorted(merged.partial_reasons.items())),
+        "correction_records": {
+            "read": merged.corrections_read,
+            "bills_corrected": merged.bills_corrected,
+            "billing_records_superseded": merged.billing_superseded,
+            "undecodable": [
+                {"partition": p, "offset": o, "reason": r}
+                for p, o, r in sorted(merged.corrections_bad)
+            ],
+        },
     }
+    rerating = None
+    if rerate is not None:
+        rerating = Rerating(rerate.prices, rerate.name, dict(merged.rerating or {})).to_json()
     return Report(
-        requests=ledger.counts,
+        requests=merged.counts,
         rows=rows,
         rows_skipped=skipped,
         discrepancies=tuple(discrepancies),
         totals=ledger.totals(),
-        snapshot=json_snapshot,
-        rerating=None if rerating is None else rerating.to_json(),
-        corrections=None if corrected is None else corrected.to_json(),
-        aborted=ledger.aborted.to_json(),
+        snapshot=snapshot,
+        rerating=rerating,
+        corrections=corrections,
+        aborted=merged.aborted.to_json(),
     )
 
 
-def _snapshot_json(
-    snapshot: Snapshot,
-    replay: Replay,
-    index: BillingIndex,
-    ledger: Ledger,
+async def run_audit(
+    settings: Settings,
+    store: RedisStore,
     options: AuditOptions,
-) -> dict[str, object]:
-    stats, counters = replay.stats, replay.processor.counters
-    return {
-        **snapshot.to_json(),
-        "tenants": None if options.tenants is None else sorted(options.tenants),
-        "raw_records": {
-            "read": stats.read,
-            "outside_range": stats.outside,
-            "other_tenants": stats.other_tenants,
-            "straddling": stats.straddling,
-            "applied": counters.applied,
-            "duplicates": counters.duplicates,
-            "dead_lettered": counters.dead_lettered,
-            "replays": counters.replayed,
-        },
-        "billing_records": {
-            "in_scope": index.records,
-            "undecodable": [
-                {"partition": p, "offset": o, "reason": r} for p, o, r in index.bad[:100]
-            ],
-        },
-        "partial": dict(sorted(ledger.partial_reasons.items())),
-    }
+    *,
+    servers: KafkaConnection | str | None = None,
+    progress: Progress | None = None,
+) -> Report:
+    """Audit the namespace of `settings` (see `streamtally.ops.audit`) in this process:
+    share 0/1 of its snapshot, merged alone (`_split`)."""
+    servers = servers or settings.kafka
+    plan = await take_plan(settings, store, options, servers=servers)
+    rerating = None if options.rerate is None else Rerating(options.rerate, options.rerate_name)
+    done = await run_share(
+        settings,
+        store,
+        plan,
+        Share(),
+        rerate=rerating,
+        servers=servers,
+        progress=progress,
+        refuse_bad=options.correct,
+        batch_size=options.batch_size,
+        partition_read=options.partition_read,
+    )
+    merged = merge_parts([done.part])
+    if progress is not None:
+        progress(done.meter_done, plan.snapshot.raw_records() + plan.snapshot.billing_records())
+    if not options.correct:
+        return merged_report(plan, merged, rerate=rerating)
+    rows_ledger = Ledger(BillingIndex(), Scope(plan.snapshot.window, plan.tenants))
+    report = merged_report(plan, merged, rerate=rerating, rows_ledger=rows_ledger)
+    ledger = done.ledger
+    ledger.row_expected.update(rows_ledger.row_expected)
+    topics = Topics.in_namespace(settings.namespace)
+    prices = PriceTable.load_or_default(settings.prices_path)
+    corrected = Corrected(topics.corrections.name, audit_id=audit_id(plan.snapshot.to_json()))
+    correction_plan = plan_corrections(
+        report.discrepancies,
+        ledger,
+        audit=corrected.audit_id,
+        billing_before={p: end for p, (_, end) in plan.snapshot.billing.items()},
+        currency=prices.currency,
+        now=utc_now(),
+    )
+    # Written in the framing of STREAMTALLY_AVRO_FRAMING (its schema registered first).
+    framing = framing_for(settings, (topics.corrections,)) if correction_plan.corrections else None
+    await apply_plan(
+        correction_plan,
+        servers=servers,
+        topic=topics.corrections,
+        store=store,
+        done=corrected,
+        framing=framing or SINGLE_OBJECT,
+    )
+    return dataclasses.replace(report, corrections=corrected.to_json())
