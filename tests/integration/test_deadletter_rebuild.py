@@ -214,7 +214,7 @@ def run(
                 [
                     (
                         f"garbage-{tag}".encode(),
-                        b"\x00\xffnot avro at all \xfe\x80 " + tag.encode(),
+                        b"\x01\xffnot avro at all \xfe\x80 " + tag.encode(),
                     ),
                     # keyed: a keyless record is refused before it is decoded
                     (f"garbage-2-{tag}".encode(), b"\xc3\x01" + bytes(range(256)) + tag.encode()),
@@ -280,7 +280,7 @@ def test_deadletter_summary_and_table(run: Run) -> None:
     # one message with a bad marker, one with the marker but an unknown schema fingerprint
     reasons = sorted((r["count"], r["error_type"], r["reason"]) for r in summary["by_reason"])
     assert [(count, kind) for count, kind, _ in reasons] == [(1, "AvroDecodeError")] * 2
-    assert "bad marker 00ff" in reasons[0][2]
+    assert "bad marker 01ff" in reasons[0][2]
     assert "unknown writer schema fingerprint 0001020304050607" in reasons[1][2]
 
     code, out, err = run.streamtally("deadletter", "--limit", "1")

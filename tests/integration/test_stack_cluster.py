@@ -62,6 +62,8 @@ def _spare_config(state_dir: Path) -> StackConfig:
             kafka_port=kafka_port,
             controller_port=kafka_port + 1,
             redis_port=redis_port,
+            # Not the stack's registry port (8081), which a registry of the session may hold.
+            registry_port=kafka_port + 9,
             brokers=3,
             redis_cluster=True,
         )
