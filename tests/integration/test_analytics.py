@@ -154,7 +154,12 @@ def _counts(settings: Settings) -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def run(stack_endpoints: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
+def run(
+    stack_endpoints: Any, schema_registry_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Run]:
+    # A module fixture is made before the conftest's per-test registry hook runs: ask for
+    # the session's registry here, so that the first test of a session starts it.
+    assert schema_registry_url.rstrip("/") == REGISTRY, (schema_registry_url, REGISTRY)
     _require_registry()
     tag = uuid.uuid4().hex[:6]
     tenants = (f"an-{tag}-a", f"an:{tag}%b")  # the second needs its key's escapes undone
