@@ -327,3 +327,14 @@ def test_the_worker_dead_letters_a_raw_record_of_an_unknown_id() -> None:
 def test_the_framing_is_named() -> None:
     assert repr(SINGLE_OBJECT) == "Framing(single-object)"
     assert Framing({}).name == "confluent"
+
+
+def test_an_id_no_registry_gives_is_refused_without_asking() -> None:
+    """Garbage opening with 00 names an id above 2**31 - 1: a dead letter, never a question
+    (Apicurio answers one with a 404 of no known error code, which would stop the worker)."""
+    fake = FakeRegistry()
+    install_registry(registry_of(fake))
+    value = b"\x00\xffnot avro at all"
+    with pytest.raises(avro.AvroDecodeError, match="above 2147483647"):
+        avro.decode_raw_sse_event(value)
+    assert fake.requests == []

@@ -135,6 +135,11 @@ def writer_by_id(schema_id: int) -> SchemaVersion:
     refused = _REFUSED.get(schema_id)
     if refused is not None:
         raise AvroDecodeError(refused)
+    if schema_id > MAX_SCHEMA_ID:  # no registry gives it (Java ints); some answer 404 oddly
+        raise AvroDecodeError(
+            f"schema id {schema_id} (Confluent framing) is above {MAX_SCHEMA_ID}, the largest "
+            "a schema registry gives: not a Confluent-framed value"
+        )
     if not _RESOLVER:
         raise AvroDecodeError(
             f"unknown schema id {schema_id} (Confluent framing): no schema registry to ask "
