@@ -19,14 +19,14 @@ The file holds SHA-256 digests of the keys, never the keys::
 from __future__ import annotations
 
 import hashlib
-import json
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from streamtally.errors import InputError
+from streamtally.ops.json_input import read_json_file
 
 __all__ = ["ApiKeyTenants", "api_key_of"]
 
@@ -60,12 +60,7 @@ class ApiKeyTenants:
     def load(cls, path: str | Path) -> ApiKeyTenants:
         """Read a map file; `InputError` (one line, the file named, no digest quoted)."""
         where = f"--api-keys {path}"
-        try:
-            doc: Any = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise InputError(f"{where}: cannot read it ({exc.strerror or exc})") from exc
-        except ValueError as exc:
-            raise InputError(f"{where}: not JSON ({exc})") from exc
+        doc = read_json_file(where, path)
         entries = doc.get("keys") if isinstance(doc, dict) else None
         if not isinstance(entries, list) or not entries:
             raise InputError(f'{where}: expected {{"keys": [{{"sha256": ..., "tenant": ...}}]}}')

@@ -19,13 +19,12 @@ workspace's (`UsageLine.ids`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from streamtally.errors import InputError
+from streamtally.ops.json_input import read_json_file
 
 __all__ = ["TenantMap"]
 
@@ -53,12 +52,7 @@ class TenantMap:
         """Read a map (either format, see the module docstring); `InputError` naming the file
         and the entry when it is not one."""
         where = f"--provider-map {path}"
-        try:
-            doc: Any = json.loads(Path(path).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise InputError(f"{where}: cannot read it ({exc.strerror or exc})") from exc
-        except ValueError as exc:
-            raise InputError(f"{where}: not JSON ({exc})") from exc
+        doc = read_json_file(where, path)
         if isinstance(doc, dict) and isinstance(doc.get("provider_ids"), dict):
             pairs = list(doc["provider_ids"].items())
             names = [f'provider_ids["{key}"]' for key, _ in pairs]
