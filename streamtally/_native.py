@@ -69,6 +69,7 @@ MODULES: Final = (
     "streamtally.wire.avro._codec",
     "streamtally.wire.avro._decoders",
     "streamtally.wire.avro._raw_readers",
+    "streamtally.wire.avro._raw_writer",
     "streamtally.wire.provenance",
 )
 #: ``off`` (or ``0``, ``no``, ``false``): run the sources even when a fresh build exists.

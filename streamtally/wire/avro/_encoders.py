@@ -25,6 +25,8 @@ from streamtally.core.models import (
 from streamtally.wire.avro._chunk_writer import check_schema, chunk_body
 from streamtally.wire.avro._codec import write
 from streamtally.wire.avro._errors import AvroEncodeError
+from streamtally.wire.avro._raw_writer import check_schema as check_raw_sse_schema
+from streamtally.wire.avro._raw_writer import raw_sse_body
 from streamtally.wire.avro._schemas import CURRENT, NAMESPACE
 from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.records import (
@@ -153,22 +155,32 @@ def encode_tokens(tokens: Tokens) -> bytes:
 # --------------------------------------------------------------------------- records
 
 
+_RAW_SSE: Final = CURRENT["RawSseEvent"]
+check_raw_sse_schema(_RAW_SSE.parsed)
+_RAW_SSE_HEADER: Final = _RAW_SSE.header
+
+
 def encode_raw_sse_event(event: RawSseEvent) -> bytes:
-    """A `RawSseEvent` as a single-object message (value of `streamtally.raw.sse`)."""
-    return write(
-        CURRENT["RawSseEvent"],
-        {
-            "request_id": event.request_id,
-            "seq": event.seq,
-            "source": event.source.name,
-            "tenant": event.tenant,
-            "received_at": event.received_at,
-            "kind": event.kind.name,
-            "event": event.event,
-            "data": event.data,
-            "sse_id": event.sse_id,
-        },
-    )
+    """A `RawSseEvent` as a single-object message (value of `streamtally.raw.sse`).
+
+    Written by `_raw_writer` (the same bytes as fastavro's writer, faster).
+    """
+    return _RAW_SSE_HEADER + raw_sse_body(event)
+
+
+def _raw_sse_out(event: RawSseEvent) -> dict[str, Any]:
+    """`event` as fastavro's generic writer takes it (the reference the tests compare with)."""
+    return {
+        "request_id": event.request_id,
+        "seq": event.seq,
+        "source": event.source.name,
+        "tenant": event.tenant,
+        "received_at": event.received_at,
+        "kind": event.kind.name,
+        "event": event.event,
+        "data": event.data,
+        "sse_id": event.sse_id,
+    }
 
 
 def _json_text(value: Any) -> str:
