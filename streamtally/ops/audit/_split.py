@@ -237,20 +237,12 @@ class Plan:
             raise InputError(f"a damaged audit snapshot file: {exc!r}") from None
 
 
-@dataclass(slots=True)
-class Part:
-    """What one share found (see the module docstring); `merge_parts` adds parts up."""
+@dataclass(slots=True, kw_only=True)
+class Tally:
+    """What shares count and a merge adds up (`Part`, `Merged`): one `add` for every field."""
 
-    share: Share
-    plan: str = ""
     counts: RequestCounts = field(default_factory=RequestCounts)
     discrepancies: list[Discrepancy] = field(default_factory=list)
-    #: event key -> the replayed event of a request closed with no bill in this share.
-    missing: dict[int, BillingEvent] = field(default_factory=dict)
-    #: event key -> (digest, conflicting, the events whole) of a bill no request here took.
-    unexpected: dict[int, tuple[int, bool, list[BillingEvent]]] = field(default_factory=dict)
-    #: Event keys of partial requests with no bill in this share.
-    partial_missed: set[int] = field(default_factory=set)
     rows: dict[RowKey, RowSum] = field(default_factory=dict)
     totals: dict[str, RowSum] = field(default_factory=dict)
     unsure: set[tuple[str, str]] = field(default_factory=set)
@@ -263,6 +255,7 @@ class Part:
     #: (partition, offset, reason) of billing records that did not decode: of the share's
     #: own billing partitions, or (the billing topic read whole) share 0's alone.
     billing_bad: list[tuple[int, int, str]] = field(default_factory=list)
+    #: Every share reads the corrections topic whole: the same two numbers in each.
     corrections_read: int = 0
     bills_corrected: int = 0
     #: (partition, offset, reason) of correction records that did not decode (share 0).
@@ -270,19 +263,37 @@ class Part:
     #: tenant -> the re-rating sum (``--prices``), None without it.
     rerating: dict[str, RerateSum] | None = None
 
-    def to_json(self) -> dict[str, Any]:
+    def add(self, other: Tally, *, first: bool) -> None:
+        """Add `other` (a share's part) to this sum; `first`: it is share 0's, whose reads of
+        the whole corrections topic are taken (each share's are the same), not added."""
+        for name, value in other.counts.to_json().items():
+            setattr(self.counts, name, getattr(self.counts, name) + value)
+        self.discrepancies.extend(other.discrepancies)
+        for row_key, row in other.rows.items():
+            self.rows.setdefault(row_key, RowSum()).merge(row)
+        for tenant, total in other.totals.items():
+            self.totals.setdefault(tenant, RowSum()).merge(total)
+        self.unsure |= other.unsure
+        self.aborted.merge(other.aborted)
+        self.partial_reasons.update(other.partial_reasons)
+        self.raw_records.update(other.raw_records)
+        self.billing_in_scope += other.billing_in_scope
+        self.billing_superseded += other.billing_superseded
+        self.billing_bad.extend(other.billing_bad)
+        self.corrections_bad.extend(other.corrections_bad)
+        if first:
+            self.corrections_read = other.corrections_read
+            self.bills_corrected = other.bills_corrected
+        if other.rerating is not None:
+            sums = self.rerating = self.rerating if self.rerating is not None else {}
+            for tenant, one in other.rerating.items():
+                sums.setdefault(tenant, RerateSum()).merge(one)
+
+    def tally_json(self) -> dict[str, Any]:
+        """The fields of `Tally` in a part file (`Part.to_json`)."""
         return {
-            "format": PART_FORMAT,
-            "share": str(self.share),
-            "plan": self.plan,
             "counts": self.counts.to_json(),
             "discrepancies": [_discrepancy_json(d) for d in self.discrepancies],
-            "missing": {str(k): _b64(e) for k, e in sorted(self.missing.items())},
-            "unexpected": {
-                str(k): [digest, conflicting, [_b64(e) for e in events]]
-                for k, (digest, conflicting, events) in sorted(self.unexpected.items())
-            },
-            "partial_missed": sorted(self.partial_missed),
             "rows": [[*k, *s.to_list()] for k, s in sorted(self.rows.items())],
             "totals": {t: s.to_list() for t, s in sorted(self.totals.items())},
             "unsure": sorted([list(u) for u in self.unsure]),
@@ -307,68 +318,87 @@ class Part:
             else {t: _rerate_list(r) for t, r in sorted(self.rerating.items())},
         }
 
+    @staticmethod
+    def tally_fields(doc: Mapping[str, Any]) -> dict[str, Any]:
+        """The fields of `Tally` from `tally_json`'s document (KeyError, TypeError or
+        ValueError when it is not one)."""
+        rerating = doc["rerating"]
+        return {
+            "counts": RequestCounts(**doc["counts"]),
+            "discrepancies": [_discrepancy(d) for d in doc["discrepancies"]],
+            "rows": {(t, m, d): RowSum.from_list(v) for t, m, d, *v in doc["rows"]},
+            "totals": {t: RowSum.from_list(v) for t, v in doc["totals"].items()},
+            "unsure": {(t, d) for t, d in doc["unsure"]},
+            "aborted": Aborted(
+                doc["aborted"]["count"],
+                [RequestRef(t, r) for t, r in doc["aborted"]["requests"]],
+            ),
+            "partial_reasons": Counter(doc["partial_reasons"]),
+            "raw_records": Counter(doc["raw_records"]),
+            "billing_in_scope": int(doc["billing"]["in_scope"]),
+            "billing_superseded": int(doc["billing"]["superseded"]),
+            "billing_bad": [(int(p), int(o), str(r)) for p, o, r in doc["billing"]["undecodable"]],
+            "corrections_read": int(doc["corrections"]["read"]),
+            "bills_corrected": int(doc["corrections"]["bills_corrected"]),
+            "corrections_bad": [
+                (int(p), int(o), str(r)) for p, o, r in doc["corrections"]["undecodable"]
+            ],
+            "rerating": None
+            if rerating is None
+            else {t: RerateSum(*map(int, v)) for t, v in rerating.items()},
+        }
+
+
+@dataclass(slots=True, kw_only=True)
+class Part(Tally):
+    """What one share found (see the module docstring); `merge_parts` adds parts up."""
+
+    share: Share
+    plan: str = ""
+    #: event key -> the replayed event of a request closed with no bill in this share.
+    missing: dict[int, BillingEvent] = field(default_factory=dict)
+    #: event key -> (digest, conflicting, the events whole) of a bill no request here took.
+    unexpected: dict[int, tuple[int, bool, list[BillingEvent]]] = field(default_factory=dict)
+    #: Event keys of partial requests with no bill in this share.
+    partial_missed: set[int] = field(default_factory=set)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": PART_FORMAT,
+            "share": str(self.share),
+            "plan": self.plan,
+            **self.tally_json(),
+            "missing": {str(k): _b64(e) for k, e in sorted(self.missing.items())},
+            "unexpected": {
+                str(k): [digest, conflicting, [_b64(e) for e in events]]
+                for k, (digest, conflicting, events) in sorted(self.unexpected.items())
+            },
+            "partial_missed": sorted(self.partial_missed),
+        }
+
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> Part:
         if not isinstance(doc, Mapping) or doc.get("format") != PART_FORMAT:
             raise InputError(f"not a part of an audit (format {PART_FORMAT})")
         try:
-            aborted = Aborted(
-                doc["aborted"]["count"],
-                [RequestRef(t, r) for t, r in doc["aborted"]["requests"]],
-            )
-            rerating = doc["rerating"]
             return cls(
                 share=Share.parse(doc["share"]),
                 plan=str(doc["plan"]),
-                counts=RequestCounts(**doc["counts"]),
-                discrepancies=[_discrepancy(d) for d in doc["discrepancies"]],
                 missing={int(k): _event(v) for k, v in doc["missing"].items()},
                 unexpected={
                     int(k): (int(d), bool(c), [_event(e) for e in events])
                     for k, (d, c, events) in doc["unexpected"].items()
                 },
                 partial_missed={int(k) for k in doc["partial_missed"]},
-                rows={(t, m, d): RowSum.from_list(v) for t, m, d, *v in doc["rows"]},
-                totals={t: RowSum.from_list(v) for t, v in doc["totals"].items()},
-                unsure={(t, d) for t, d in doc["unsure"]},
-                aborted=aborted,
-                partial_reasons=Counter(doc["partial_reasons"]),
-                raw_records=Counter(doc["raw_records"]),
-                billing_in_scope=int(doc["billing"]["in_scope"]),
-                billing_superseded=int(doc["billing"]["superseded"]),
-                billing_bad=[(int(p), int(o), str(r)) for p, o, r in doc["billing"]["undecodable"]],
-                corrections_read=int(doc["corrections"]["read"]),
-                bills_corrected=int(doc["corrections"]["bills_corrected"]),
-                corrections_bad=[
-                    (int(p), int(o), str(r)) for p, o, r in doc["corrections"]["undecodable"]
-                ],
-                rerating=None
-                if rerating is None
-                else {t: RerateSum(*map(int, v)) for t, v in rerating.items()},
+                **cls.tally_fields(doc),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise InputError(f"a damaged audit part: {exc!r}") from None
 
 
-@dataclass(slots=True)
-class Merged:
+@dataclass(slots=True, kw_only=True)
+class Merged(Tally):
     """The parts of one audit added up, every request judged as one process judges it."""
-
-    counts: RequestCounts = field(default_factory=RequestCounts)
-    discrepancies: list[Discrepancy] = field(default_factory=list)
-    rows: dict[RowKey, RowSum] = field(default_factory=dict)
-    totals: dict[str, RowSum] = field(default_factory=dict)
-    unsure: set[tuple[str, str]] = field(default_factory=set)
-    aborted: Aborted = field(default_factory=Aborted)
-    partial_reasons: Counter[str] = field(default_factory=Counter)
-    raw_records: Counter[str] = field(default_factory=Counter)
-    billing_in_scope: int = 0
-    billing_superseded: int = 0
-    billing_bad: list[tuple[int, int, str]] = field(default_factory=list)
-    corrections_read: int = 0
-    bills_corrected: int = 0
-    corrections_bad: list[tuple[int, int, str]] = field(default_factory=list)
-    rerating: dict[str, RerateSum] | None = None
 
 
 def part_of(
@@ -453,31 +483,10 @@ def merge_parts(parts: Sequence[Part]) -> Merged:
     missing: dict[int, BillingEvent] = {}
     partial_missed: set[int] = set()
     for part in parts:
-        for name, value in part.counts.to_json().items():
-            setattr(merged.counts, name, getattr(merged.counts, name) + value)
-        merged.discrepancies.extend(part.discrepancies)
+        merged.add(part, first=part.share.index == 0)
         held.update(part.unexpected)
         missing.update(part.missing)
         partial_missed |= part.partial_missed
-        for row_key, row in part.rows.items():
-            merged.rows.setdefault(row_key, RowSum()).merge(row)
-        for tenant, total in part.totals.items():
-            merged.totals.setdefault(tenant, RowSum()).merge(total)
-        merged.unsure |= part.unsure
-        merged.aborted.merge(part.aborted)
-        merged.partial_reasons.update(part.partial_reasons)
-        merged.raw_records.update(part.raw_records)
-        merged.billing_in_scope += part.billing_in_scope
-        merged.billing_superseded += part.billing_superseded
-        merged.billing_bad.extend(part.billing_bad)
-        merged.corrections_bad.extend(part.corrections_bad)
-        if part.share.index == 0:
-            merged.corrections_read = part.corrections_read
-            merged.bills_corrected = part.bills_corrected
-        if part.rerating is not None:
-            sums = merged.rerating = merged.rerating if merged.rerating is not None else {}
-            for tenant, one in part.rerating.items():
-                sums.setdefault(tenant, RerateSum()).merge(one)
     # Bills one share held for a request another share replayed (routed by a provenance
     # or a partitioner that was not the request's): judged now, as one index would have.
     crossed = (set(missing) | partial_missed) & set(held)
