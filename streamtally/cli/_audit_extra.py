@@ -42,6 +42,7 @@ __all__ = [
     "PartitionLines",
     "ProviderInputs",
     "add_arguments",
+    "add_provider_arguments",
     "check_provider_usage",
     "load_provider_inputs",
     "provider_summary",
@@ -86,6 +87,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="a progress line on stderr per raw partition read and per step (for logs)",
     )
+    add_provider_arguments(parser)
+
+
+def add_provider_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--provider-usage``, ``--provider-map``, ``--provider-tolerance`` (``audit`` and
+    ``audit merge``)."""
     parser.add_argument(
         "--provider-usage",
         nargs="+",

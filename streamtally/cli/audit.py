@@ -29,11 +29,14 @@ from streamtally.errors import InputError
 from streamtally.ops.audit import (
     CSV_COLUMNS,
     AuditOptions,
+    Merged,
     Part,
     Plan,
     Report,
+    Rerating,
     Share,
     TimeRange,
+    correct_audit,
     merge_parts,
     merged_report,
     parse_time,
@@ -102,11 +105,20 @@ when there was something to correct.
 --workers N runs the audit as N processes on this machine: one snapshot, each
 process replaying the raw partitions p with p % N == i and checking the bills of
 their requests, the partial reports merged into the report one process writes,
-byte for byte (the usage rows are compared once, after the merge).  On several
-machines, the same in three steps (no --correct):
+byte for byte (the usage rows are compared once, after the merge).  With --prices
+each process re-rates its requests and the sums per tenant are added up; with
+--correct the corrections of the merged discrepancies are written once, after the
+merge, by this process: the same corrections and usage row fixes as one process's.
+On several machines, the same in three steps:
   streamtally audit snapshot --out SNAP [--since T] [--until T] [--tenant T]
-  streamtally audit run --snapshot SNAP --share i/N --out PART   (i = 0 .. N-1)
-  streamtally audit merge --snapshot SNAP PART... [--json] [--out FILE]
+  streamtally audit run --snapshot SNAP --share i/N --out PART [--prices FILE]
+                                                                 (i = 0 .. N-1)
+  streamtally audit merge --snapshot SNAP PART... [--prices FILE] [--correct]
+        [--provider-usage FILE... --provider-map FILE] [--json] [--out FILE]
+--prices on merge must name the table every share was run with (--prices on run);
+--correct on merge writes the corrections from the machine that merges, once; the
+provider comparison, like the usage rows', runs once there too.  Run merge --correct
+soon after the snapshot: bills corrected since are judged as the snapshot saw them.
 
 --out FILE writes the report as JSON, or the discrepancies as CSV when FILE ends
 in .csv.  Progress (rate, ETA) goes to stderr on a terminal, never with --json.
@@ -186,6 +198,12 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     share.add_argument("--snapshot", required=True, metavar="FILE", help="`audit snapshot`'s")
     share.add_argument("--share", required=True, metavar="i/N", help="0-based: 0/2 and 1/2")
     share.add_argument("--out", required=True, metavar="PART", help="the part file")
+    share.add_argument(
+        "--prices",
+        type=file_or_stdin,
+        metavar="FILE",
+        help="also re-rate the share at this price table (merge with the same --prices)",
+    )
     add_kafka_to_read(share)
     add_redis_url(share)
     share.set_defaults(func=run_part)
@@ -200,6 +218,20 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     merge.add_argument(
         "--out", type=file_or_stdin, metavar="FILE", help="also write the report (.csv: CSV)"
     )
+    merge.add_argument(
+        "--prices",
+        type=file_or_stdin,
+        metavar="FILE",
+        help="the re-rating's table: the one every share was run with (audit run --prices)",
+    )
+    merge.add_argument(
+        "--correct",
+        action="store_true",
+        help="write the corrections of the merged report, once (needs Kafka and Redis)",
+    )
+    _audit_extra.add_provider_arguments(merge)
+    add_kafka_to_read(merge)
+    add_redis_url(merge)
     merge.set_defaults(func=run_merge)
 
 
@@ -278,8 +310,6 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     )
     out = _out_path(args.out)
     servers = kafka_of(args, settings)
-    if args.workers > 1 and (args.correct or args.prices):
-        raise InputError("--correct and --prices run in one process: drop --workers")
     progress: Any = lines
     if lines is None and not args.json and sys.stderr.isatty() and args.workers == 1:
         progress = _ProgressLine()
@@ -325,7 +355,8 @@ def _child_args(args: argparse.Namespace) -> list[str]:
 
 
 def _run_workers(args: argparse.Namespace, settings: Settings, options: AuditOptions) -> Report:
-    """The snapshot here, each share in a process of its own, the parts merged here."""
+    """The snapshot here, each share in a process of its own, the parts merged here (and
+    with ``--correct`` the corrections written here, once, after the merge)."""
     servers = kafka_of(args, settings)
     plan = run_redis(
         args.redis_url or settings.redis_url,
@@ -350,6 +381,7 @@ def _run_workers(args: argparse.Namespace, settings: Settings, options: AuditOpt
                 f"{i}/{args.workers}",
                 "--out",
                 str(part),
+                *(["--prices", args.prices] if args.prices else []),
                 *_child_args(args),
             ]
             children.append((part, subprocess.Popen(command, stdout=subprocess.DEVNULL)))
@@ -357,7 +389,32 @@ def _run_workers(args: argparse.Namespace, settings: Settings, options: AuditOpt
         if failed:
             raise InputError(f"audit --workers: share(s) {', '.join(failed)} failed (above)")
         parts = [_read_part(part) for part, _ in children]
-    return merged_report(plan, merge_parts(parts))
+    return _finish(
+        args, settings, plan, merge_parts(parts), prices=options.rerate, correct=options.correct
+    )
+
+
+def _finish(
+    args: argparse.Namespace,
+    settings: Settings,
+    plan: Plan,
+    merged: Merged,
+    *,
+    prices: PriceTable | None,
+    correct: bool,
+) -> Report:
+    """The report of the merged parts; with `correct`, its corrections written (once)."""
+    rerating = None if prices is None else Rerating(prices, args.prices)
+    if not correct:
+        return merged_report(plan, merged, rerate=rerating)
+    servers = kafka_of(args, settings)
+    return run_redis(
+        args.redis_url or settings.redis_url,
+        lambda store: correct_audit(
+            settings, store, plan, merged, rerate=rerating, servers=servers
+        ),
+        cluster=settings.redis_cluster,
+    )
 
 
 def _read_json(name: str, what: str) -> Any:
@@ -416,10 +473,12 @@ def run_part(args: argparse.Namespace, settings: Settings) -> int:
     assert out is not None
     share = Share.parse(args.share)
     plan = _read_plan(args.snapshot)
+    prices = rerate_prices(args.prices, settings)
+    rerating = None if prices is None else Rerating(prices, args.prices)
     servers = kafka_of(args, settings)
     done = run_redis(
         args.redis_url or settings.redis_url,
-        lambda store: run_share(settings, store, plan, share, servers=servers),
+        lambda store: run_share(settings, store, plan, share, rerate=rerating, servers=servers),
         cluster=settings.redis_cluster,
     )
     _write(out, json_text(done.part.to_json()) + "\n")
@@ -429,13 +488,27 @@ def run_part(args: argparse.Namespace, settings: Settings) -> int:
 
 
 def run_merge(args: argparse.Namespace, settings: Settings) -> int:
-    del settings
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    provider = _audit_extra.load_provider_inputs(args, settings)  # before anything is read
+    prices = rerate_prices(args.prices, settings)
     out = _out_path(args.out)
     plan = _read_plan(args.snapshot)
     parts = [_read_part(Path(name)) for name in args.parts]
     if any(part.plan != plan.digest() for part in parts):
         raise InputError("a part is of another snapshot than --snapshot")
-    report = merged_report(plan, merge_parts(parts))
+    if args.correct or provider is not None:  # they read or write the settings' topics
+        plan.check_namespace(settings.namespace)
+    report = _finish(args, settings, plan, merge_parts(parts), prices=prices, correct=args.correct)
+    if provider is not None:
+        report = _audit_extra.check_provider_usage(
+            report,
+            provider,
+            servers=kafka_of(args, settings),
+            settings=settings,
+            tenants=plan.tenants,
+            window=plan.snapshot.window,
+            quiet=args.json,
+        )
     return _print(report, args.json, out)
 
 

@@ -49,6 +49,8 @@ describes it and a warning is logged on the ``streamtally.core.pricing`` logger.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from bisect import bisect_right
 from dataclasses import dataclass
@@ -304,6 +306,17 @@ class PriceTable:
         """The same versions, currency and dates with not a single entry: prices nothing."""
         empty = tuple(v.model_copy(update={"models": {}}) for v in self._file.versions)
         return PriceTable(PriceFile(self.currency, self.notes, empty))
+
+    def digest(self) -> str:
+        """32 hex digits naming what the table prices (currency, notes, every version as
+        validated): two tables of one digest price every request alike."""
+        doc = [
+            self.currency,
+            self.notes,
+            [v.model_dump(mode="json") for v in self._file.versions],
+        ]
+        text = json.dumps(doc, sort_keys=True, ensure_ascii=False)
+        return hashlib.blake2b(text.encode("utf-8"), digest_size=16).hexdigest()
 
     # ---------------------------------------------------------------- history
 

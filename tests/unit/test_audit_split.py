@@ -9,6 +9,7 @@ import json
 from collections import Counter
 from datetime import UTC, datetime
 from decimal import Decimal
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,16 +17,20 @@ from aiokafka.partitioner import DefaultPartitioner
 
 from streamtally.cli._output import json_text
 from streamtally.core.identity import RequestRef
+from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
-from streamtally.ops.audit import Kind, TimeRange, merged_report
+from streamtally.ops.audit import Kind, Rerating, TimeRange, audit_corrections, merged_report
 from streamtally.ops.audit._billing import BillingIndex
 from streamtally.ops.audit._compare import event_key
+from streamtally.ops.audit._corrections import CorrectionPlan, audit_id, plan_corrections
 from streamtally.ops.audit._ledger import Ledger, Scope
 from streamtally.ops.audit._snapshot import Snapshot
 from streamtally.ops.audit._split import (
+    Merged,
     Part,
     Plan,
     Share,
+    Tally,
     billing_by_partition,
     billing_partition_of,
     merge_parts,
@@ -164,20 +169,44 @@ def _plan(stored: list[dict[str, Any]]) -> Plan:
 ROUTES = {"raw partition": raw_partition_of, "billing partition": billing_partition_of}
 
 
+def _doubled() -> PriceTable:
+    """The packaged price table with every rate doubled (another table to re-rate at)."""
+    packaged = json.loads((Path(__file__).parents[2] / "streamtally/core/prices.json").read_text())
+
+    def doubled(entry: dict[str, str | None]) -> dict[str, str | None]:
+        return {k: None if v is None else str(Decimal(v) * 2) for k, v in entry.items()}
+
+    packaged["models"] = {name: doubled(e) for name, e in packaged["models"].items()}
+    return PriceTable.from_dict(packaged)
+
+
 def _share(
     share: Share,
     plan: Plan,
     replay: dict[int, list[Outcome]],
     bills: list[Any],
     route: str = "raw partition",
+    prices: PriceTable | None = None,
 ) -> Part:
     """What `run_share` does for `share`, its replay's outcomes given."""
+    return _share_and_ledger(share, plan, replay, bills, route, prices)[0]
+
+
+def _share_and_ledger(
+    share: Share,
+    plan: Plan,
+    replay: dict[int, list[Outcome]],
+    bills: list[Any],
+    route: str = "raw partition",
+    prices: PriceTable | None = None,
+) -> tuple[Part, Ledger]:
     scope = Scope(TimeRange())
     index = BillingIndex()
     for bill in bills:
         if share.count == 1 or share.owns(ROUTES[route](bill, PARTITIONS)):
             index.add(bill)
-    ledger = Ledger(index, scope)
+    rerating = None if prices is None else Rerating(prices, "doubled.json")
+    ledger = Ledger(index, scope, rerating=rerating)
     read = 0
     for p, outcomes in replay.items():
         if not share.owns(p):
@@ -198,14 +227,24 @@ def _share(
     part = part_of(
         share, plan.digest(), Counter(read=read), index=index, ledger=ledger, found=found
     )
-    return Part.from_json(json.loads(json_text(part.to_json())))  # through its file
+    return Part.from_json(json.loads(json_text(part.to_json()))), ledger  # through its file
 
 
-def _report(count: int, route: str = "raw partition") -> tuple[str, str]:
+def _merged(
+    count: int, route: str = "raw partition", prices: PriceTable | None = None
+) -> tuple[Plan, Merged]:
     replay, bills, stored = _scene()
     plan = _plan(stored)
-    parts = [_share(Share(i, count), plan, replay, bills, route) for i in range(count)]
-    report = merged_report(plan, merge_parts(list(reversed(parts))))
+    parts = [_share(Share(i, count), plan, replay, bills, route, prices) for i in range(count)]
+    return plan, merge_parts(list(reversed(parts)))
+
+
+def _report(
+    count: int, route: str = "raw partition", prices: PriceTable | None = None
+) -> tuple[str, str]:
+    plan, merged = _merged(count, route, prices)
+    rerate = None if prices is None else Rerating(prices, "doubled.json")
+    report = merged_report(plan, merged, rerate=rerate)
     return json_text(report.to_json(), indent=2), report.csv_text()
 
 
@@ -266,3 +305,101 @@ def test_a_plan_goes_through_its_file() -> None:
     assert again.digest() == plan.digest()
     with pytest.raises(InputError):
         Plan.from_json({"format": "other"})
+
+
+# --------------------------------------------------------------------------- --prices, --correct
+
+NOW = datetime(2026, 11, 24, 9, 0, tzinfo=UTC)
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("count", [2, 3, 6])
+def test_a_split_re_rating_is_the_one_process_re_rating(count: int, route: str) -> None:
+    doubled = _doubled()
+    one = _report(1, prices=doubled)
+    assert _report(count, route, doubled) == one
+    rerating = json.loads(one[0])["rerating"]
+    assert rerating["prices"] == "doubled.json"
+    assert rerating["tenants"]["globex"]["requests"] == 4
+    total = rerating["total"]
+    assert Decimal(total["rerated"]) > Decimal(total["billed"]) > 0
+    assert one != _report(1)  # the re-rating is in the report
+
+
+def test_a_merge_wants_the_parts_re_rated_at_the_table_it_names() -> None:
+    doubled, packaged = _doubled(), PriceTable.default()
+    replay, bills, stored = _scene()
+    plan = _plan(stored)
+    at = {
+        name: [_share(Share(i, 2), plan, replay, bills, prices=table) for i in range(2)]
+        for name, table in (("doubled", doubled), ("packaged", packaged), ("none", None))
+    }
+    with pytest.raises(InputError, match="different prices"):
+        merge_parts([at["doubled"][0], at["packaged"][1]])
+    with pytest.raises(InputError, match="different prices"):
+        merge_parts([at["doubled"][0], at["none"][1]])
+    with pytest.raises(InputError, match="re-rated at other prices"):
+        merged_report(plan, merge_parts(at["packaged"]), rerate=Rerating(doubled, "d.json"))
+    with pytest.raises(InputError, match="not re-rated"):
+        merged_report(plan, merge_parts(at["none"]), rerate=Rerating(doubled, "d.json"))
+    # Re-rated shares merged without --prices: no re-rating in the report.
+    assert merged_report(plan, merge_parts(at["doubled"])).rerating is None
+
+
+def _one_process_corrections() -> CorrectionPlan:
+    """What a one-process ``--correct`` planned before corrections were planned from the
+    merge: its own ledger's bills, the row values of the report's comparison."""
+    replay, bills, stored = _scene()
+    plan = _plan(stored)
+    part, ledger = _share_and_ledger(Share(), plan, replay, bills)
+    rows = Ledger(BillingIndex(), Scope(TimeRange()))
+    report = merged_report(plan, merge_parts([part]), rows_ledger=rows)
+    ledger.row_expected.update(rows.row_expected)
+    return plan_corrections(
+        report.discrepancies,
+        ledger,
+        audit=audit_id(plan.snapshot.to_json()),
+        billing_before={p: end for p, (_, end) in plan.snapshot.billing.items()},
+        currency="USD",
+        now=NOW,
+    )
+
+
+@pytest.mark.parametrize("route", sorted(ROUTES))
+@pytest.mark.parametrize("count", [1, 2, 3, 6])
+def test_a_split_audit_plans_the_corrections_of_one_process(count: int, route: str) -> None:
+    plan, merged = _merged(count, route)
+    report, corrections = audit_corrections(plan, merged, currency="USD", now=NOW)
+    assert json_text(report.to_json(), indent=2) == _report(1)[0]
+    one = _one_process_corrections()
+    assert corrections == one
+    # one per discrepancy, the bills that stand the replay's (the moved request's too: its
+    # bill was judged at the merge, its replayed event came from another share's part)
+    assert len(corrections.corrections) == len(report.discrepancies) > 8
+    stood = {c.request_id: c.corrected for c in corrections.corrections if c.corrected}
+    assert stood["moved"] is not None
+    assert stood["moved"].input_tokens == 1520
+    assert {c.reason for c in corrections.corrections} == {
+        d.kind.value for d in report.discrepancies
+    }
+    rows = {(d.tenant, d.model, d.day) for d in report.rows.discrepancies}
+    assert len(corrections.row_fixes) == len(rows) > 0
+
+
+def test_a_tally_adds_every_field() -> None:
+    """`Tally.add` of one part to nothing is that part's tally, field for field."""
+    doubled = _doubled()
+    replay, bills, stored = _scene()
+    part = _share(Share(), _plan(stored), replay, bills, prices=doubled)
+    part.corrections_read, part.bills_corrected, part.billing_superseded = 3, 2, 1
+    part.corrections_bad = [(0, 7, "bad")]
+    part.billing_bad = [(1, 4, "bad")]
+    merged = Merged()
+    merged.add(part, first=True)
+    for f in dataclasses.fields(Tally):
+        theirs = getattr(part, f.name)
+        assert getattr(merged, f.name) == theirs, f.name
+        assert theirs not in (0, [], {}, set(), None), f"{f.name}: give it a value"
+    later = Merged()
+    later.add(part, first=False)
+    assert (later.corrections_read, later.bills_corrected) == (0, 0)  # share 0's are taken

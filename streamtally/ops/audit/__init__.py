@@ -42,6 +42,8 @@ Split (``--workers N``, or ``audit snapshot`` / ``run --share i/N`` / ``merge`` 
 machines; `_split`): one snapshot, each share replaying the raw partitions ``p % N == i``
 and checking its requests' bills, the parts merged into the report one process writes
 (one process runs share 0/1 and merges it alone); the usage rows compared after the merge.
+``--prices`` re-rates in each share (sums per tenant, added up), ``--correct`` writes the
+corrections of the merged discrepancies once, from the process that merged (`correct_audit`).
 
 Re-rating (``--prices FILE``, `_rerate`): every request the replay closed is priced again
 at FILE's prices, at its receive time, and the report sums per tenant what was billed,
@@ -60,6 +62,8 @@ from streamtally.ops.audit._run import (
     AuditOptions,
     Progress,
     ShareRun,
+    audit_corrections,
+    correct_audit,
     merged_report,
     run_audit,
     run_share,
@@ -86,7 +90,9 @@ __all__ = [
     "Share",
     "ShareRun",
     "TimeRange",
+    "audit_corrections",
     "compare_rows",
+    "correct_audit",
     "merge_parts",
     "merged_report",
     "parse_time",

@@ -24,13 +24,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
-from typing import Any
+from typing import Any, Protocol
 
 from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.core.money import PICO, cost_parts
 from streamtally.ops.audit._compare import Discrepancy, Kind
-from streamtally.ops.audit._ledger import Ledger
 from streamtally.ops.audit._rows import RowKey
 from streamtally.store import RedisStore
 from streamtally.topics import Topic, output_key
@@ -40,7 +39,15 @@ from streamtally.wire.framing import SINGLE_OBJECT, Framing
 from streamtally.wire.kafka import ensure_topics, idempotent_producer
 from streamtally.wire.records import BillingEvent
 
-__all__ = ["Corrected", "CorrectionPlan", "RowFix", "apply_plan", "audit_id", "plan_corrections"]
+__all__ = [
+    "Corrected",
+    "CorrectionPlan",
+    "Replayed",
+    "RowFix",
+    "apply_plan",
+    "audit_id",
+    "plan_corrections",
+]
 
 
 def _digest(*parts: object) -> str:
@@ -51,6 +58,20 @@ def _digest(*parts: object) -> str:
 def audit_id(snapshot: Mapping[str, Any]) -> str:
     """32 hex digits naming what an audit read (`Snapshot.to_json`, without ``taken_at``)."""
     return _digest({k: v for k, v in snapshot.items() if k != "taken_at"})
+
+
+class Replayed(Protocol):
+    """What the corrections take from the replay: a `Ledger` (one process), or a split
+    audit's `Merged` bills with the merge's usage row values (`_run.audit_corrections`)."""
+
+    @property
+    def row_expected(self) -> Mapping[RowKey, Mapping[str, Any]]:
+        """The replay's values of the usage rows found differing."""
+        ...
+
+    def expected_bill(self, event_id: str) -> BillingEvent | None:
+        """The replay's billing event of `event_id` (a request whose billing differs)."""
+        ...
 
 
 def _pico(cost: str | None) -> int:
@@ -104,7 +125,7 @@ class Corrected:
 def _bill(
     d: Discrepancy,
     *,
-    ledger: Ledger,
+    ledger: Replayed,
     audit: str,
     before: Mapping[int, int],
     currency: str,
@@ -177,7 +198,7 @@ def _row(
 
 def plan_corrections(
     discrepancies: Sequence[Discrepancy],
-    ledger: Ledger,
+    ledger: Replayed,
     *,
     audit: str,
     billing_before: Mapping[int, int],

@@ -227,6 +227,12 @@ class Ledger:
         return self._unexpected
 
     @property
+    def suspects(self) -> Mapping[int, BillingEvent]:
+        """event key -> the replay's event, for the requests whose billing differs
+        (mismatched or conflicting)."""
+        return self._suspects
+
+    @property
     def missing(self) -> Mapping[int, BillingEvent]:
         """event key -> the replay's event, for the requests billed nowhere in the index."""
         return self._missing

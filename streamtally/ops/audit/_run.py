@@ -2,7 +2,9 @@
 
 As `_split` runs it: `take_plan` (the snapshot and the usage rows), `run_share` for each
 share of the raw partitions (one process: share 0/1), `merge_parts`, then `merged_report`
-(the usage rows compared once).  ``--correct`` runs in one process only.
+(the usage rows compared once), or with ``--correct`` `correct_audit`: the corrections
+planned from the merged discrepancies (`audit_corrections`) and written once, by the
+process that merged, whether one process replayed everything or N shares did.
 
 Reads only: a consumer without a group for every topic, an admin request for the
 processors' committed offsets, and Redis reads through `RedisStore` (the usage rows,
@@ -18,6 +20,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from streamtally.connection import KafkaConnection
@@ -26,12 +29,19 @@ from streamtally.core.models import utc_now
 from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.ops.audit._billing import BillingIndex, find_events, index_billing
-from streamtally.ops.audit._corrections import Corrected, apply_plan, audit_id, plan_corrections
+from streamtally.ops.audit._corrections import (
+    Corrected,
+    CorrectionPlan,
+    apply_plan,
+    audit_id,
+    plan_corrections,
+)
 from streamtally.ops.audit._ledger import Ledger, Scope
 from streamtally.ops.audit._range import TimeRange
 from streamtally.ops.audit._replay import Replay
 from streamtally.ops.audit._report import Report
 from streamtally.ops.audit._rerate import Rerating
+from streamtally.ops.audit._rows import RowKey
 from streamtally.ops.audit._snapshot import take_snapshot
 from streamtally.ops.audit._split import (
     Merged,
@@ -61,6 +71,8 @@ __all__ = [
     "AuditOptions",
     "Progress",
     "ShareRun",
+    "audit_corrections",
+    "correct_audit",
     "merged_report",
     "replay_processor",
     "run_audit",
@@ -197,11 +209,19 @@ async def take_plan(
 
 @dataclass(slots=True)
 class ShareRun:
-    """What `run_share` found: the part, and the share's ledger (for ``--correct``)."""
+    """What `run_share` found: the part, and the records it read (billing included)."""
 
     part: Part
-    ledger: Ledger
     meter_done: int = 0
+
+
+def _refuse_undecodable(billing: int, corrections: int) -> None:
+    if billing or corrections:
+        raise InputError(
+            f"{billing} billing and {corrections} correction records in range "
+            "do not decode (see `streamtally audit --json`, snapshot): an audit cannot correct "
+            "bills it cannot read; run it without --correct and repair those first"
+        )
 
 
 async def run_share(
@@ -220,11 +240,7 @@ async def run_share(
     """Replay the raw partitions of `share` of `plan` and check their requests' bills
     (see `_split`); `refuse_bad`: `InputError` when a billing or correction record in range
     does not decode (``--correct`` cannot correct what it cannot read)."""
-    if plan.namespace != settings.namespace:
-        raise InputError(
-            f"the snapshot is of namespace {plan.namespace}, the settings name "
-            f"{settings.namespace} (STREAMTALLY_NAMESPACE)"
-        )
+    plan.check_namespace(settings.namespace)
     servers = servers or settings.kafka
     snapshot = plan.snapshot
     topics = Topics.in_namespace(settings.namespace)
@@ -277,12 +293,8 @@ async def run_share(
         bad_corrections = []
         if not by_partition:
             index.bad = []
-    if refuse_bad and (index.bad or bad_corrections):
-        raise InputError(
-            f"{len(index.bad)} billing and {len(bad_corrections)} correction records in range "
-            "do not decode (see `streamtally audit --json`, snapshot): an audit cannot correct "
-            "bills it cannot read; run it without --correct and repair those first"
-        )
+    if refuse_bad:
+        _refuse_undecodable(len(index.bad), len(bad_corrections))
     ledger = Ledger(index, scope, rerating=rerate)
     processor = replay_processor(settings, prices)
     if settings.tenant_keys_path is not None:  # refuse what the worker refused
@@ -349,7 +361,7 @@ async def run_share(
     part = part_of(share, plan.digest(), raw_counts, index=index, ledger=ledger, found=found)
     part.corrections_read, part.bills_corrected = corrections.records, len(corrections)
     part.corrections_bad = bad_corrections
-    return ShareRun(part, ledger, meter.done)
+    return ShareRun(part, meter.done)
 
 
 def merged_report(
@@ -361,7 +373,17 @@ def merged_report(
     rows_ledger: Ledger | None = None,
 ) -> Report:
     """The report of the audit of `plan` whose parts `merged` adds up: the usage rows
-    compared once, here; `rerate` (empty) names the ``--prices`` table."""
+    compared once, here; `rerate` (empty) names the ``--prices`` table, the one the parts
+    were re-rated at (`InputError` otherwise)."""
+    if rerate is not None and merged.prices != rerate.prices.digest():
+        raise InputError(
+            f"--prices {rerate.name}: "
+            + (
+                "the parts were not re-rated: run each share with --prices FILE"
+                if not merged.prices
+                else "the parts were re-rated at other prices: give the table they were run with"
+            )
+        )
     scope = Scope(plan.snapshot.window, plan.tenants)
     ledger = rows_ledger if rows_ledger is not None else Ledger(BillingIndex(), scope)
     ledger.add_sums(merged.rows, merged.totals, merged.unsure)
@@ -448,21 +470,67 @@ async def run_audit(
         progress(done.meter_done, plan.snapshot.raw_records() + plan.snapshot.billing_records())
     if not options.correct:
         return merged_report(plan, merged, rerate=rerating)
+    return await correct_audit(settings, store, plan, merged, rerate=rerating, servers=servers)
+
+
+@dataclass(frozen=True, slots=True)
+class _MergedReplay:
+    """The replay as ``--correct`` needs it (`_corrections.Replayed`): the merged bills, and
+    the usage row values the merge's comparison found differing."""
+
+    merged: Merged
+    row_expected: dict[RowKey, dict[str, Any]]
+
+    def expected_bill(self, event_id: str) -> BillingEvent | None:
+        return self.merged.expected_bill(event_id)
+
+
+def audit_corrections(
+    plan: Plan,
+    merged: Merged,
+    *,
+    currency: str,
+    now: datetime,
+    rerate: Rerating | None = None,
+) -> tuple[Report, CorrectionPlan]:
+    """The report of `merged` (`merged_report`) and what ``--correct`` writes for it: one
+    correction per discrepancy, one difference per usage row (pure; `correct_audit` writes
+    them).  From the merged discrepancies: one process's and N shares' are the same."""
     rows_ledger = Ledger(BillingIndex(), Scope(plan.snapshot.window, plan.tenants))
-    report = merged_report(plan, merged, rerate=rerating, rows_ledger=rows_ledger)
-    ledger = done.ledger
-    ledger.row_expected.update(rows_ledger.row_expected)
-    topics = Topics.in_namespace(settings.namespace)
-    prices = PriceTable.load_or_default(settings.prices_path)
-    corrected = Corrected(topics.corrections.name, audit_id=audit_id(plan.snapshot.to_json()))
+    report = merged_report(plan, merged, rerate=rerate, rows_ledger=rows_ledger)
     correction_plan = plan_corrections(
         report.discrepancies,
-        ledger,
-        audit=corrected.audit_id,
+        _MergedReplay(merged, rows_ledger.row_expected),
+        audit=audit_id(plan.snapshot.to_json()),
         billing_before={p: end for p, (_, end) in plan.snapshot.billing.items()},
-        currency=prices.currency,
-        now=utc_now(),
+        currency=currency,
+        now=now,
     )
+    return report, correction_plan
+
+
+async def correct_audit(
+    settings: Settings,
+    store: RedisStore,
+    plan: Plan,
+    merged: Merged,
+    *,
+    rerate: Rerating | None = None,
+    servers: KafkaConnection | str | None = None,
+) -> Report:
+    """``--correct`` after the merge: the report of `merged`, its corrections written to the
+    corrections topic and its usage row differences added to Redis (`audit_corrections`,
+    `apply_plan`), once.  `InputError` when a billing or correction record in range did not
+    decode (nothing is written then)."""
+    plan.check_namespace(settings.namespace)
+    _refuse_undecodable(len(merged.billing_bad), len(merged.corrections_bad))
+    servers = servers or settings.kafka
+    topics = Topics.in_namespace(settings.namespace)
+    prices = PriceTable.load_or_default(settings.prices_path)
+    report, correction_plan = audit_corrections(
+        plan, merged, currency=prices.currency, now=utc_now(), rerate=rerate
+    )
+    corrected = Corrected(topics.corrections.name, audit_id=audit_id(plan.snapshot.to_json()))
     # Written in the framing of STREAMTALLY_AVRO_FRAMING (its schema registered first).
     framing = framing_for(settings, (topics.corrections,)) if correction_plan.corrections else None
     await apply_plan(

@@ -13,10 +13,13 @@ keeps the events whose raw partition is its own: the one their provenance names
 to on the raw topics (`raw_partition_of`).
 
 A share writes a `Part`: its counts, its discrepancies, the replay's sums per usage row
-and per tenant, and the few things a merge needs to check across shares: the requests it
+and per tenant (and with ``--prices`` its re-rating sums per tenant, with the digest of
+the table), and the few things a merge needs to check across shares: the requests it
 closed and found no bill for (their replayed event), the bills it indexed and no request
 of its own took (the index entry and the events whole), and the partial requests it had
-no bill for.  `merge_parts` adds the parts up, then matches a request one share missed
+no bill for; and for ``--correct`` the replayed event of each request whose bill differs
+(`Merged.bills`: the bills the corrections stand, written once after the merge).
+`merge_parts` adds the parts up, then matches a request one share missed
 with a bill another share held (a new call of a reused id, whose bill is keyed by the
 call's own id; an event whose provenance was altered, or of a producer that partitions
 otherwise: routed to another share than its request's) exactly as one process would have
@@ -174,6 +177,14 @@ class Plan:
     namespace: str
     tenants: frozenset[str] | None
     rows: tuple[dict[str, Any], ...]
+
+    def check_namespace(self, namespace: str) -> None:
+        """`InputError` unless the snapshot is of `namespace` (the settings')."""
+        if self.namespace != namespace:
+            raise InputError(
+                f"the snapshot is of namespace {self.namespace}, the settings name "
+                f"{namespace} (STREAMTALLY_NAMESPACE)"
+            )
 
     def digest(self) -> str:
         """32 hex digits naming the plan: parts of one audit carry the same."""
@@ -361,6 +372,11 @@ class Part(Tally):
     unexpected: dict[int, tuple[int, bool, list[BillingEvent]]] = field(default_factory=dict)
     #: Event keys of partial requests with no bill in this share.
     partial_missed: set[int] = field(default_factory=set)
+    #: event key -> the replayed event of a request whose bill here differs (mismatched or
+    #: conflicting): the bill a correction stands (``--correct``, after the merge).
+    suspects: dict[int, BillingEvent] = field(default_factory=dict)
+    #: The `PriceTable.digest` of the ``--prices`` table the share re-rated at ("": none).
+    prices: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -374,6 +390,8 @@ class Part(Tally):
                 for k, (digest, conflicting, events) in sorted(self.unexpected.items())
             },
             "partial_missed": sorted(self.partial_missed),
+            "suspects": {str(k): _b64(e) for k, e in sorted(self.suspects.items())},
+            "prices": self.prices,
         }
 
     @classmethod
@@ -390,6 +408,8 @@ class Part(Tally):
                     for k, (d, c, events) in doc["unexpected"].items()
                 },
                 partial_missed={int(k) for k in doc["partial_missed"]},
+                suspects={int(k): _event(v) for k, v in doc["suspects"].items()},
+                prices=str(doc["prices"]),
                 **cls.tally_fields(doc),
             )
         except (KeyError, TypeError, ValueError) as exc:
@@ -399,6 +419,18 @@ class Part(Tally):
 @dataclass(slots=True, kw_only=True)
 class Merged(Tally):
     """The parts of one audit added up, every request judged as one process judges it."""
+
+    #: event key -> the replayed event of each request whose billing differs or is missing
+    #: (the parts' `suspects` and `missing`): what ``--correct`` makes the bill that stands.
+    bills: dict[int, BillingEvent] = field(default_factory=dict)
+    #: The `PriceTable.digest` of the table the parts re-rated at ("": without ``--prices``).
+    prices: str = ""
+
+    def expected_bill(self, event_id: str) -> BillingEvent | None:
+        """The replay's billing event of `event_id`, for a request whose billing differs
+        (as `Ledger.expected_bill` of one process)."""
+        bill = self.bills.get(event_key(event_id))
+        return bill if bill is not None and bill.event_id == event_id else None
 
 
 def part_of(
@@ -426,6 +458,8 @@ def part_of(
         missing=dict(ledger.missing),
         unexpected=unexpected,
         partial_missed=set(ledger.partial_missed),
+        suspects=dict(ledger.suspects),
+        prices="" if ledger.rerating is None else ledger.rerating.prices.digest(),
         rows=rows,
         totals=totals,
         unsure=unsure,
@@ -451,6 +485,11 @@ def _check_shares(parts: Sequence[Part]) -> None:
         )
     if len({p.plan for p in parts}) != 1:
         raise InputError("the parts are of different snapshots: merge the parts of one")
+    if len({p.prices for p in parts}) != 1:
+        raise InputError(
+            "the parts were re-rated at different prices (or some without --prices): run "
+            "every share with the same --prices FILE, or none"
+        )
 
 
 def _judge(
@@ -487,6 +526,9 @@ def merge_parts(parts: Sequence[Part]) -> Merged:
         held.update(part.unexpected)
         missing.update(part.missing)
         partial_missed |= part.partial_missed
+        for bills in (part.missing, part.suspects):  # a suspect wins, as `expected_bill`'s
+            merged.bills.update(bills)
+    merged.prices = parts[0].prices
     # Bills one share held for a request another share replayed (routed by a provenance
     # or a partitioner that was not the request's): judged now, as one index would have.
     crossed = (set(missing) | partial_missed) & set(held)
