@@ -42,8 +42,18 @@ from aiokafka.partitioner import DefaultPartitioner
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source
 from streamtally.core.pricing import PriceTable
+from streamtally.ops.audit import (
+    AuditOptions,
+    Share,
+    audit_corrections,
+    merge_parts,
+    run_share,
+    take_plan,
+)
+from streamtally.ops.audit._corrections import CorrectionPlan
 from streamtally.processors.requests import Position, RequestProcessor
 from streamtally.producers import RawProducer, raw_records
+from streamtally.settings import Settings
 from streamtally.store import SHARDS, RedisSink, RedisStore, usage_key
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
@@ -251,25 +261,40 @@ def audit(*args: str) -> tuple[int, dict[str, Any]]:
     return result.code, json.loads(result.out)
 
 
-def split_matches_one(tmp_path: Path, *args: str) -> dict[str, Any]:
+def split_matches_one(tmp_path: Path, *args: str, shares: tuple[str, ...] = ()) -> dict[str, Any]:
     """One snapshot audited as share 0/1 and as shares 0/2 and 1/2: the merged reports are
     the same bytes (JSON and CSV); and ``audit --workers 2`` (its own snapshot) reports what
-    ``audit`` does but for the time each snapshot was taken.  Returns the report."""
+    ``audit`` does but for the time each snapshot was taken.  `args` select (snapshot),
+    `shares` go to every share and merge (``--prices``).  Returns the report."""
     snap = tmp_path / "snapshot.json"
     assert cli("audit", "snapshot", "--out", str(snap), *args).code == 0
     parts: dict[str, Path] = {}
     for share in ("0/1", "0/2", "1/2"):
         parts[share] = tmp_path / f"part-{share.replace('/', '-')}.json"
         done = cli(
-            "audit", "run", "--snapshot", str(snap), "--share", share, "--out", str(parts[share])
+            "audit",
+            "run",
+            "--snapshot",
+            str(snap),
+            "--share",
+            share,
+            "--out",
+            str(parts[share]),
+            *shares,
         )
         assert done.code == 0, done.err
     halves = [json.loads(parts[s].read_text())["raw_records"]["read"] for s in ("0/2", "1/2")]
     assert all(halves), halves  # each share replayed records of its own
     outputs = {}
-    for name, shares in (("one", ["0/1"]), ("two", ["1/2", "0/2"])):
+    for name, names in (("one", ["0/1"]), ("two", ["1/2", "0/2"])):
         merged = cli(
-            "audit", "merge", "--snapshot", str(snap), "--json", *(str(parts[s]) for s in shares)
+            "audit",
+            "merge",
+            "--snapshot",
+            str(snap),
+            "--json",
+            *(str(parts[s]) for s in names),
+            *shares,
         )
         csv_out = tmp_path / f"{name}.csv"
         cli(
@@ -279,12 +304,13 @@ def split_matches_one(tmp_path: Path, *args: str) -> dict[str, Any]:
             str(snap),
             "--out",
             str(csv_out),
-            *(str(parts[s]) for s in shares),
+            *(str(parts[s]) for s in names),
+            *shares,
         )
         outputs[name] = (merged.code, merged.out, csv_out.read_bytes())
     assert outputs["two"] == outputs["one"]
-    code, one = audit(*args)
-    workers = cli("audit", "--json", "--workers", "2", *args)
+    code, one = audit(*args, *shares)
+    workers = cli("audit", "--json", "--workers", "2", *args, *shares)
     assert workers.code == code, workers.err
     two = json.loads(workers.out)
     for report in (one, two):
@@ -407,6 +433,10 @@ def test_prices_re_rate_each_request_at_its_receive_time(scene: Scene, tmp_path:
     globex = tenants[scene.tenant("globex")]  # every request received before T
     assert globex["rerated"] == globex["billed"]
     assert globex["difference"] == "0.000000000000"
+    # Split: each share re-rates its requests, the sums added up (--workers 2, and
+    # audit run / merge --prices): the one process's report.
+    split = split_matches_one(tmp_path, shares=("--prices", str(path)))
+    assert split["rerating"] == rerating
     # acme's requests received after T are the late ones: the difference is their cost.
     _, late = audit("--since", scene.t.isoformat(), "--tenant", acme)
     assert late["requests"]["replayed"] == len(scene.late)
@@ -736,13 +766,30 @@ async def _billing_records(scene: Scene) -> list[tuple[int, int, BillingEvent]]:
     return sorted(out, key=lambda r: (r[0], r[1]))
 
 
+#: The `created_at` of corrections compared (each run writes its own moment).
+PLANNED_AT = datetime(2026, 11, 24, tzinfo=UTC)
+
+
+async def _one_process_corrections(scene: Scene) -> CorrectionPlan:
+    """What a one-process ``audit --correct`` would write now (planned, not written)."""
+    settings = Settings.load()
+    store = RedisStore.from_url(scene.url, connect_timeout=5)
+    try:
+        plan = await take_plan(settings, store, AuditOptions(), servers=scene.servers)
+        done = await run_share(settings, store, plan, Share(), servers=scene.servers)
+    finally:
+        await store.aclose()
+    merged = merge_parts([done.part])
+    return audit_corrections(plan, merged, currency="USD", now=PLANNED_AT)[1]
+
+
 def test_correct_writes_one_correction_per_discrepancy_and_the_next_audit_is_clean(
     scene: Scene,
 ) -> None:
-    """After the tamperings: ``audit --correct`` appends corrections (the billing topic stays
-    as written), sets the Redis row right, and the audit after it is clean; a billing
-    consumer applying the corrections gets the replay's totals; a second --correct writes
-    nothing."""
+    """After the tamperings: ``audit --workers 2 --correct`` appends the corrections one
+    process would (the billing topic stays as written), once, from the merge; sets the Redis
+    row right, and the audit after it is clean; a billing consumer applying the corrections
+    gets the replay's totals; a second --correct (one process) writes nothing."""
     code, before = audit()
     assert code == 1
     found = before["discrepancies"]
@@ -757,16 +804,27 @@ def test_correct_writes_one_correction_per_discrepancy_and_the_next_audit_is_cle
         ]
     )
     billing_before = asyncio.run(_billing_records(scene))
+    planned = asyncio.run(_one_process_corrections(scene))
 
-    code, report = audit("--correct")
+    code, report = audit("--workers", "2", "--correct")
     assert code == 1  # there was something to correct
     assert _found(report) == _found(before)
     done = report["corrections"]
     assert done["topic"] == scene.topics.corrections.name
     assert (done["written"], done["rows_fixed"], done["rows_applied_before"]) == (len(found), 1, 0)
+    # the report is the one process's (nothing has changed since), corrections aside
+    for doc in (report, before):
+        del doc["snapshot"]["taken_at"]
+    assert {**report, "corrections": None} == before
 
     written = asyncio.run(_corrections(scene))
     assert len(written) == len(found)
+    # written once, and what one process would have written (but for when)
+    by_id = sorted(written, key=lambda c: c.correction_id)
+    assert [dataclasses.replace(c, created_at=PLANNED_AT) for c in by_id] == sorted(
+        planned.corrections, key=lambda c: c.correction_id
+    )
+    assert len(planned.row_fixes) == done["rows_fixed"]
     assert {c.audit_id for c in written} == {done["audit_id"]}
     assert sorted(c.reason for c in written) == kinds
     by_reason = {c.reason: c for c in written}

@@ -8,7 +8,9 @@ grouped by model and API key id), and the key's id mapped to the tenant:
 - a report that counts the four calls: the audit of their day (``--yesterday``'s shape:
   ``--since`` / ``--until`` a UTC day) is clean, and says one (day, model, tenant) matched;
 - a report that counts three more calls, which never reached the topics: exit 1, and one
-  ``provider_usage_mismatch`` per kind, the provider's count and ours three calls apart.
+  ``provider_usage_mismatch`` per kind, the provider's count and ours three calls apart;
+  the same report from two shares of a snapshot merged with ``audit merge
+  --provider-usage`` (the comparison runs once, after the merge).
 """
 
 from __future__ import annotations
@@ -188,4 +190,21 @@ def test_the_provider_report_against_the_ledger(
         **{k: ((CALLS + MISSING) * v, CALLS * v) for k, v in one.items() if v},
     }
     assert report["provider_usage"]["providers"][0]["keys"]["mismatched"] == 1
+
+    # on several machines: shares of one snapshot, the comparison once, at the merge
+    snap = tmp_path / "snapshot.json"
+    assert cli("audit", "snapshot", "--out", str(snap), *window, "--tenant", tenant).code == 0
+    parts = []
+    for share in ("0/2", "1/2"):
+        part = tmp_path / f"part-{share[0]}.json"
+        done = cli("audit", "run", "--snapshot", str(snap), "--share", share, "--out", str(part))
+        assert done.code == 0, done.err
+        parts.append(str(part))
+    usage = ["--provider-usage", str(tmp_path / "three-more.json"), "--provider-map", str(mapping)]
+    merged = cli("audit", "merge", "--snapshot", str(snap), *parts, *usage, "--json")
+    assert merged.code == 1, merged.err
+    split = json.loads(merged.out)
+    for doc in (split, report):
+        del doc["snapshot"]["taken_at"]
+    assert split == report
     worker.check()
