@@ -45,6 +45,7 @@ __all__ = [
     "measure_ceiling",
     "measure_latency",
     "measure_throughput",
+    "produce_all",
     "warm_up",
 ]
 
@@ -57,7 +58,8 @@ def _percentile(ordered: Sequence[float], p: float) -> float:
     return ordered[rank - 1]
 
 
-async def _produce_all(producer: Any, schedule: list[Send]) -> None:
+async def produce_all(producer: Any, schedule: list[Send]) -> None:
+    """Send every message of `schedule` (in order), then wait until all are acknowledged."""
     send = producer.send
     futures = []
     for n, (topic, key, value, _) in enumerate(schedule):
@@ -89,7 +91,7 @@ async def warm_up(ctx: PhaseContext, requests: list[BenchRequest]) -> None:
         producer = idempotent_producer(ctx.settings.bootstrap_servers, linger_ms=5)
         await producer.start()
         stack.push_async_callback(producer.stop)
-        await _produce_all(producer, interleave(requests, ctx.settings.concurrency))
+        await produce_all(producer, interleave(requests, ctx.settings.concurrency))
     if not await ctx.watcher.wait(ctx.worker, ctx.progress, "warm-up", len(requests)):
         raise StackError(f"the worker did not process the warm-up requests: see {ctx.worker.log}")
     lag = await ctx.kafka.wait_caught_up(ctx.worker, ctx.progress, timeout=300)
@@ -125,7 +127,7 @@ async def measure_throughput(
         ctx.watcher.expect(ids)
         cpu_before = ctx.worker.cpu_seconds()
         start = time.perf_counter()
-        await _produce_all(producer, schedule)
+        await produce_all(producer, schedule)
         produced = time.perf_counter()
     finally:
         await producer.stop()

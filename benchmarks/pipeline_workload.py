@@ -43,6 +43,7 @@ __all__ = [
     "Send",
     "bench_names",
     "interleave",
+    "scratch_names",
 ]
 
 TENANT: Final = "bench"
@@ -117,12 +118,17 @@ def bench_names(settings: Settings) -> Names:
     """
     if "namespace" in settings.model_fields_set:
         return Names(Topics.in_namespace(settings.namespace))
-    scratch = Topics.in_namespace(BENCH_NAMESPACE)
+    return scratch_names(BENCH_NAMESPACE)
+
+
+def scratch_names(namespace: str) -> Names:
+    """The topics of `namespace` with one-day retention (those not compacted)."""
+    scratch = Topics.in_namespace(namespace)
     one_day = [
         dataclasses.replace(t, retention_ms=DAY_MS) if t.cleanup_policy == "delete" else t
         for t in scratch.all
     ]
-    return Names(Topics(BENCH_NAMESPACE, *one_day))
+    return Names(Topics(namespace, *one_day))
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,9 +177,17 @@ class RequestBuilder:
     """Builds and encodes the benchmark's requests, numbering them `bench-<run>-<n>`."""
 
     def __init__(
-        self, run_id: str, samples: Path, names: Names, framing: Framing = SINGLE_OBJECT
+        self,
+        run_id: str,
+        samples: Path,
+        names: Names,
+        framing: Framing = SINGLE_OBJECT,
+        *,
+        tenant: str = TENANT,
     ) -> None:
         self.run_id = run_id
+        #: The tenant of every request (the pipeline benchmark's `TENANT` by default).
+        self.tenant = tenant
         #: How each raw value is framed (the Confluent framing: registered at start).
         self.framing = framing
         self.names = names
@@ -191,7 +205,7 @@ class RequestBuilder:
 
     def _encode(self, request_id: str, source: Source, data: bytes) -> BenchRequest:
         start = time.perf_counter()
-        _, records = raw_records(source, data, tenant=TENANT, request_id=request_id)
+        _, records = raw_records(source, data, tenant=self.tenant, request_id=request_id)
         records = [self.framing.frame(record) for record in records]
         self.encode_seconds += time.perf_counter() - start
         topic = (self.names.topics.raw_sse if source.is_sse else self.names.topics.raw_engine).name
