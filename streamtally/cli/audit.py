@@ -210,7 +210,14 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
     merge = steps.add_parser(
         "merge",
         help="merge the parts of every share into the audit's report",
-        description="Merge the parts of shares 0/N to N-1/N of one snapshot into its report.",
+        description=(
+            "Merge the parts of shares 0/N to N-1/N of one snapshot into its report: the\n"
+            "usage rows, and with --provider-usage the provider's report, compared once,\n"
+            "here; with --correct the corrections written once, here; --prices names the\n"
+            "table every share was run with (see streamtally audit --help)."
+        ),
+        epilog=_audit_extra.PROVIDER_EPILOG.split("\n\n", 1)[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     merge.add_argument("--snapshot", required=True, metavar="FILE", help="`audit snapshot`'s")
     merge.add_argument("parts", nargs="+", metavar="PART", help="`audit run`'s part files")

@@ -4,13 +4,14 @@ no Redis: each share is the ledger of its partitions' requests, as `run_share` f
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from collections import Counter
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
@@ -19,7 +20,14 @@ from streamtally.cli._output import json_text
 from streamtally.core.identity import RequestRef
 from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
-from streamtally.ops.audit import Kind, Rerating, TimeRange, audit_corrections, merged_report
+from streamtally.ops.audit import (
+    Kind,
+    Rerating,
+    TimeRange,
+    audit_corrections,
+    correct_audit,
+    merged_report,
+)
 from streamtally.ops.audit._billing import BillingIndex
 from streamtally.ops.audit._compare import event_key
 from streamtally.ops.audit._corrections import CorrectionPlan, audit_id, plan_corrections
@@ -37,6 +45,8 @@ from streamtally.ops.audit._split import (
     part_of,
     raw_partition_of,
 )
+from streamtally.settings import Settings
+from streamtally.store import RedisStore
 from streamtally.topics import encode_key
 from streamtally.wire.billing import event_id
 from streamtally.wire.records import UsageSource
@@ -403,3 +413,19 @@ def test_a_tally_adds_every_field() -> None:
     later = Merged()
     later.add(part, first=False)
     assert (later.corrections_read, later.bills_corrected) == (0, 0)  # share 0's are taken
+
+
+def test_correcting_a_merge_refuses_unreadable_bills_and_another_namespace_first() -> None:
+    """Before anything is written (no Kafka, no Redis here): a billing or correction record
+    that did not decode in any share, or a snapshot of another namespace."""
+    plan, merged = _merged(2)
+    store = cast(RedisStore, None)
+    nowhere = "127.0.0.1:9"  # were anything written, it would fail otherwise
+    ours = Settings(namespace=plan.namespace, bootstrap_servers=nowhere)
+    for bad in ("billing_bad", "corrections_bad"):
+        broken = dataclasses.replace(merged, **{bad: [(0, 3, "truncated")]})
+        with pytest.raises(InputError, match="cannot correct bills it cannot read"):
+            asyncio.run(correct_audit(ours, store, plan, broken))
+    other = Settings(namespace="elsewhere", bootstrap_servers=nowhere)
+    with pytest.raises(InputError, match="the snapshot is of namespace streamtally"):
+        asyncio.run(correct_audit(other, store, plan, merged))
