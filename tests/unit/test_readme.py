@@ -72,6 +72,14 @@ def test_every_command_is_documented_and_has_help(
     assert command in capsys.readouterr().out
 
 
+def test_the_readmes_commands_table_names_only_commands_that_exist() -> None:
+    table = README.split("\n## Commands\n", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `streamtally ([a-z]+)", table, re.MULTILINE)
+    assert rows  # the table was found
+    assert sorted(set(rows) - set(COMMANDS)) == []
+    assert sorted(set(COMMANDS) - set(rows)) == []
+
+
 def test_every_setting_is_documented() -> None:
     from streamtally.settings import VARIABLES
 
