@@ -233,7 +233,7 @@ class Settings(BaseSettings):
     state_ttl: int = Field(
         DEFAULT_STATE_TTL_S, ge=0, validation_alias=_env("STREAMTALLY_STATE_TTL", "state_ttl")
     )
-    # -- content policy (`streamtally.core.content`; README, "Content policy") ------------------
+    # -- content policy (`streamtally.core.content`; docs/content-policy.md) --------------------
     #: What the worker keeps of text, reasoning and tool arguments in Redis and on the
     #: chunks, Tokens and dead-letter topics: ``full``, ``redacted`` (length and keyed
     #: hash) or ``none`` (length only).  Billing is the same under every policy.
@@ -336,7 +336,7 @@ class Settings(BaseSettings):
     producer_key_path: Path | None = Field(
         None, validation_alias=_env("STREAMTALLY_PRODUCER_KEY", "producer_key_path")
     )
-    # -- Kafka and Redis security (`streamtally.connection`; README, "Security") -----------
+    # -- Kafka and Redis security (`streamtally.connection`; docs/security.md) -------------
     kafka_security_protocol: SecurityProtocol = Field(
         "PLAINTEXT", validation_alias=_env("KAFKA_SECURITY_PROTOCOL", "kafka_security_protocol")
     )

@@ -14,7 +14,7 @@ a copy of the file (a backup, a config repository) lets nobody call the API::
 Every entry has a unique ``name`` (1 to 64 of ``A-Z a-z 0-9 . _ -``; it is
 what log lines say, never the token) and either a ``tenant`` or ``"role":
 "operator"``.  A token is any string of 1 to 4096 visible ASCII characters;
-``secrets.token_urlsafe(32)`` makes a good one (README.md, "The usage API").
+``secrets.token_urlsafe(32)`` makes a good one (docs/api.md, "The usage API").
 
 A presented token is hashed and its digest compared with every entry's, each
 with `hmac.compare_digest` and without stopping at a match, so the time a

@@ -44,7 +44,7 @@ endpoints (every call needs Authorization: Bearer TOKEN):
   GET /v1/requests/REQUEST_ID[?tenant=T]                 a request's Tokens
   GET /docs, /openapi.json                               the OpenAPI description
 the tokens file holds each token's SHA-256 and its tenant or "role": "operator"
-(README.md, "The usage API").
+(docs/api.md, "The usage API").
 exit status: 0 stopped by SIGTERM, 130 by SIGINT, 2 a bad argument or tokens
              file, a port in use, or Redis unreachable at start (message on stderr)
 """

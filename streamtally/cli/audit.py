@@ -99,8 +99,8 @@ corrections topic (<namespace>.billing.corrections: the reason, the superseded
 event_id, the bill that stands, with its usage and cost; the billing topic is never
 rewritten) and adds each differing usage row's difference to Redis once.  Audits
 read the bills as corrected, so the next run reports clean; a billing consumer
-applies the corrections the same way (see the README).  The exit status is still 1
-when there was something to correct.
+applies the corrections the same way (docs/billing.md, "One ledger, one rule").
+The exit status is still 1 when there was something to correct.
 
 --workers N runs the audit as N processes on this machine: one snapshot, each
 process replaying the raw partitions p with p % N == i and checking the bills of

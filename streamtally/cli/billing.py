@@ -65,8 +65,8 @@ records and revisions: a request closed at its timeout or over a gap and
         each request, the corrections topic ({namespace}.billing.corrections,
         written by `streamtally audit --correct`) applied; its --json lines add
         "correction_id" (null unless a correction put the bill in place). These
-        sum to the usage rows of `streamtally usage` (the rule: README,
-        "Guarantees").
+        sum to the usage rows of `streamtally usage` (the rule: docs/billing.md,
+        "One ledger, one rule").
 exit status: 0 exported, 1 some records did not decode or conflict, or (with
              --ledger) a request has several bills at its highest revision
              (reported on stderr), 2 Kafka unreachable, topic missing or a bad

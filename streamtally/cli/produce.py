@@ -55,7 +55,7 @@ checks: every file is read and checked before anything is sent; a file with an
   (engine outputs travel as structured records and must be valid).
 signing: with --key-file (or STREAMTALLY_PRODUCER_KEY) every record carries a
   signed tenant claim (Kafka header st-auth), which a worker with a trust file
-  (STREAMTALLY_TENANT_KEYS) requires; see README.md, "Tenant trust".
+  (STREAMTALLY_TENANT_KEYS) requires; see docs/tenants.md, "Tenant trust".
 exit status: 0 sent, 2 a bad argument, manifest, file or key file (nothing sent),
   or Kafka unreachable (message on stderr)
 """

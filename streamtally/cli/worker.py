@@ -206,7 +206,7 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     if trust is None:
         logging.getLogger(STATUS_LOGGER).warning(
             "tenant trust: no STREAMTALLY_TENANT_KEYS, every producer is trusted: any client "
-            'that can write the raw topics can bill any tenant (README.md, "Tenant trust")'
+            'that can write the raw topics can bill any tenant (docs/tenants.md, "Tenant trust")'
         )
     else:
         logging.getLogger(STATUS_LOGGER).info(

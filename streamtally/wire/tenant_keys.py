@@ -1,4 +1,4 @@
-"""Signed tenant claims: which producer may bill which tenant (README.md, "Tenant trust").
+"""Signed tenant claims: which producer may bill which tenant (docs/tenants.md).
 
 Any client that can write the raw topics could otherwise bill any tenant: the
 tenant is a field of the record's body.  With a trust file, the worker bills

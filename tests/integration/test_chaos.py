@@ -39,7 +39,7 @@ def test_chaos_run_loses_nothing_and_counts_nothing_twice(redis_url: str) -> Non
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     report = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(json.dumps(report, indent=2))  # the figures, for the README and the log
+    print(json.dumps(report, indent=2))  # the figures, for docs/figures.md and the log
     context = f"worker log: {report['worker_log']}"
     assert report["worker_kills"] >= 3
     assert report["broker_restarts"] == 1

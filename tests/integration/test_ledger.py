@@ -5,7 +5,7 @@ transcript, then quiet for twice the worker's request timeout) and amended by th
 of its stream (revision 1); another request of the tenant is billed once.  Then:
 
 - the billing and corrections topics, settled by the rule (`BillingLedger`, and the
-  README's SQL over ``billing export --json``), sum to the tenant's usage rows in Redis;
+  docs' SQL over ``billing export --json``), sum to the tenant's usage rows in Redis;
 - ``billing export --ledger --json`` prints one bill per request, revision 1 for the
   amended one (the default export prints both revisions);
 - ``streamtally rebuild`` into an empty Redis database writes the same usage rows.
@@ -86,15 +86,16 @@ def _export(*args: str) -> list[dict[str, Any]]:
 
 
 def _readme_sql() -> str:
-    """The README's SQL for the standing bills (section "Guarantees")."""
-    readme = (REPO / "README.md").read_text()
-    found = re.search(r"```sql\n(.*?)```", readme, re.DOTALL)
-    assert found is not None, "README.md has no ```sql block"
+    """The docs' SQL for the standing bills (docs/billing.md, "One ledger, one rule")."""
+    page = (REPO / "docs" / "billing.md").read_text()
+    section = page.split("\n## One ledger, one rule\n", 1)[1].split("\n## ", 1)[0]
+    found = re.search(r"```sql\n(.*?)```", section, re.DOTALL)
+    assert found is not None, "docs/billing.md has no ```sql block under One ledger, one rule"
     return found.group(1)
 
 
 def _standing_by_sql(records: list[dict[str, Any]]) -> list[str]:
-    """The event ids the README's SQL keeps of `billing export --json`'s records."""
+    """The event ids the docs' SQL keeps of `billing export --json`'s records."""
     db = sqlite3.connect(":memory:")
     db.execute(
         "CREATE TABLE billing_events (event_id TEXT PRIMARY KEY, tenant TEXT, "
@@ -175,7 +176,7 @@ def test_the_ledger_sums_to_the_usage_rows_and_rebuilds_them(
     )
     assert {b["correction_id"] for b in bills} == {None}
     assert _totals(bills) == expected
-    # the README's SQL over every record keeps the same bills
+    # the docs' SQL over every record keeps the same bills
     assert _standing_by_sql(records) == sorted(b["event_id"] for b in bills)
 
     # rebuild into an empty Redis database: the same usage rows

@@ -249,12 +249,13 @@ def test_a_correction_log_read_beforehand_is_the_ledgers_corrections() -> None:
     assert ledger.corrections is log
 
 
-# --------------------------------------------------------------------------- the README
+# --------------------------------------------------------------------------- the docs
 
 
 def _readme_block(language: str) -> str:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme[readme.index("**One ledger, one rule.**") :]
+    """The first ```language block of docs/billing.md's section "One ledger, one rule"."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "billing.md").read_text()
+    section = page.split("\n## One ledger, one rule\n", 1)[1].split("\n## ", 1)[0]
     found = re.search(rf"```{language}\n(.*?)```", section, re.DOTALL)
     assert found is not None, f"no ```{language} block under One ledger, one rule"
     return found.group(1)

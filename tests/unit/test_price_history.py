@@ -421,10 +421,12 @@ def test_the_unpriced_fallback_of_the_processor_keeps_the_version_in_force() -> 
 
 
 def test_the_readme_history_example_loads_and_prices_as_described() -> None:
-    readme = (Path(__file__).parents[2] / "README.md").read_text(encoding="utf-8")
-    blocks = [b.split("```", 1)[0] for b in readme.split("```json\n")[1:]]
+    root = Path(__file__).parents[2]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]  # docs/billing.md has it
+    text = "".join(page.read_text(encoding="utf-8") for page in pages)
+    blocks = [b.split("```", 1)[0] for b in text.split("```json\n")[1:]]
     (example,) = [b for b in blocks if '"versions"' in b]
-    table = PriceTable.loads(example, origin="README.md")
+    table = PriceTable.loads(example, origin="docs/billing.md")
     assert [v.version for v in table.versions] == ["2026-10-01", "2026-11-01"]
     assert table.cost("gpt-4.1", MILLION, NOV - TICK) == Decimal("2.000000000000")
     assert table.cost("gpt-4.1", MILLION, NOV) == Decimal("1.800000000000")

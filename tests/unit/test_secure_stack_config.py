@@ -158,6 +158,8 @@ def test_the_worker_keys_are_the_layout_keys() -> None:
 
 
 def test_the_readme_shows_the_worker_acl_rule_as_it_is() -> None:
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    block = readme.split("ACL SETUSER streamtally-worker on >PASSWORD ", 1)[1].split("```", 1)[0]
+    root = Path(__file__).resolve().parents[2]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]  # docs/security.md has it
+    text = "".join(page.read_text(encoding="utf-8") for page in pages)
+    block = text.split("ACL SETUSER streamtally-worker on >PASSWORD ", 1)[1].split("```", 1)[0]
     assert block.split() == worker_acl_rule().split()
