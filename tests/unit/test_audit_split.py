@@ -308,6 +308,17 @@ def test_a_merge_wants_every_share_of_one_snapshot_once() -> None:
         merge_parts([])
 
 
+def test_a_part_of_another_format_is_refused_by_name() -> None:
+    replay, bills, stored = _scene()
+    doc = _share(Share(), _plan(stored), replay, bills).to_json()
+    assert Part.from_json(doc).to_json() == doc
+    with pytest.raises(InputError, match=r"not a part of an audit \(format .*part\.v2\)"):
+        Part.from_json({**doc, "format": "streamtally.audit.part.v1"})
+    del doc["suspects"]
+    with pytest.raises(InputError, match="a damaged audit part"):
+        Part.from_json(doc)
+
+
 def test_a_plan_goes_through_its_file() -> None:
     plan = _plan(_scene()[2])
     again = Plan.from_json(json.loads(json_text(plan.to_json())))

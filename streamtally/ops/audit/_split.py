@@ -83,8 +83,9 @@ __all__ = [
     "raw_partition_of",
 ]
 
-#: The `format` of a part file (`Part.to_json`) and of a snapshot file (`Plan.to_json`).
-PART_FORMAT: Final = "streamtally.audit.part.v1"
+#: The `format` of a part file (`Part.to_json`) and of a snapshot file (`Plan.to_json`);
+#: v2: a part carries its `suspects` and the digest of its ``--prices`` table.
+PART_FORMAT: Final = "streamtally.audit.part.v2"
 PLAN_FORMAT: Final = "streamtally.audit.snapshot.v1"
 _SHARE: Final = re.compile(r"(\d+)/(\d+)")
 
