@@ -350,7 +350,7 @@ def create_app(
         if unknown:
             found = await sinks().find_closed(unknown)
             for ref, closed in found.items():
-                processor.learn_closed(ref, closed)
+                processor.closed_earlier(ref, closed)
 
     async def learn_amendable(refs: set[RequestRef]) -> None:
         """Ask Redis what the batch's late records need to amend their requests with."""
@@ -359,7 +359,7 @@ def create_app(
             # Their records are decoded again as they are re-applied: any schema id first.
             await learn_ids(k.value for s in found.values() if s is not None for k in s.records)
             for ref, state in found.items():
-                processor.learn_amendable(ref, state)
+                processor.amendable_fetched(ref, state)
 
     tps: dict[tuple[str, int], TopicPartition] = {}
     sse_topic = topics.raw_sse.name
@@ -421,12 +421,12 @@ def create_app(
                 examined = [seen for _, seen in pairs]
         outputs = Outputs()
         # A record's request is (tenant, request id), known only from its body.
-        raws = processor.take_batch(messages, examined, outputs)
+        raws = processor.admit_batch(messages, examined, outputs)
         looked_up = time.perf_counter()
-        await learn(processor.to_learn(raws))
-        await learn_amendable(processor.to_amend(raws))
+        await learn(processor.requests_of(raws))
+        await learn_amendable(processor.amendable_to_fetch(raws))
         times.lookup = time.perf_counter() - looked_up
-        holds = processor.arrive_batch(outputs, messages, raws, tps, TopicPartition)
+        holds = processor.apply_batch(outputs, messages, raws, tps, TopicPartition)
         if outputs.completed:
             times.ends = _end_timestamps(outputs, messages)
         times.applied = time.perf_counter()
