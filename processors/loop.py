@@ -279,7 +279,7 @@ class BatchLoop:
     async def apply(self, fetched: ExaminedBatch | FetchedBatch | Sequence[RawMessage]) -> None:
         """Apply a batch: its records admitted, Redis asked, each applied; its outputs
         submitted to be written behind."""
-        processor = self.pipeline.processor
+        processor = self.pipeline.processor  # read at each batch (a test stands one in)
         fence = self.pipeline.revocations
         if not isinstance(fetched, ExaminedBatch | FetchedBatch):
             # Handed over directly (agent tests): fetched now, so nothing is fenced.
