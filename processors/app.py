@@ -147,8 +147,6 @@ def create_app(
         agents={},
         metrics=WorkerMetrics(lambda: processor.counters, lambda: processor.open_requests),
     )
-    # Wall time counts towards a request's quiet time only while writes succeed.
-    processor.input_clock.healthy = lambda: pipeline.sinks is None or not pipeline.sinks.failing
     # At most two fetched batches wait for the agent: the consumer cannot run ahead.
     batches = app.channel(maxsize=2)
     loop = BatchLoop(

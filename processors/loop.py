@@ -190,6 +190,13 @@ class BatchLoop:
         self.committer = pipeline.committer = Committer(self.commit, committed=self._committed)
         pipeline.lost = self.lost
         pipeline.revoked = self.revoked
+        # Wall time counts towards a request's quiet time only while writes succeed.
+        self.processor.input_clock.healthy = self.writing
+
+    def writing(self) -> bool:
+        """Whether the sinks write (not failing, or not built yet): the input clocks run."""
+        sinks = self.pipeline.sinks
+        return sinks is None or not sinks.failing
 
     def sinks(self) -> Sinks:
         """The sinks, built on first use (in the running loop)."""
