@@ -1,6 +1,7 @@
 """What `RequestProcessor` keeps per raw record (`_Raw`) and per open request (`_Open`).
 
-Private to the processor's modules (`processors.requests` and its layers).
+Private to the processor's modules (`processors.requests` and its parts: `table`, `refusals`,
+`sequencing`, `folding`, `closing`).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class Closed:
 
     `last_received` is the latest receive time (microseconds since the epoch) of the
     records that arrived for the request until it closed: a record that starts a new
-    call of the same id is received after it (`RequestProcessor.arrive`).  None in a
+    call of the same id is received after it (`RequestTable.call_of`).  None in a
     marker written before it existed (or by `streamtally rebuild`): no new call of that
     id is then recognised (its records are late, as before).
     """
@@ -175,7 +175,7 @@ class Counters:
 class Refused:
     """Why a message is refused before it reaches a request (it is dead-lettered).
 
-    (Here rather than beside `_examine`, which makes it: a compiled module cannot
+    (Here rather than beside `Refusals.examine`, which makes it: a compiled module cannot
     define a dataclass with a field typed as a built-in exception.)
     """
 

@@ -19,7 +19,7 @@ redelivers every record of every request that was still open.  What the
 processor cannot know by itself is which requests an earlier run already
 closed: the agent `read`s a batch first (decoding tells each record's
 request), asks Redis about every request it has not seen yet and hands the
-answers to `learn_closed`, then lets each record `arrive`.  A record of
+answers to `closed_earlier`, then `apply`s each record.  A record of
 a closed request at or before its closing offset is a replay (dropped, it was
 counted when the request closed); after it, a late event (dead-lettered).  A
 request an earlier run decided to close but did not finish writing is closed
@@ -43,7 +43,7 @@ the close marker), starts a new call: the request ``call_request_id(id, received
 (`call_of`), with its own Tokens, close marker and billing `event_id`; later records of
 the id belong to it.  A re-sent record keeps its receive time, so it never starts one.
 The id is a function of the record, so a replay derives it again: the agent asks Redis
-about the new calls a batch may start too (`to_learn`), and the commit gate never
+about the new calls a batch may start too (`requests_of`), and the commit gate never
 stops inside a new call's offsets (`span_of`), so a replay always meets its first
 record before its later ones.  Calls of one id that overlap still merge (the second's
 records are duplicates), and a new call's later record that arrives before its first
@@ -65,21 +65,39 @@ cannot carry is billed as unpriced (cost 0, counted in
 bytes, so the only failures left to them are transient (retried).  What is
 refused before it is decoded, and the limits, are in `processors.limits`;
 the results are in `processors.outputs`.
+
+Parts.  `RequestProcessor` is a facade over five collaborators, each with one
+job, which it builds and wires (they share its `Counters`, `Limits` and input
+clock):
+
+- `RequestTable` (`processors.table`): the open requests and what is known of
+  closed ones (the state; which request a record belongs to, `call_of`);
+- `Refusals` (`processors.refusals`): the edge, the limits, and every dead letter;
+- `Sequencer` (`processors.sequencing`): each record put in its place (replay,
+  late, new request, amendment, duplicate, waiting, or folded);
+- `RecordFolder` (`processors.folding`): a request's next record folded, its
+  chunks written;
+- `Closer` (`processors.closing`): a request's close and its bill, and the
+  closes of quiet requests (`expire`).
+
+A record passes `examine_*` (refusals) → `admit` (refusals: counted in) →
+`call_of` (table) → `apply_as` (sequencer) → `fold` (folder) → `finish` (closer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Sequence
+import time
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Protocol
 
-from streamtally.core.fold import Fold
-from streamtally.core.identity import RequestRef, call_request_id, epoch_micros
-from streamtally.core.normalize import Normalizer
-from streamtally.errors import InputError
-from streamtally.processors._closing import _Closing
-from streamtally.processors._records import RawRecord, _Open, _Raw
+from streamtally.core.content import FULL, ContentPolicy
+from streamtally.core.identity import RequestRef
+from streamtally.core.pricing import PriceTable
+from streamtally.processors._records import RawRecord, _Raw
 from streamtally.processors.amendable import Amendable
-from streamtally.processors.clock import input_time
+from streamtally.processors.clock import InputClock
+from streamtally.processors.closing import Closer
+from streamtally.processors.folding import RecordFolder
 from streamtally.processors.limits import Limits
 from streamtally.processors.outputs import (
     Closed,
@@ -90,8 +108,11 @@ from streamtally.processors.outputs import (
     Position,
     Refused,
 )
+from streamtally.processors.refusals import Refusals
+from streamtally.processors.sequencing import Sequencer
+from streamtally.processors.table import RequestTable
 from streamtally.wire import avro
-from streamtally.wire.records import EventKind, RawEngineOutput
+from streamtally.wire.tenant_keys import TenantTrust
 
 __all__ = [
     "CloseReason",
@@ -126,16 +147,135 @@ class Message(Protocol):
     def headers(self) -> Sequence[tuple[str, bytes]]: ...
 
 
-class RequestProcessor(_Closing):
+class RequestProcessor:
     """Applies raw records of many interleaved requests; see the module docstring."""
+
+    def __init__(
+        self,
+        prices: PriceTable,
+        *,
+        timeout: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+        limits: Limits | None = None,
+        timeouts: Mapping[str, float] | None = None,
+    ) -> None:
+        self.limits = Limits() if limits is None else limits
+        self.counters = Counters()
+        #: When requests went quiet: the partitions' input clocks (see `processors.clock`).
+        clock_ = InputClock(clock)
+        self._input_clock = clock_
+        #: Whether a partition is caught up and answering (the worker wires its consumer in;
+        #: None: every partition is, as in a test or a replay with no consumer to ask).
+        self.live: Callable[[Hashable, int], bool] | None = None
+        self._content: ContentPolicy = FULL
+        self.table = RequestTable(self.counters, clock_)
+        self.refusals = Refusals(self.table, self.limits, self.counters, clock_)
+        self.folder = RecordFolder(self.refusals, self.limits, self.counters)
+        self.closer = Closer(
+            self.table,
+            self.folder,
+            self.refusals,
+            prices,
+            timeout=timeout,
+            timeouts=timeouts,
+            limits=self.limits,
+            counters=self.counters,
+            input_clock=clock_,
+        )
+        self.sequencer = Sequencer(
+            self.table,
+            self.refusals,
+            self.folder,
+            self.closer,
+            limits=self.limits,
+            counters=self.counters,
+            input_clock=clock_,
+        )
+
+    # -- settings, shared with the parts ------------------------------------------------
+
+    @property
+    def content(self) -> ContentPolicy:
+        """What of a request's text its outputs keep (`streamtally.core.content`): the
+        Tokens record (Redis and the tokens topic), its chunks and its dead letters.
+        Billing is made from the fold itself, the same under every policy."""
+        return self._content
+
+    @content.setter
+    def content(self, policy: ContentPolicy) -> None:
+        self._content = policy
+        self.refusals.content = policy
+        self.folder.content = policy
+        self.closer.content = policy
+
+    @property
+    def chunks_topic(self) -> bool:
+        """False: chunks are folded but not written (`STREAMTALLY_CHUNKS=off`): no chunk is
+        encoded, and `Outputs.chunks` stays empty."""
+        return self.folder.chunks_topic
+
+    @chunks_topic.setter
+    def chunks_topic(self, on: bool) -> None:
+        self.folder.chunks_topic = on
+
+    @property
+    def trust(self) -> TenantTrust | None:
+        """The worker's trust file (`Refusals.trust`; None: every producer is trusted)."""
+        return self.refusals.trust
+
+    @trust.setter
+    def trust(self, trust: TenantTrust | None) -> None:
+        self.refusals.trust = trust
+
+    @property
+    def input_clock(self) -> InputClock:
+        """When requests went quiet: the partitions' input clocks (`processors.clock`)."""
+        return self._input_clock
+
+    @input_clock.setter
+    def input_clock(self, clock: InputClock) -> None:
+        self._input_clock = clock
+        self.table.input_clock = clock
+        self.refusals.input_clock = clock
+        self.closer.input_clock = clock
+        self.sequencer.input_clock = clock
+
+    @property
+    def amendable_memory_bytes(self) -> int:
+        """Bytes of record values of amendable requests kept in memory (oldest out first)."""
+        return self.table.amendable_memory_bytes
+
+    @amendable_memory_bytes.setter
+    def amendable_memory_bytes(self, size: int) -> None:
+        self.table.amendable_memory_bytes = size
+
+    @property
+    def prices(self) -> PriceTable:
+        return self.closer.prices
+
+    @property
+    def timeout(self) -> float:
+        return self.closer.timeout
+
+    @property
+    def timeouts(self) -> dict[str, float]:
+        return self.closer.timeouts
+
+    @property
+    def open_requests(self) -> int:
+        return len(self.table.open)
+
+    def timeout_of(self, source: str) -> float:
+        """Seconds a request of `source` (its name: ``anthropic``) may stay quiet."""
+        return self.closer.timeout_of(source)
 
     # -- records ------------------------------------------------------------------------
     #
     # A message is first `read` (refused at the edge, or decoded: a `_Raw` whose `ref`
     # says which request it belongs to), then, once the agent has asked Redis about
-    # the batch's unknown requests, `arrive`d.  `handle_sse` and `handle_engine` do both.
+    # the batch's unknown requests, `apply`'d.  `handle_sse` and `handle_engine` do both.
     # `read` is `examine` (decoding and the edge's checks: pure, so the worker does it
-    # for the next batch while one is being written) and `take` (counting it in).
+    # for the next batch while one is being written) and `admit` (counting it in).
 
     def examine_sse(
         self, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
@@ -145,13 +285,25 @@ class RequestProcessor(_Closing):
         `headers` are the record's Kafka headers (its ``st-auth`` claim, checked when the
         processor has a `trust` file).
         """
-        return self._examine(avro.decode_raw_sse_event, key, value, headers)
+        return self.refusals.examine(avro.decode_raw_sse_event, key, value, headers)
 
     def examine_engine(
         self, key: bytes | None, value: bytes | None, headers: Sequence[tuple[str, bytes]] = ()
     ) -> RawRecord | Refused:
         """What a message of the raw engine topic holds, or why it is refused."""
-        return self._examine(avro.decode_raw_engine_output, key, value, headers)
+        return self.refusals.examine(avro.decode_raw_engine_output, key, value, headers)
+
+    def admit(
+        self,
+        examined: RawRecord | Refused,
+        key: bytes | None,
+        value: bytes | None,
+        position: Position,
+        out: Outputs,
+    ) -> _Raw | None:
+        """Count a message in: its record, or None when it was refused (dead-lettered into
+        `out`).  `examined` is what `examine_sse` or `examine_engine` made of it."""
+        return self.refusals.admit(examined, key, value, position, out)
 
     def read_sse(
         self,
@@ -162,7 +314,9 @@ class RequestProcessor(_Closing):
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> _Raw | None:
         """Decode one message of the raw SSE topic; None when it was dead-lettered into `out`."""
-        return self.take(self.examine_sse(key, value, headers), key, value, position, out)
+        refusals = self.refusals
+        examined = refusals.examine(avro.decode_raw_sse_event, key, value, headers)
+        return refusals.admit(examined, key, value, position, out)
 
     def read_engine(
         self,
@@ -173,79 +327,25 @@ class RequestProcessor(_Closing):
         headers: Sequence[tuple[str, bytes]] = (),
     ) -> _Raw | None:
         """Decode one message of the raw engine topic; None when it was dead-lettered."""
-        return self.take(self.examine_engine(key, value, headers), key, value, position, out)
+        refusals = self.refusals
+        examined = refusals.examine(avro.decode_raw_engine_output, key, value, headers)
+        return refusals.admit(examined, key, value, position, out)
 
-    # -- a batch at a time: the agent's loops, here so that they run compiled too -------
+    def call_of(self, raw: _Raw) -> RequestRef:
+        """The request a record belongs to: its own, or a new call of its request id
+        (`RequestTable.call_of`)."""
+        return self.table.call_of(raw)
 
-    def examine_batch(
-        self, messages: Sequence[Message], sse_topic: str
-    ) -> list[RawRecord | Refused]:
-        """`examine_sse` (a message of `sse_topic`) or `examine_engine` every message."""
-        return [
-            (self.examine_sse if m.topic == sse_topic else self.examine_engine)(
-                m.key, m.value, m.headers
-            )
-            for m in messages
-        ]
+    def apply(self, out: Outputs, raw: _Raw) -> RequestRef:
+        """Apply a record `read` returned (in partition order), adding its outputs to `out`;
+        returns the request it was a record of (its own, or a new call of its id)."""
+        call = self.table.call_of(raw)
+        self.sequencer.apply_as(out, raw, call)
+        return call
 
-    def take_batch(
-        self, messages: Sequence[Message], examined: Sequence[RawRecord | Refused], out: Outputs
-    ) -> list[_Raw | None]:
-        """`take` every message of a batch (in order) with what `examine_*` made of it."""
-        return [
-            self.take(
-                seen, m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), out
-            )
-            for m, seen in zip(messages, examined, strict=True)
-        ]
-
-    def arrive_batch(
-        self,
-        out: Outputs,
-        messages: Sequence[Message],
-        raws: Sequence[_Raw | None],
-        partitions: dict[tuple[str, int], Hashable],
-        partition: Callable[[str, int], Hashable],
-    ) -> list[tuple[Hashable, int, RequestRef | None, int | None]]:
-        """`arrive` every record `take_batch` returned; per message, what the commit gate
-        holds: (its partition, named by `partitions` or else `partition(topic, number)`,
-        its offset, its request while that is open, and `span`): see `span_of`."""
-        holds: list[tuple[Hashable, int, RequestRef | None, int | None]] = []
-        for m, raw in zip(messages, raws, strict=True):
-            ref = None
-            span = None
-            if raw is not None:
-                call = self.call_of(raw)
-                was_open = call in self._open
-                self.arrive_as(out, raw, call)
-                if call in self._open:
-                    ref = call
-                if raw.record.seq == 0 and call != raw.ref:
-                    span = self.span_of(call, m.offset, was_open)
-            key = (m.topic, m.partition)
-            tp = partitions.get(key)
-            if tp is None:
-                tp = partitions[key] = partition(m.topic, m.partition)
-            holds.append((tp, m.offset, ref, span))
-        return holds
-
-    def span_of(self, call: RequestRef, offset: int, was_open: bool) -> int | None:
-        """For the first record of a new call (`call` is not its id's own request), the end
-        of the offsets the commit gate may not stop inside: -1 while the call is open (the
-        gate learns its closing offset when it finishes), its closing offset when an
-        earlier run closed it (the record is a replay), None for any other record.
-
-        A restarted worker, or a partition's next owner, that read from inside a new
-        call's offsets would meet its later records without its first one, and could not
-        tell which call they belong to: so the committed offset stays at the call's first
-        record until every record up to its close is done (`CommitGate`).
-        """
-        if not was_open and call in self._open:
-            return -1
-        closed = self._closed.get(call)
-        if closed is not None and offset <= closed.offset:
-            return closed.offset
-        return None
+    def apply_as(self, out: Outputs, raw: _Raw, ref: RequestRef) -> None:
+        """`apply`, the record taken as one of the request `ref` (`call_of`)."""
+        self.sequencer.apply_as(out, raw, ref)
 
     def handle_sse(
         self,
@@ -259,7 +359,7 @@ class RequestProcessor(_Closing):
         out = Outputs() if out is None else out
         raw = self.read_sse(key, value, position, out, headers=headers)
         if raw is not None:
-            self.arrive(out, raw)
+            self.apply(out, raw)
         return out
 
     def handle_engine(
@@ -274,286 +374,118 @@ class RequestProcessor(_Closing):
         out = Outputs() if out is None else out
         raw = self.read_engine(key, value, position, out, headers=headers)
         if raw is not None:
-            self.arrive(out, raw)
+            self.apply(out, raw)
         return out
 
     def expire(self) -> Outputs:
         """Close every request that has been quiet for longer than its timeout (its
         source's, `timeout_of`)."""
-        out = Outputs()
-        clock = self.input_clock
-        clock.tick(self.live)
-        timeout = self.timeout
-        timeouts = self.timeouts
-        quiet = []
-        for ref, state in self._open.items():
-            now = clock.now(state.topic_partition)
-            limit = timeouts.get(state.source, timeout) if timeouts else timeout
-            if now is not None and now - state.last_input > limit:
-                quiet.append(ref)
-        for ref in quiet:
-            state = self._open[ref]
-            reason = CloseReason.GAP if state.waiting else CloseReason.TIMEOUT
-            self._finish(out, ref, state, reason)
-            self.counters.requests_timed_out += 1
-        return out
+        return self.closer.close_quiet(self.live)
 
-    def arrive(self, out: Outputs, raw: _Raw) -> RequestRef:
-        """Apply a record `read` returned (in partition order), adding its outputs to `out`;
-        returns the request it was a record of (its own, or a new call of its id)."""
-        call = self.call_of(raw)
-        self.arrive_as(out, raw, call)
-        return call
+    # -- a batch at a time: the agent's loops, here so that they run compiled too -------
 
-    def _amend(
+    def examine_batch(
+        self, messages: Sequence[Message], sse_topic: str
+    ) -> list[RawRecord | Refused]:
+        """`examine_sse` (a message of `sse_topic`) or `examine_engine` every message."""
+        examine = self.refusals.examine
+        sse, engine = avro.decode_raw_sse_event, avro.decode_raw_engine_output
+        return [
+            examine(sse if m.topic == sse_topic else engine, m.key, m.value, m.headers)
+            for m in messages
+        ]
+
+    def admit_batch(
+        self, messages: Sequence[Message], examined: Sequence[RawRecord | Refused], out: Outputs
+    ) -> list[_Raw | None]:
+        """`admit` every message of a batch (in order) with what `examine_*` made of it."""
+        admit = self.refusals.admit
+        return [
+            admit(seen, m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), out)
+            for m, seen in zip(messages, examined, strict=True)
+        ]
+
+    def apply_batch(
         self,
         out: Outputs,
-        raw: _Raw,
-        ref: RequestRef,
-        closed: Closed | None,
-        pending: Closed | None,
-    ) -> _Open | None:
-        """A record after the close of `ref`: the request opened again as its next
-        revision (its records so far applied again, silently), or None when the record
-        was dead-lettered: the request closed at its END or a limit, its amendable state
-        is gone, or the record is one it had.
+        messages: Sequence[Message],
+        raws: Sequence[_Raw | None],
+        partitions: dict[tuple[str, int], Hashable],
+        partition: Callable[[str, int], Hashable],
+    ) -> list[tuple[Hashable, int, RequestRef | None, int | None]]:
+        """`apply` every record `admit_batch` returned; per message, what the commit gate
+        holds: (its partition, named by `partitions` or else `partition(topic, number)`,
+        its offset, its request while that is open, and `span`): see `span_of`."""
+        table, sequencer = self.table, self.sequencer
+        open_ = table.open
+        holds: list[tuple[Hashable, int, RequestRef | None, int | None]] = []
+        for m, raw in zip(messages, raws, strict=True):
+            ref = None
+            span = None
+            if raw is not None:
+                call = table.call_of(raw)
+                was_open = call in open_
+                sequencer.apply_as(out, raw, call)
+                if call in open_:
+                    ref = call
+                if raw.record.seq == 0 and call != raw.ref:
+                    span = table.span_of(call, m.offset, was_open)
+            key = (m.topic, m.partition)
+            tp = partitions.get(key)
+            if tp is None:
+                tp = partitions[key] = partition(m.topic, m.partition)
+            holds.append((tp, m.offset, ref, span))
+        return holds
 
-        `closed`: its close as known (the record is after it); `pending`: instead, the
-        close of its next revision an earlier run decided and did not write.
-        """
-        record, key, value, position = raw.record, raw.key, raw.value, raw.position
-        source, request_id = record.source.value, record.request_id
-        last = closed if closed is not None else pending
-        assert last is not None
-        if closed is not None and not closed.amendable:
-            late = InputError(
-                f"event for request {raw.ref}, which is already closed (at its "
-                f"{closed.reason.value}: nothing comes after it)"
-            )
-            self._dead(out, late, key, value, position, source=source, request_id=request_id)
-            return None
-        revision = last.revision if closed is not None else last.revision - 1
-        kept = self._amendable.get(ref)
-        if kept is None or kept.revision != revision:
-            gone = InputError(
-                f"event for request {raw.ref}, closed at its {last.reason.value} and no "
-                f"longer amendable: its state (revision {revision}) is not kept any more "
-                "(older than STREAMTALLY_STATE_TTL)"
-            )
-            self._dead(out, gone, key, value, position, source=source, request_id=request_id)
-            return None
-        if closed is not None and record.seq in kept.seqs:
-            again = InputError(
-                f"event seq {record.seq} of request {raw.ref}, which it had when it closed "
-                f"at its {closed.reason.value}: a duplicate, nothing to amend"
-            )
-            self._dead(out, again, key, value, position, source=source, request_id=request_id)
-            return None
-        if closed is not None and record.is_keepalive:
-            idle = InputError(
-                f"keep-alive of request {raw.ref} after its close at its "
-                f"{closed.reason.value}: no billable information, nothing to amend"
-            )
-            self._dead(out, idle, key, value, position, source=source, request_id=request_id)
-            return None
-        refused = self._refused_by_limits(record.tenant)
-        if refused is not None:
-            self._dead(out, refused, key, value, position, source=source, request_id=request_id)
-            return None
-        return self._reopen(ref, raw, kept, pending)
+    def span_of(self, call: RequestRef, offset: int, was_open: bool) -> int | None:
+        """Where the commit gate may not stop inside a new call (`RequestTable.span_of`)."""
+        return self.table.span_of(call, offset, was_open)
 
-    def _reopen(self, ref: RequestRef, raw: _Raw, kept: Amendable, pending: Closed | None) -> _Open:
-        """Open `ref` again as revision ``kept.revision + 1``: its kept records applied
-        in sequence order through a new `Normalizer` and `Fold` (those after a missing
-        one wait for it), counted and written nothing of (they were, at its first close).
-        """
-        decode = avro.decode_raw_engine_output if kept.engine else avro.decode_raw_sse_event
-        records = sorted(((decode(k.value), k) for k in kept.records), key=lambda pair: pair[0].seq)
-        first = records[0][0] if records else raw.record
-        record = raw.record
-        self._open_by_tenant[record.tenant] += 1
-        self._closed.pop(ref, None)
-        state = self._open[ref] = _Open(
-            normalizer=Normalizer(
-                first.source,
-                ref.request_id,
-                model=first.model if isinstance(first, RawEngineOutput) else None,
-            ),
-            fold=Fold(ref.request_id, first.source, max_text_bytes=self.limits.text_bytes),
-            tenant=record.tenant,
-            source=first.source.value,
-            next_seq=0,
-            last_time=first.received_at,
-            latest=first.received_at,
-            last_input=0.0,
-            max_offset=raw.position.offset,
-            topic_partition=(kept.topic, kept.partition),
-            close_at=pending
-            if pending is not None
-            else self._planned_close(ref, kept.revision + 1),
-            revision=kept.revision + 1,
-            previous=kept.bill,
-            previous_marker=kept.marker,
-            floor=kept.closed_offset,
-        )
-        if pending is not None:
-            self._pending_close.pop(ref, None)
-        state.uncounted = {again.seq for again, _ in records}
-        counters = self.counters
-        dead = counters.dead_lettered
-        silent = Outputs()
-        for again, k in records:
-            position = Position(kept.topic, kept.partition, k.offset)
-            one = _Raw(again, position, None, k.value, RequestRef(again.tenant, again.request_id))
-            if again.seq == state.next_seq:
-                self._apply(silent, ref, state, one, closing=True)
-                while state.next_seq in state.waiting:
-                    self._apply(silent, ref, state, state.waiting.pop(state.next_seq), closing=True)
-            elif again.seq > state.next_seq:
-                state.waiting[again.seq] = one
-        counters.dead_lettered = dead  # (none: each was applied before, and is again)
-        for again, _ in records:
-            state.latest = max(state.latest, again.received_at)
-        return state
+    # -- what the agent asks Redis about, and tells ---------------------------------------
 
-    def _planned_close(self, ref: RequestRef, revision: int) -> Closed | None:
-        """Where an earlier run closed revision `revision` of `ref` (`plan_closes`)."""
-        planned = self._planned.get(ref)
-        if not planned:
-            return None
-        closed = planned.pop(revision, None)
-        if not planned:
-            del self._planned[ref]
-        return closed
+    def unknown(self, refs: Iterable[RequestRef]) -> set[RequestRef]:
+        """Requests this process knows nothing of: ask Redis whether they closed."""
+        return self.table.unknown(refs)
 
-    def call_of(self, raw: _Raw) -> RequestRef:
-        """The request a record belongs to: its (tenant, request id), or a new call of it.
+    def requests_of(self, raws: Iterable[_Raw | None]) -> set[RequestRef]:
+        """The requests the records `raws` may belong to (`RequestTable.requests_of`): ask
+        Redis about the `unknown` ones before they are applied."""
+        return self.table.requests_of(raws)
 
-        The rule (any producer): a record of seq 0 of a request id whose request is
-        closed starts a new call when it comes after the close (a higher offset) and was
-        received after every record of the closed request (`Closed.last_received`).  The
-        new call is the request ``call_request_id(id, received_at)``: a function of the
-        record, so every replay derives it again.  A re-sent record of the closed request
-        keeps its receive time, so it is no new call: it stays a replay or a late record.
-        Later records of the id (seq > 0) belong to its latest call (`_calls`), as does a
-        seq 0 while that call is open (a duplicate: overlapping calls of one id merge).
-        """
-        ref = raw.ref
-        calls = self._calls
-        current = calls.get(ref, ref) if calls else ref
-        if current in self._open:
-            return current
-        record = raw.record
-        if record.seq == 0:
-            first = self._closed.get(ref)
-            if (
-                first is not None
-                and first.last_received is not None
-                and raw.position.offset > first.offset
-                and epoch_micros(record.received_at) > first.last_received
-            ):
-                current = RequestRef(
-                    ref.tenant, call_request_id(ref.request_id, record.received_at)
-                )
-                self._remember_call(ref, current)
-        return current
+    def closed_earlier(self, ref: RequestRef, closed: Closed) -> None:
+        """An earlier run closed `ref` (applied) or decided to (not yet applied)."""
+        self.table.closed_earlier(ref, closed)
 
-    def arrive_as(self, out: Outputs, raw: _Raw, ref: RequestRef) -> None:
-        """`arrive`, the record taken as one of the request `ref` (`call_of`)."""
-        record, key, value, position = raw.record, raw.key, raw.value, raw.position
-        request_id = record.request_id
-        source = record.source.value
-        tp = (position.topic, position.partition)
-        input_now = self.input_clock.saw(
-            tp, position.offset, input_time(record.received_at.timestamp(), position.timestamp)
-        )
-        closed = self._closed.get(ref)
-        state: _Open | None
-        if closed is not None:
-            if position.offset <= closed.offset:
-                self.counters.replayed += 1
-                return
-            state = self._amend(out, raw, ref, closed, None)
-            if state is None:
-                return
-        else:
-            state = self._open.get(ref)
-            if state is None:
-                pending = self._pending_close.get(ref)
-                if pending is not None and pending.revision > 0:
-                    # An earlier run decided this request's next revision and did not
-                    # write it: it starts again from the revision before.
-                    state = self._amend(out, raw, ref, None, pending)
-                    if state is None:
-                        return
-            if state is not None and position.offset <= state.floor:
-                self.counters.replayed += 1  # a record of the revision it supersedes
-                return
-        if (
-            state is None
-            and record.seq == 0
-            and (record.kind is EventKind.END or record.is_keepalive)
-        ):
-            # An end marker (or a keep-alive) that is a request's first record: no event to
-            # bill (a phantom 0-cost request otherwise).  (A later one waits for its events.)
-            what = "end marker" if record.kind is EventKind.END else "keep-alive"
-            lone = InputError(f"{what} of request {ref}, which has no events")
-            self._dead(out, lone, key, value, position, source=source, request_id=request_id)
-            return
-        if state is None:
-            refused = self._refused_by_limits(record.tenant)
-            if refused is not None:
-                self._dead(out, refused, key, value, position, source=source, request_id=request_id)
-                return
-            self._open_by_tenant[record.tenant] += 1
-            state = self._open[ref] = _Open(
-                normalizer=Normalizer(
-                    record.source,
-                    ref.request_id,
-                    model=record.model if isinstance(record, RawEngineOutput) else None,
-                ),
-                fold=Fold(ref.request_id, record.source, max_text_bytes=self.limits.text_bytes),
-                tenant=record.tenant,
-                source=source,
-                next_seq=0,
-                last_time=record.received_at,
-                latest=record.received_at,
-                last_input=0.0 if input_now is None else input_now,
-                max_offset=position.offset,
-                topic_partition=tp,
-                close_at=self._pending_close.pop(ref, None),
-            )
-        elif source != state.source:
-            mixed = InputError(
-                f"request {ref} changed source mid-stream ({state.source} → {source})"
-            )
-            self._dead(out, mixed, key, value, position, source=source, request_id=request_id)
-            return
-        state.latest = max(state.latest, record.received_at)
-        held = state.records + state.duplicates + len(state.waiting)
-        if held >= self.limits.records_per_request and record.kind is not EventKind.END:
-            # Closed here with what it has (deterministic: a replay closes it at this very
-            # record again); its later records are late.  Memory stays bounded.
-            many = InputError(
-                f"request {ref} has {held} records, the limit "
-                f"(STREAMTALLY_MAX_RECORDS_PER_REQUEST={self.limits.records_per_request})"
-            )
-            self._dead(out, many, key, value, position, source=source, request_id=request_id)
-            state.max_offset = max(state.max_offset, position.offset)
-            self._finish(out, ref, state, CloseReason.LIMIT)
-            return
-        state.last_input = 0.0 if input_now is None else input_now
-        state.max_offset = max(state.max_offset, position.offset)
-        if record.seq < state.next_seq or record.seq in state.waiting:
-            self.counters.duplicates += 1
-            state.duplicates += 1
-        elif record.seq > state.next_seq:
-            state.waiting[record.seq] = raw  # wait for the gap
-        else:
-            self._apply(out, ref, state, raw)
-            while ref in self._open and state.next_seq in state.waiting:
-                self._apply(out, ref, state, state.waiting.pop(state.next_seq))
-        planned = state.close_at
-        if planned is not None and ref in self._open and position.offset >= planned.offset:
-            # An earlier run closed this request here: close it the same way again.
-            self._finish(out, ref, state, planned.reason)
+    def amendable_to_fetch(self, raws: Iterable[_Raw | None]) -> set[RequestRef]:
+        """Requests the records `raws` would amend whose state is not held here
+        (`RequestTable.amendable_to_fetch`): ask the store before they are applied."""
+        return self.table.amendable_to_fetch(raws)
+
+    def amendable_fetched(self, ref: RequestRef, amendable: Amendable | None) -> None:
+        """What the store keeps of `ref` for its amendments (None: nothing, it expired)."""
+        self.table.amendable_fetched(ref, amendable)
+
+    def plan_closes(self, ref: RequestRef, closes: Iterable[Closed]) -> None:
+        """Where an earlier run closed revisions n > 0 of `ref` (`RequestTable.plan_closes`)."""
+        self.table.plan_closes(ref, closes)
+
+    def closed_elsewhere(self, ref: RequestRef, closed: Closed) -> None:
+        """Another owner of its partition decided `ref`'s close first: that decision stands
+        (`RequestTable.closed_elsewhere`)."""
+        self.table.closed_elsewhere(ref, closed)
+
+    def forget_closed(self, refs: Iterable[RequestRef]) -> None:
+        """Forget these closes decided elsewhere and not known applied
+        (`RequestTable.forget_closed`)."""
+        self.table.forget_closed(refs)
+
+    def drop_partitions(self, topic_partitions: set[tuple[str, int]]) -> list[RequestRef]:
+        """Forget the open requests of partitions this worker no longer owns (a rebalance)."""
+        return self.table.drop_partitions(topic_partitions)
+
+    def is_open(self, ref: RequestRef) -> bool:
+        return self.table.is_open(ref)
+
+    def revision_of(self, ref: RequestRef) -> int:
+        """The revision an open request's close will bill (0 unless it was reopened)."""
+        return self.table.revision_of(ref)

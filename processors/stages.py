@@ -11,18 +11,18 @@ stage         from → to
 ============  ==============================================================================
 fetch         the END record's Kafka timestamp (its producer's clock) → ``getmany`` returned it
               (producer linger, broker, the consumer's fetch and its buffer)
-decode        fetched → decoded and checked (`RequestProcessor.examine_batch`, schema ids)
+decode        fetched → decoded and checked (`BatchLoop.decode`: schema ids, `examine_batch`)
 queue         decoded → the agent starts on the batch (the channel and the batch lock)
-apply         the agent's work on the batch, less `lookup`
+apply         the agent's work on the batch (`BatchLoop.apply`), less `lookup`
 lookup        Redis round trips while applying: which new requests an earlier run closed,
-              amendable states
+              amendable states (`BatchLoop.lookup_closed`, `lookup_amendable`)
 write_wait    applied → its write starts (the write of the batch before still in flight)
 redis_begin   the close decisions written to Redis (one round trip)
 kafka         chunks, Tokens and billing events produced, acks awaited
 redis         the Tokens, usage and counts script (the Tokens is readable at its end)
 total         the END record's Kafka timestamp → its Tokens readable (wall clock)
-commit        the batch's released offsets committed (off the request's path: when
-              the commit ends does not delay its Tokens)
+commit        the batch's released offsets committed (`BatchLoop.commit`: off the request's
+              path, when the commit ends does not delay its Tokens)
 ============  ==============================================================================
 
 ``fetch`` and ``total`` compare the producer's wall clock with the worker's: on one

@@ -9,7 +9,7 @@ what that code relies on (see docs/architecture.md, "faust's role"):
   `RawSource` reads the raw topics instead), and with no tables start-up does
   not wait for a table recovery; and `enable_kafka_producer = False`, so
   faust's unused producer never connects (the sinks have their own);
-- `consume_raw_topics` calls `app.flow_control.resume()`, because faust keeps
+- `BatchLoop.fetch` calls `app.flow_control.resume()`, because faust keeps
   every channel queue suspended until its own consumer gets partitions;
 - `streamtally worker` sets `worker.spinner = None`, because faust's spinner
   switches the root logger to DEBUG.
@@ -170,7 +170,7 @@ async def test_channel_send_waits_while_suspended_and_reaches_the_agent_after_re
     started: Pipeline, recording: RecordingSink, settings: Settings
 ) -> None:
     app = started.app
-    batches = started.agents["process-raw"].channel  # what consume_raw_topics sends to
+    batches = started.agents["process-raw"].channel  # what BatchLoop.fetch sends to
     send = asyncio.ensure_future(batches.send(value=_junk_batch(settings)))
     try:
         await asyncio.sleep(SETTLE)

@@ -123,12 +123,12 @@ def test_a_request_whose_state_expired_is_not_amended_and_says_why() -> None:
     (first,) = run.expire().completed
     # A fresh worker: the store has the close, not its amendable state (past the TTL).
     later = Run()
-    later.processor.learn_closed(s.ref, Closed.from_marker(first.closed.marker(), applied=True))
+    later.processor.closed_earlier(s.ref, Closed.from_marker(first.closed.marker(), applied=True))
     record = later.processor.examine_sse(s.key, s.records[3])
     assert not isinstance(record, Refused)
     raw = _Raw(record, position(s.topic, 3), s.key, s.records[3], s.ref)
-    assert later.processor.to_amend([raw]) == {s.ref}
-    later.processor.learn_amendable(s.ref, None)
+    assert later.processor.amendable_to_fetch([raw]) == {s.ref}
+    later.processor.amendable_fetched(s.ref, None)
     out = later.send(s, 3, 3)
     (dead,) = out.dead_letters
     assert "no longer amendable" in dead.reason
@@ -142,8 +142,8 @@ def test_the_state_from_the_store_amends_byte_for_byte_as_the_state_in_memory() 
     assert first.amendable is not None
     # Another worker (after a restart): the close and the amendable state from the store.
     other = Run()
-    other.processor.learn_closed(s.ref, Closed.from_marker(first.closed.marker(), applied=True))
-    other.processor.learn_amendable(s.ref, Amendable.decode(first.amendable))
+    other.processor.closed_earlier(s.ref, Closed.from_marker(first.closed.marker(), applied=True))
+    other.processor.amendable_fetched(s.ref, Amendable.decode(first.amendable))
     other.send_all(s, list(range(prefix, len(s.records))), first=prefix)
     (amended,) = other.completed(s.request_id)
     assert other.encoded()["billing"] == here.encoded()["billing"][1:]
@@ -162,8 +162,8 @@ def test_an_amendment_decided_and_not_written_is_made_again_the_same() -> None:
     replay = Run()
     pending = Closed.from_marker(amended.closed.marker(), applied=False)
     assert pending.revision == 1
-    replay.processor.learn_closed(s.ref, pending)
-    replay.processor.learn_amendable(s.ref, Amendable.decode(first.amendable))
+    replay.processor.closed_earlier(s.ref, pending)
+    replay.processor.amendable_fetched(s.ref, Amendable.decode(first.amendable))
     replay.send_all(s)  # from the committed offset: the first revision's records too
     (again,) = replay.completed(s.request_id)
     assert replay.encoded()["billing"] == original.encoded()["billing"][1:]
@@ -224,9 +224,9 @@ def test_the_states_kept_in_memory_are_bounded_and_the_oldest_is_asked_of_the_st
     record = run.processor.examine_sse(a.key, a.records[3])
     assert not isinstance(record, Refused)
     late = _Raw(record, position(a.topic, 6), a.key, a.records[3], a.ref)
-    assert run.processor.to_amend([late]) == {a.ref}  # evicted: the store is asked
+    assert run.processor.amendable_to_fetch([late]) == {a.ref}  # evicted: the store is asked
     assert first_a.amendable is not None
-    run.processor.learn_amendable(a.ref, Amendable.decode(first_a.amendable))
+    run.processor.amendable_fetched(a.ref, Amendable.decode(first_a.amendable))
     run.send_all(a, list(range(3, len(a.records))), first=6)
     assert run.completed("a")[-1].tokens == a.expected()
 

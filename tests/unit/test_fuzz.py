@@ -381,7 +381,7 @@ def opened_by(source: Source, value: bytes, request_id: str) -> str | None:
 def check_counters(processor: RequestProcessor, run: PipelineRun, step: str) -> None:
     """Note (for the test to report) a step after which the counters do not add up."""
     c = processor.counters
-    waiting = sum(len(s.waiting) for s in processor._open.values())
+    waiting = sum(len(s.waiting) for s in processor.table.open.values())
     if c.received != c.applied + c.duplicates + c.dead_lettered + c.replayed + waiting:
         run.unbalanced.append(f"after {step}: {c}, {waiting} waiting")
 

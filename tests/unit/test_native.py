@@ -171,7 +171,7 @@ for i, (topic, key, value) in enumerate(messages):
     read = processor.read_sse if topic == sse else processor.read_engine
     raw = read(bytes.fromhex(key), bytes.fromhex(value), position, out)
     if raw is not None:
-        processor.arrive(out, raw)
+        processor.apply(out, raw)
 for value in out.chunk_values:
     digest.update(value)
 for done in out.completed:

@@ -202,11 +202,11 @@ class _Worker:
             TOPIC, 0, offset, position(TOPIC, offset).timestamp, s.key, s.records[seq]
         )
         examined = p.examine_batch([message], TOPIC)
-        raws = p.take_batch([message], examined, out)
-        for ref in sorted(p.unknown(p.to_learn(raws))):
+        raws = p.admit_batch([message], examined, out)
+        for ref in sorted(p.unknown(p.requests_of(raws))):
             if ref in self.markers:
-                p.learn_closed(ref, Closed.from_marker(self.markers[ref], applied=True))
-        holds = p.arrive_batch(out, [message], raws, {}, lambda t, n: (t, n))
+                p.closed_earlier(ref, Closed.from_marker(self.markers[ref], applied=True))
+        holds = p.apply_batch(out, [message], raws, {}, lambda t, n: (t, n))
         for done in out.completed:  # durable: the marker first, once
             self.markers.setdefault(done.ref, done.closed.marker())
         for tp, off, ref, span in holds:

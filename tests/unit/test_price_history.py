@@ -415,9 +415,9 @@ def test_a_billing_event_names_the_version_in_force_at_its_receive_time(
 def test_the_unpriced_fallback_of_the_processor_keeps_the_version_in_force() -> None:
     processor = RequestProcessor(load(TWO))
     tokens = make_tokens(model="unknown", usage=MILLION)
-    event, _ = processor._bill(tokens, "t", NOV)
+    event, _ = processor.closer.bill(tokens, "t", NOV)
     assert (event.price_table_version, event.priced) == ("nov", False)
-    assert processor._no_prices.quote("m", MILLION, DEC).version == "dec"
+    assert processor.closer.no_prices.quote("m", MILLION, DEC).version == "dec"
 
 
 def test_the_readme_history_example_loads_and_prices_as_described() -> None:

@@ -207,7 +207,7 @@ class FakeClock:
 
 def waiting(processor: RequestProcessor) -> int:
     """Records held for a missing sequence number (the counters' `waiting`)."""
-    return sum(len(state.waiting) for state in processor._open.values())
+    return sum(len(state.waiting) for state in processor.table.open.values())
 
 
 @dataclass
@@ -454,7 +454,7 @@ def test_the_closing_offset_covers_every_record_applied_when_the_end_came_early(
 
     # A restarted worker re-reads the same records after learning the close.
     again = Run()
-    again.processor.learn_closed(s.ref, Closed(done.closed.offset, done.closed.reason))
+    again.processor.closed_earlier(s.ref, Closed(done.closed.offset, done.closed.reason))
     for offset, seq in enumerate(order):
         again.send(s, seq, offset)
     assert [d.reason for d in again.out.dead_letters] == []
@@ -619,7 +619,7 @@ def test_records_of_a_request_closed_by_an_earlier_run_are_replays_up_to_its_off
     k = 5
     run = Run()
     assert run.processor.unknown([s.ref]) == {s.ref}
-    run.processor.learn_closed(s.ref, Closed(offset=k, reason=CloseReason.END))
+    run.processor.closed_earlier(s.ref, Closed(offset=k, reason=CloseReason.END))
     assert run.processor.unknown([s.ref]) == set()
     run.send_all(s)
     n = len(s.records)
@@ -650,7 +650,7 @@ def _timed_out_then_replayed(s: Sample, prefix: int) -> tuple[Run, Run]:
     original.send_all(s, list(range(prefix, len(s.records))), first=prefix)
 
     replay = Run()
-    replay.processor.learn_closed(s.ref, Closed.from_marker(closed.marker(), applied=False))
+    replay.processor.closed_earlier(s.ref, Closed.from_marker(closed.marker(), applied=False))
     assert replay.processor.unknown([s.ref]) == set()
     for seq in range(prefix):
         out = replay.send(s, seq, seq)
@@ -705,7 +705,7 @@ def test_a_timeout_replay_keeps_the_duplicate_count_of_the_original() -> None:
     assert a.duplicates == 1
 
     replay = Run()
-    replay.processor.learn_closed(s.ref, Closed(a.closed.offset, a.closed.reason, False))
+    replay.processor.closed_earlier(s.ref, Closed(a.closed.offset, a.closed.reason, False))
     replay.send_all(s, [0, 1, 2, 3, 2])
     b = replay.only(s.request_id)
     assert b.tokens == a.tokens
@@ -722,7 +722,7 @@ def test_a_gap_decided_by_an_earlier_run_is_replayed_to_the_same_outputs() -> No
     assert a.closed.reason is CloseReason.GAP
 
     replay = Run()
-    replay.processor.learn_closed(s.ref, Closed(a.closed.offset, a.closed.reason, False))
+    replay.processor.closed_earlier(s.ref, Closed(a.closed.offset, a.closed.reason, False))
     replay.send_all(s, seqs)
     if not replay.out.completed:
         replay.expire()
@@ -1082,8 +1082,8 @@ def test_unknown_excludes_open_and_known_closed_requests() -> None:
     assert run.processor.unknown(ids) == ids
     run.send(opened, 0, 0)
     run.send_all(finished, first=1)
-    run.processor.learn_closed(applied, Closed(3, CloseReason.END, applied=True))
-    run.processor.learn_closed(pending, Closed(4, CloseReason.TIMEOUT, applied=False))
+    run.processor.closed_earlier(applied, Closed(3, CloseReason.END, applied=True))
+    run.processor.closed_earlier(pending, Closed(4, CloseReason.TIMEOUT, applied=False))
     assert run.processor.unknown(ids) == {fresh}
     # The same request id of another tenant is another request: still unknown.
     assert run.processor.unknown([RequestRef("other", "applied")]) == {
@@ -1224,12 +1224,12 @@ def test_dynamo_usage_counted_until_the_engine_reports_it() -> None:
     assert before.only(s.request_id).billing.usage_source is UsageSource.ENGINE_COUNTED
 
 
-# --------------------------------------------------------------------------- examine, then take
+# ------------------------------------------------------------------------- examine, then admit
 
 
 def test_examining_a_message_changes_nothing_taking_it_counts_it_in() -> None:
     """The worker examines (decodes, checks) the next batch while one is written: examining
-    must leave the processor as it was; only `take` counts a message and dead-letters it."""
+    must leave the processor as it was; only `admit` counts a message and dead-letters it."""
     processor = RequestProcessor(PRICES, timeout=TIMEOUT)
     _, records = raw_records(
         Source.OPENAI,
@@ -1249,7 +1249,7 @@ def test_examining_a_message_changes_nothing_taking_it_counts_it_in() -> None:
     assert [type(e).__name__ for e in examined[1:]] == ["Refused"] * 3
     out = Outputs()
     taken = [
-        processor.take(e, key, value, Position(TOPICS.raw_sse.name, 0, offset), out)
+        processor.admit(e, key, value, Position(TOPICS.raw_sse.name, 0, offset), out)
         for offset, (e, (key, value)) in enumerate(zip(examined, messages, strict=True))
     ]
     assert taken[0] is not None

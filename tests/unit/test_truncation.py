@@ -78,7 +78,7 @@ def test_endless_deltas_to_one_request_keep_its_memory_bounded() -> None:
     for offset, value in enumerate(records):  # 2 MB of text, then the end marker
         processor.handle_sse(b"r", value, Position(topic, 0, offset, 1.79e9 + offset), out)
         if offset == 1500:
-            state = processor._open[RequestRef("acme", "r")]
+            state = processor.table.open[RequestRef("acme", "r")]
             kept = sum(len(t) for c in state.fold._choices.values() for t in c.text)
             assert kept <= 64 << 10  # the open request holds the prefix only
     (done,) = out.completed

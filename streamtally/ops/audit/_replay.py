@@ -134,7 +134,7 @@ class Replay:
             for raw, mine in kept
             if mine and raw.record.seq == 0
         }
-        calls = processor.unknown(processor.to_learn(raw for raw, mine in kept if mine))
+        calls = processor.unknown(processor.requests_of(raw for raw, mine in kept if mine))
         calls = {call for call in calls if call in starts and call not in firsts}
         asked = unknown | calls
         markers = await self._lookup(sorted(asked)) if asked else {}
@@ -144,11 +144,11 @@ class Replay:
             if marker is None:
                 continue
             if marker.offset < starts[call].position.offset:
-                processor.learn_closed(
+                processor.closed_earlier(
                     call, Closed(marker.offset, marker.reason, True, marker.last_received)
                 )
             else:
-                processor.learn_closed(call, marker)
+                processor.closed_earlier(call, marker)
         for ref in asked:
             later = _later_closes(markers.get(ref))
             if later:  # an amended request: where its later revisions closed
@@ -157,13 +157,13 @@ class Replay:
             first = firsts[ref]
             marker = _marker(markers.get(ref))
             if marker is not None and marker.offset < first.position.offset:
-                processor.learn_closed(
+                processor.closed_earlier(
                     ref, Closed(marker.offset, marker.reason, True, marker.last_received)
                 )
             elif first.record.seq > 0:
                 straddling[ref] = first.record.received_at
             elif marker is not None:
-                processor.learn_closed(ref, marker)
+                processor.closed_earlier(ref, marker)
         for raw, mine in kept:
             ref, record = raw.ref, raw.record
             if not mine or ref in straddling:
@@ -178,7 +178,7 @@ class Replay:
                 continue
             call = processor.call_of(raw)  # the record's request, or a new call of its id
             was_open, done = processor.is_open(call), len(out.completed)
-            processor.arrive_as(out, raw, call)
+            processor.apply_as(out, raw, call)
             tp = (raw.position.topic, raw.position.partition)
             for completed in out.completed[done:]:
                 self._closed(completed, tp)

@@ -1,10 +1,11 @@
-"""Refusing records: the edge and the limits, and every dead letter `RequestProcessor` makes.
+"""The refusal rules: the edge, the limits, and every dead letter `RequestProcessor` makes.
 
-A message is refused before it reaches a request when it does not decode,
-its key is not its request id, or (with a trust file) its signed tenant claim
-does not hold (`_examine`, then `take`), or when it would open a request
-beyond the limits (`_refused_by_limits`); whatever is refused, here or later,
-is dead-lettered with its reason by `_dead`.  What the edge refuses and the
+One part of `RequestProcessor` (`processors.requests`).  A message is refused
+before it reaches a request when it does not decode, its key is not its request
+id, or (with a trust file) its signed tenant claim does not hold (`examine`, then
+`admit`), or when it would open a request beyond the limits
+(`refused_by_limits`); whatever is refused, here or later, is dead-lettered with
+its reason by `dead`, under the content policy.  What the edge refuses and the
 limits themselves are in `processors.limits`.
 """
 
@@ -14,39 +15,43 @@ from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import cast
 
+from streamtally.core.content import FULL, ContentPolicy
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
 from streamtally.processors._records import RawRecord, _Raw
-from streamtally.processors._state import _ProcessorState
-from streamtally.processors.limits import PERMANENT_ERRORS, TOMBSTONE, refused_at_the_edge
-from streamtally.processors.outputs import Outputs, Position, Refused
+from streamtally.processors.clock import InputClock
+from streamtally.processors.limits import (
+    PERMANENT_ERRORS,
+    TOMBSTONE,
+    Limits,
+    refused_at_the_edge,
+)
+from streamtally.processors.outputs import Counters, Outputs, Position, Refused
+from streamtally.processors.table import RequestTable
 from streamtally.wire.records import DeadLetter
 from streamtally.wire.tenant_keys import TenantTrust, UntrustedRecord
 
+__all__ = ["Refusals"]
 
-class _Refusals(_ProcessorState):
-    """Reading a message, and dead-lettering what is refused (a layer of `RequestProcessor`)."""
 
-    #: The worker's trust file: with one, a record bills its tenant only when its
-    #: ``st-auth`` header is signed by a key that may claim it (else it is dead-lettered);
-    #: None: every producer is trusted (`streamtally.wire.tenant_keys`).
-    trust: TenantTrust | None = None
+class Refusals:
+    """Reading a message at the edge, the limits, and dead-lettering what is refused."""
 
-    def _refused_by_limits(self, tenant: str) -> InputError | None:
-        limits = self.limits
-        if len(self._open) >= limits.open_requests:
-            return InputError(
-                f"the worker holds {len(self._open)} open requests, the limit "
-                f"(STREAMTALLY_MAX_OPEN_REQUESTS={limits.open_requests})"
-            )
-        if self._open_by_tenant[tenant] >= limits.open_per_tenant:
-            return InputError(
-                f"tenant {tenant!r} has {self._open_by_tenant[tenant]} open requests, the limit "
-                f"(STREAMTALLY_MAX_OPEN_PER_TENANT={limits.open_per_tenant})"
-            )
-        return None
+    def __init__(
+        self, table: RequestTable, limits: Limits, counters: Counters, input_clock: InputClock
+    ) -> None:
+        self.table = table
+        self.limits = limits
+        self.counters = counters
+        self.input_clock = input_clock
+        #: The worker's trust file: with one, a record bills its tenant only when its
+        #: ``st-auth`` header is signed by a key that may claim it (else it is
+        #: dead-lettered); None: every producer is trusted (`streamtally.wire.tenant_keys`).
+        self.trust: TenantTrust | None = None
+        #: What of a dead letter's value and reason is kept (`RequestProcessor.content`).
+        self.content: ContentPolicy = FULL
 
-    def _examine(
+    def examine(
         self,
         decode: Callable[[bytes], RawRecord],
         key: bytes | None,
@@ -83,7 +88,7 @@ class _Refusals(_ProcessorState):
                 return Refused(untrusted, record.source.value, record.request_id)
         return record
 
-    def take(
+    def admit(
         self,
         examined: RawRecord | Refused,
         key: bytes | None,
@@ -92,10 +97,10 @@ class _Refusals(_ProcessorState):
         out: Outputs,
     ) -> _Raw | None:
         """Count a message in: its record, or None when it was refused (dead-lettered into
-        `out`).  `examined` is what `examine_sse` or `examine_engine` made of it."""
+        `out`).  `examined` is what `examine` made of it."""
         self.counters.received += 1
         if type(examined) is Refused:
-            self._refuse(
+            self.refuse(
                 out,
                 examined.reason,
                 key,
@@ -110,7 +115,25 @@ class _Refusals(_ProcessorState):
             record, position, key, value or b"", RequestRef(record.tenant, record.request_id)
         )
 
-    def _refuse(
+    def refused_by_limits(self, tenant: str) -> InputError | None:
+        """Why one more request of `tenant` may not open (None: it may)."""
+        limits = self.limits
+        table = self.table
+        held = len(table.open)
+        if held >= limits.open_requests:
+            return InputError(
+                f"the worker holds {held} open requests, the limit "
+                f"(STREAMTALLY_MAX_OPEN_REQUESTS={limits.open_requests})"
+            )
+        of_tenant = table.open_by_tenant[tenant]
+        if of_tenant >= limits.open_per_tenant:
+            return InputError(
+                f"tenant {tenant!r} has {of_tenant} open requests, the limit "
+                f"(STREAMTALLY_MAX_OPEN_PER_TENANT={limits.open_per_tenant})"
+            )
+        return None
+
+    def refuse(
         self,
         out: Outputs,
         exc: Exception,
@@ -124,9 +147,9 @@ class _Refusals(_ProcessorState):
         """Dead-letter a record refused before it reached a request; it still moves its
         partition's offset (what "caught up" is judged by), without a time."""
         self.input_clock.saw((position.topic, position.partition), position.offset)
-        self._dead(out, exc, key, value, position, source=source, request_id=request_id)
+        self.dead(out, exc, key, value, position, source=source, request_id=request_id)
 
-    def _dead(
+    def dead(
         self,
         out: Outputs,
         exc: Exception,
@@ -137,6 +160,7 @@ class _Refusals(_ProcessorState):
         source: str | None = None,
         request_id: str | None = None,
     ) -> None:
+        """Dead-letter a record into `out` with the reason `exc`, counted."""
         self.counters.dead_lettered += 1
         # The record's own Kafka time, not the wall clock: a replay dead-letters
         # the same record into the same bytes.
