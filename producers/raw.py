@@ -24,10 +24,11 @@ from streamtally.core.normalize import (
 )
 from streamtally.core.sse import NonSseLine, SseEvent
 from streamtally.errors import InputError, InvalidEvent, NotAStream, StackError
+from streamtally.producers.batches import Batches
 from streamtally.topics import DEFAULT_NAMESPACE, Topics, encode_key
 from streamtally.wire import avro
 from streamtally.wire.framing import SINGLE_OBJECT, Framing
-from streamtally.wire.kafka import idempotent_producer
+from streamtally.wire.kafka import MAX_REQUEST_BYTES, idempotent_producer
 from streamtally.wire.records import RawEngineOutput, RawSseEvent
 from streamtally.wire.tenant_keys import HEADER, ProducerKey
 
@@ -223,6 +224,7 @@ class RawProducer:
         self.key = key
         self.topics = Topics.in_namespace(namespace)
         self._producer = idempotent_producer(self.kafka, linger_ms=linger_ms)
+        self._batches = Batches(self._producer, max_request_bytes=MAX_REQUEST_BYTES)
 
     async def __aenter__(self) -> RawProducer:
         try:
@@ -240,7 +242,10 @@ class RawProducer:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        await self._producer.stop()
+        try:
+            await self._batches.drain()
+        finally:
+            await self._producer.stop()
 
     async def send_transcript(
         self,
@@ -286,27 +291,41 @@ class RawProducer:
         """Queue one encoded record, framed already; the returned future resolves when
         Kafka has it.
 
-        With a `key`, the record carries the ``st-auth`` header: `auth` when the caller
-        signed it already (the tap, which knows the tenant and sequence number), else
-        signed here from the decoded record.
+        With a `key`, the record carries the ``st-auth`` header (`_topic_and_headers`).
         """
-        topic = (self.topics.raw_sse if source.is_sse else self.topics.raw_engine).name
-        headers = None
-        if self.key is not None:
-            if auth is None:
-                record = (
-                    avro.decode_raw_sse_event(value)
-                    if source.is_sse
-                    else avro.decode_raw_engine_output(value)
-                )
-                auth = self.key.sign(
-                    tenant=record.tenant, request_id=record.request_id, seq=record.seq, value=value
-                )
-            headers = [(HEADER, auth)]
+        topic, headers = self._topic_and_headers(source, value, auth)
         future: asyncio.Future[Any] = await self._producer.send(
             topic, value, key=encode_key(request_id), headers=headers
         )
         return future
+
+    def send_soon(
+        self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
+    ) -> asyncio.Future[Any]:
+        """`send` without waiting: the record joins this event-loop turn's batch of its
+        partition (`Batches`: one ``send_batch`` per partition per turn, in order).  For
+        callers that hand Kafka many records at once, the tap's spool sender."""
+        topic, headers = self._topic_and_headers(source, value, auth)
+        return self._batches.queue(topic, encode_key(request_id), value, headers)
+
+    def _topic_and_headers(
+        self, source: Source, value: bytes, auth: bytes | None
+    ) -> tuple[str, list[tuple[str, bytes]] | None]:
+        """The raw topic of `source`, and with a `key` the ``st-auth`` header: `auth` when the
+        caller signed the record already, else signed here from the decoded record."""
+        topic = (self.topics.raw_sse if source.is_sse else self.topics.raw_engine).name
+        if self.key is None:
+            return topic, None
+        if auth is None:
+            record = (
+                avro.decode_raw_sse_event(value)
+                if source.is_sse
+                else avro.decode_raw_engine_output(value)
+            )
+            auth = self.key.sign(
+                tenant=record.tenant, request_id=record.request_id, seq=record.seq, value=value
+            )
+        return topic, [(HEADER, auth)]
 
     async def flush(self) -> None:
         await self._producer.flush()

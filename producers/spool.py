@@ -95,7 +95,7 @@ import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -785,43 +785,78 @@ class Spool(_Cursor):
         """Frame the record and write it to the current segment (one ``write()``: it is in
         the operating system when this returns); its position.  Never waits, never refuses
         for size (`wait_for_room` is the caller's); `SpoolError` when the disk fails."""
+        position = self._end
+        self.append_many([(source, key, value, auth)])
+        return position
+
+    def append_many(self, records: Sequence[tuple[Source, str, bytes, bytes | None]]) -> None:
+        """`append` for several records in order, with one ``write()`` per segment they go
+        to (the tap appends every record of one upstream chunk at once).  `SpoolError` when
+        the disk fails: the records before the failed write are in (`appended` counts
+        them), none after it."""
         if self._closed:
             raise SpoolClosed(f"the spool {self.directory} is closed")
+        if not records:
+            return
         now = time.time()
-        frame = encode_frame(source, key, value, auth, now)
-        size = len(frame)
-        if self._fd is None or (
-            self._segment_size > 0 and self._segment_size + size > self.segment_bytes
-        ):
-            self._roll()
+        frames = [
+            encode_frame(source, key, value, auth, now) for source, key, value, auth in records
+        ]
+        first, count = 0, len(frames)
+        while first < count:
+            size = len(frames[first])
+            if self._fd is None or (
+                self._segment_size > 0 and self._segment_size + size > self.segment_bytes
+            ):
+                self._roll()
+            room = self.segment_bytes - self._segment_size - size
+            last = first + 1
+            while last < count and len(frames[last]) <= room:
+                room -= len(frames[last])
+                last += 1
+            self._write(frames[first] if last == first + 1 else b"".join(frames[first:last]),
+                        records[first][1])  # fmt: skip
+            position = self._end
+            for n in range(first, last):
+                source, key, value, auth = records[n]
+                end = position + len(frames[n])
+                self._appended(SpoolRecord(position, end, source, key, value, auth, now))
+                position = end
+            first = last
+        for listener in self._listeners:
+            listener()
+
+    def _write(self, data: bytes, key: str) -> None:
+        """`data` written whole to the current segment, or nothing of it (`SpoolError`)."""
         fd = self._fd
         assert fd is not None
-        position = self._end
+        size = len(data)
         try:
-            written = os.write(fd, frame)
+            written = os.write(fd, data)
             while written < size:  # a regular file writes whole, but for a full disk
-                written += os.write(fd, frame[written:])
+                written += os.write(fd, data[written:])
         except OSError as exc:
             with contextlib.suppress(OSError):
                 os.ftruncate(fd, self._segment_size)
             raise SpoolError(
                 f"spool {self.directory}: a record of request {key!r} could not be written ({exc})"
             ) from exc
-        self._end = end = position + size
+
+    def _appended(self, record: SpoolRecord) -> None:
+        """The counts, checkpoints and memory cache after `record` was written."""
+        size = record.end - record.position
+        self._end = record.end
         self._segment_size += size
         self._unsent_records += 1
         self.appended += 1
-        self._checkpoint(position, now)
+        self._checkpoint(record.position, record.appended_at)
         if not self._caching and not self._cache and not self._elsewhere:
-            self._caching = self._read == position
+            self._caching = self._read == record.position
         if self._caching:
-            self._cache.append(SpoolRecord(position, end, source, key, value, auth, now))
+            self._cache.append(record)
             self._cache_bytes += size
             if self._cache_bytes > self.memory_bytes:
                 self._caching = False
-        for listener in self._listeners:
-            listener()
-        return position
 
     def _checkpoint(self, position: int, appended_at: float) -> None:
         checkpoints = self._checkpoints

@@ -156,7 +156,7 @@ class KafkaSender:
     async def send(
         self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
     ) -> asyncio.Future[Any]:
-        return await self._producer.send(source, request_id, value, auth=auth)
+        return self._producer.send_soon(source, request_id, value, auth=auth)
 
 
 def _failure(future: asyncio.Future[Any]) -> BaseException | None:

@@ -446,8 +446,33 @@ class Tap:
 
     # ------------------------------------------------------------------ spooling
 
-    async def _wait_for_room(self) -> None:
-        await self.spool.wait_for_room()
+    async def _wait_for_room(self, request: TapRequest) -> None:
+        spool = self.spool
+        if spool.unsent_bytes >= spool.max_bytes:
+            self._append_held(request)  # nothing waits unwritten while the spool is full
+        await spool.wait_for_room()
+
+    def _append_held(self, request: TapRequest) -> None:
+        """Append the records `request` holds (`TapRequest.feed`), in the order put."""
+        held = request._held_records
+        if not held:
+            return
+        request._held_records = []
+        spool = self.spool
+        before = spool.appended
+        try:
+            spool.append_many(held)
+        except SpoolError as exc:
+            lost = len(held) - (spool.appended - before)
+            self._failed += lost
+            log.error(
+                "tap: %d records of request %s (%s, tenant %s) could not be spooled: %s",
+                lost,
+                held[-lost][1],
+                request.source.value,
+                request.tenant,
+                exc,
+            )
 
     def _put(self, request: TapRequest, request_id: str, seq: int, value: bytes) -> None:
         try:  # framed first: the signature covers the bytes Kafka gets
@@ -462,6 +487,10 @@ class Tap:
             if key is None
             else key.sign(tenant=request.tenant, request_id=request_id, seq=seq, value=value)
         )
+        held = request._held_records
+        if held is not None:  # in `feed`: appended with the rest of the chunk's records
+            held.append((request.source, request_id, value, auth))
+            return
         try:
             self.spool.append(request.source, request_id, value, auth)
         except SpoolError as exc:
@@ -508,6 +537,8 @@ class TapRequest:
         self._last_append = time.monotonic()
         #: Its caller numbers its events (`event(..., seq=n)`): the tap sends no keep-alive.
         self._numbered = False
+        #: During `feed`: the records put, appended together when it returns (None: at once).
+        self._held_records: list[tuple[Source, str, bytes, bytes | None]] | None = None
 
     @property
     def request_id(self) -> str | None:
@@ -532,17 +563,22 @@ class TapRequest:
                 self._raw += data
             else:
                 self._raw = None
-        if self.source.is_sse:
-            if self._decoder is None:
-                self._decoder = SseDecoder()
-            for event in self._decoder.feed(data):
-                await self._event(event)
-            return
-        self._lines += data
-        *lines, rest = self._lines.split(b"\n")
-        self._lines = bytearray(rest)
-        for line in lines:
-            await self._engine_line(bytes(line))
+        self._held_records = []  # one spool write for every record of this chunk
+        try:
+            if self.source.is_sse:
+                if self._decoder is None:
+                    self._decoder = SseDecoder()
+                for event in self._decoder.feed(data):
+                    await self._event(event)
+                return
+            self._lines += data
+            *lines, rest = self._lines.split(b"\n")
+            self._lines = bytearray(rest)
+            for line in lines:
+                await self._engine_line(bytes(line))
+        finally:  # in the spool before `feed` returns: before the client has them
+            self.tap._append_held(self)
+            self._held_records = None
 
     async def event(
         self,
@@ -575,7 +611,7 @@ class TapRequest:
         self._numbered = True  # the numbers are the caller's: no keep-alive can take one
         self.tap._forget(self)
         received = self.tap.clock() if received_at is None else received_at
-        await self.tap._wait_for_room()
+        await self.tap._wait_for_room(self)
         self._send([event], received, seq)
 
     async def _engine_line(self, line: bytes) -> None:
@@ -611,11 +647,11 @@ class TapRequest:
                     self._request_id,
                 )
             held = self._expand_held()
-            await self.tap._wait_for_room()
+            await self.tap._wait_for_room(self)
             self._send_held(held)
             return
         pieces = self._pieces(event)
-        await self.tap._wait_for_room()
+        await self.tap._wait_for_room(self)
         self._send(pieces, received)
 
     def _expand_held(self) -> list[tuple[list[Any], datetime]]:
