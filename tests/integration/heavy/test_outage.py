@@ -35,7 +35,7 @@ from tests.integration.worker import own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SAMPLES = REPO / "samples"
 #: Seconds a request may stay quiet; each outage lasts three of them.  (8, not 5: with 5,
 #: on 2026-11-24 the Kafka phase closed some requests as timed out in 4 of 12 runs, with

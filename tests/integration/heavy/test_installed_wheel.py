@@ -26,7 +26,7 @@ from streamtally.core.pricing import PriceTable
 
 pytestmark = pytest.mark.integration
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "samples" / "openai" / "text_usage.sse"
 
 
