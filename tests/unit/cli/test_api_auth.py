@@ -74,6 +74,19 @@ def test_tokens_map_to_their_tenant_or_the_operator(tmp_path: Path) -> None:
         "é" + ACME_TOKEN,
         "x" * (MAX_TOKEN_CHARS + 1),
     ],
+    # the tokens are random: ids of their own keep the collection the same in every
+    # process (pytest-xdist's workers must collect the same test ids)
+    ids=[
+        "none",
+        "empty",
+        "not-a-token",
+        "prefix",
+        "longer",
+        "digest",
+        "trailing-space",
+        "leading-char",
+        "over-the-limit",
+    ],
 )
 def test_anything_but_a_listed_token_is_nobody(presented: str | None) -> None:
     assert TokenTable.from_dict(TABLE_DOC).authenticate(presented) is None
