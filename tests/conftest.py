@@ -77,3 +77,27 @@ def _no_schema_ids_across_tests() -> Iterator[None]:
     avro.forget_ids()
     yield
     avro.forget_ids()
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A unit or agent test leaves os.environ as it found it (change it with `monkeypatch`).
+
+    Those tiers run in parallel processes, each in an order of its own: a variable left
+    behind would change what the later tests of one process see.  The environment is put
+    back and the test fails, naming the variables.
+    """
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    before = dict(os.environ)
+    yield
+    changed = sorted(
+        name
+        for name in before.keys() | os.environ.keys()
+        if before.get(name) != os.environ.get(name) and name != "PYTEST_CURRENT_TEST"
+    )
+    if changed:
+        os.environ.clear()
+        os.environ.update(before)
+        pytest.fail(f"the test left os.environ changed: {', '.join(changed)} (use monkeypatch)")

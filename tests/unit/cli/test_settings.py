@@ -254,7 +254,10 @@ def test_export_sets_the_children_environment_and_reads_the_settings_again(
 ) -> None:
     from streamtally.settings import export
 
-    monkeypatch.delenv("STREAMTALLY_AVRO_FRAMING", raising=False)
+    # `export` sets os.environ itself: set, then delete, so that monkeypatch restores the
+    # variable as it was (unset) and no later test in this process reads confluent framing.
+    monkeypatch.setenv("STREAMTALLY_AVRO_FRAMING", "")
+    monkeypatch.delenv("STREAMTALLY_AVRO_FRAMING")
     monkeypatch.setenv("STREAMTALLY_SCHEMA_REGISTRY_URL", "http://127.0.0.1:1/apis/ccompat/v7")
     settings = export({"STREAMTALLY_AVRO_FRAMING": "confluent"})
     assert settings.avro_framing == "confluent"
