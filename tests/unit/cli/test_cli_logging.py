@@ -188,7 +188,7 @@ def test_the_worker_gives_faust_its_log_format(
     async def ensure_topics(servers: str, topics: Any) -> list[str]:
         return []
 
-    # An integration session run before (one pytest run) exports its registry's URL.
+    # No schema registry for this worker, whatever the environment names.
     monkeypatch.delenv("STREAMTALLY_SCHEMA_REGISTRY_URL", raising=False)
     made: ClassVar[list[dict[str, Any]]] = []
     monkeypatch.setattr(FakeWorker, "made", made)
