@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import io
-import os
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -31,7 +30,7 @@ from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
-from tests.integration.worker import own_worker
+from tests.integration.worker import external_stack, own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -55,8 +54,8 @@ FILES = [
 
 
 def _local_stack() -> StackConfig:
-    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or os.environ.get("REDIS_URL"):
-        pytest.skip("stops and starts the local stack's services; an external stack is set")
+    if (external := external_stack()) is not None:
+        pytest.skip(external)
     return StackConfig.from_settings(Settings.load())
 
 
