@@ -14,7 +14,7 @@ of the sources now: after any edit, checkout or pull the package runs as
 plain Python until it is built again, so a compiled module is never older
 than its source.  ``STREAMTALLY_NATIVE=off`` turns it off.  There is one
 implementation either way: the tests run on whichever is active, and
-`tests/unit/test_native.py` checks that both fold alike.
+`tests/unit/processors/test_native.py` checks that both fold alike.
 
 This module uses the standard library only (it runs before anything else).
 """

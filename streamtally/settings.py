@@ -229,7 +229,7 @@ class Settings(BaseSettings):
     #: Seconds Redis keeps a request's Tokens, its close marker and dead-letter marks after
     #: they are written (0: for ever).  The default, 8 days, is the raw topics' retention
     #: (7 days) plus their segment roll (1 day): the longest a raw record can be read again,
-    #: so no replay finds a request whose marker is gone (tests/unit/test_settings.py).
+    #: so no replay finds a request whose marker is gone (tests/unit/cli/test_settings.py).
     state_ttl: int = Field(
         DEFAULT_STATE_TTL_S, ge=0, validation_alias=_env("STREAMTALLY_STATE_TTL", "state_ttl")
     )
@@ -618,7 +618,7 @@ class Settings(BaseSettings):
 
 
 #: The sources a request timeout can be set for: `streamtally.core.models.Source`'s values
-#: (settings sit below core; tests/unit/test_settings.py checks that they agree).
+#: (settings sit below core; tests/unit/cli/test_settings.py checks that they agree).
 SOURCE_NAMES: Final = (
     "openai",
     "openai-responses",

@@ -5,7 +5,9 @@ dependencies (jackson, ...) into ``<state>/avro-java/lib`` once, the way
 `streamtally.ops.stack.kafka_jars` fetches Kafka's, and ``javac`` compiles
 `tests/java/avro/AvroSchemaSet.java` into ``<state>/avro-java/classes`` once.  Both are
 redone when the pom or the source change (a stamp holds their digest).  ``<state>`` is the
-project's state directory (`Settings.state_dir`: ``.stack/`` in a checkout).
+project's state directory (`Settings.state_dir`: ``.stack/`` in a checkout).  Processes that
+need it at once (pytest-xdist's workers) take turns on a lock file there, and the later ones
+find it built.
 
 `avro_java()` returns the checker ready to run, or raises `AvroJavaUnavailable` saying
 why (no java, javac or mvn; Maven Central unreachable); the tests skip on that
@@ -14,6 +16,7 @@ locally and fail in CI.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import re
 import shutil
@@ -123,12 +126,15 @@ def avro_java(state_dir: Path | None = None) -> AvroJava:
     javac = _tool("javac", "install a JDK 17+, not only a JRE (openjdk-17-jdk-headless)")
     root = (state_dir or Settings.load().state_dir) / "avro-java"
     build = root / "build"
-    try:
-        fresh = (build / ".resolved").read_text(encoding="ascii").strip() == _digest()
-    except FileNotFoundError:
-        fresh = False
-    if not fresh:
-        mvn = _tool("mvn", "install maven (apt-get install -y maven)")
-        _resolve(root, mvn, javac)
+    root.mkdir(parents=True, exist_ok=True)
+    with (root / ".lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one build at a time; released when closed
+        try:
+            fresh = (build / ".resolved").read_text(encoding="ascii").strip() == _digest()
+        except FileNotFoundError:
+            fresh = False
+        if not fresh:
+            mvn = _tool("mvn", "install maven (apt-get install -y maven)")
+            _resolve(root, mvn, javac)
     classpath = f"{build / 'classes'}:{build / 'lib' / '*'}"
     return AvroJava(java, classpath)

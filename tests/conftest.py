@@ -1,4 +1,21 @@
-"""Shared test helpers: where the public transcripts live."""
+"""Shared test helpers (where the public transcripts live), and the tiers.
+
+A test's tier is the folder it lives in: `pytest_collection_modifyitems` below gives every
+test the markers of its folder (`TIERS`), so a new file gets its tier from where it is put,
+and ``-m`` selects tiers (the markers are registered in pyproject.toml; ``--strict-markers``).
+
+==========================  =======================  ==========================================
+folder                      markers                  `make test` runs it
+==========================  =======================  ==========================================
+tests/unit/<concept>/       ``unit``                 in parallel (pytest-xdist), with the agents
+tests/agents/               ``agent``                in parallel, with the unit tier
+tests/integration/          ``integration``          on the stack, after the unit tier
+tests/integration/heavy/    ``integration heavy``    alone, last: stops, pauses or restarts the
+                                                     stack's services, or starts stacks of its own
+==========================  =======================  ==========================================
+
+Which concept folder of tests/unit holds what: tests/README.md.
+"""
 
 from __future__ import annotations
 
@@ -9,8 +26,37 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
+TESTS = REPO / "tests"
 SHARED = Path(os.environ.get("STREAMTALLY_SHARED", REPO.parent / "shared"))
 PROVIDER_FIXTURES = SHARED / "fixtures" / "providers"
+
+#: The markers of the tests in a folder of tests/ (and in its sub-folders, unless listed too).
+TIERS: dict[tuple[str, ...], tuple[str, ...]] = {
+    ("unit",): ("unit",),
+    ("agents",): ("agent",),
+    ("integration",): ("integration",),
+    ("integration", "heavy"): ("integration", "heavy"),
+}
+
+
+def tier_markers(path: Path) -> tuple[str, ...]:
+    """The tier markers of the test file at `path`: those of its deepest folder in `TIERS`."""
+    folders = path.resolve().relative_to(TESTS).parts[:-1]
+    for depth in range(len(folders), 0, -1):
+        if folders[:depth] in TIERS:
+            return TIERS[folders[:depth]]
+    raise pytest.UsageError(
+        f"{path}: a test outside the tier folders ({', '.join('/'.join(f) for f in TIERS)})"
+    )
+
+
+@pytest.hookimpl(tryfirst=True)  # before ``-m`` deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Every test gets the markers of its tier (`tier_markers`)."""
+    for item in items:
+        for name in tier_markers(item.path):
+            if item.get_closest_marker(name) is None:
+                item.add_marker(name)
 
 
 def require_public_transcripts() -> Path:
@@ -31,3 +77,27 @@ def _no_schema_ids_across_tests() -> Iterator[None]:
     avro.forget_ids()
     yield
     avro.forget_ids()
+
+
+@pytest.fixture(autouse=True)
+def _environment_as_found(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A unit or agent test leaves os.environ as it found it (change it with `monkeypatch`).
+
+    Those tiers run in parallel processes, each in an order of its own: a variable left
+    behind would change what the later tests of one process see.  The environment is put
+    back and the test fails, naming the variables.
+    """
+    if request.node.get_closest_marker("integration") is not None:
+        yield
+        return
+    before = dict(os.environ)
+    yield
+    changed = sorted(
+        name
+        for name in before.keys() | os.environ.keys()
+        if before.get(name) != os.environ.get(name) and name != "PYTEST_CURRENT_TEST"
+    )
+    if changed:
+        os.environ.clear()
+        os.environ.update(before)
+        pytest.fail(f"the test left os.environ changed: {', '.join(changed)} (use monkeypatch)")

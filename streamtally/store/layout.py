@@ -4,7 +4,7 @@ Every key, every member of a row index and every stored text is built by a
 function or constant of this module; the scripts (`streamtally.store.scripts`)
 receive them as KEYS and ARGV, and the reads (`streamtally.store.RedisStore`)
 use them.  The layout is a contract with the data already in Redis: change
-nothing here without a migration (``tests/unit/test_store_layout.py`` pins it).
+nothing here without a migration (``tests/unit/store/test_store_layout.py`` pins it).
 
 Redis layout (version 3)
 ========================

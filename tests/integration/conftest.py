@@ -14,11 +14,13 @@ Redis layout version 3 (``st:layout``): a worker claims an empty one and
 refuses to start on data of an older layout (``streamtally migrate``).  Tests
 that need a database of their own use another number (`own_worker`).
 
-`schema_registry_url` (session) is ``STREAMTALLY_SCHEMA_REGISTRY_URL`` when set, else the
-local stack's schema registry (`streamtally.ops.stack.registry`), started (and built, the
-first time in a state dir: under a minute) when it does not run, and left running like the
-stack (a registry of another state dir answering on the stack's port serves as well);
-tests marked ``registry`` get it before they run.
+`schema_registry_url` (session) is ``STREAMTALLY_SCHEMA_REGISTRY_URL`` when set (it must
+answer), else the local stack's schema registry (`streamtally.ops.stack.registry`), started
+(and built, the first time in a state dir: under a minute) when it does not run, and left
+running like the stack (a registry of another state dir answering on the stack's port serves
+as well); tests marked ``registry`` get it before they run.  It is not put in the process's
+environment: a test hands it to what it starts (``monkeypatch.setenv``), and the tests that
+run after it in the same process never see it.
 
 Every test marked ``integration`` gets the stack selected before it runs.  When the local stack
 cannot start, the test is skipped (fails instead on CI).  `redis_client` skips
@@ -39,9 +41,11 @@ Tokens keys, the idempotency markers that make a replay of their records a no-op
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import shutil
+import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
@@ -139,17 +143,25 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
 
 
 @pytest.fixture(scope="session")
-def schema_registry_url() -> Iterator[str]:
+def schema_registry_url() -> str:
     """The session's schema registry: its Confluent-compatible API (see the module docstring).
 
-    The stack's is exported as ``STREAMTALLY_SCHEMA_REGISTRY_URL`` for the session, so that
-    the streamtally commands the tests run find it.  Skips the test (fails it on CI) when
-    the local one cannot start.
+    Not exported: a test that runs streamtally commands against it sets
+    ``STREAMTALLY_SCHEMA_REGISTRY_URL`` for them itself.  Skips the test (fails it on CI)
+    when the given one does not answer or the local one cannot start.
     """
-    given = os.environ.get(registry.ENV_SCHEMA_REGISTRY_URL, "").strip()
+    given = os.environ.get(registry.ENV_SCHEMA_REGISTRY_URL, "").strip().rstrip("/")
     if given:
-        yield given.rstrip("/")
-        return
+        try:
+            with urllib.request.urlopen(f"{given}/subjects", timeout=5) as answer:
+                json.loads(answer.read())
+        except (OSError, ValueError) as exc:
+            _unavailable(
+                f"no schema registry answers at {given}/subjects ({exc}): start one "
+                "(`streamtally stack up --registry`) or set STREAMTALLY_SCHEMA_REGISTRY_URL to a "
+                "registry's Confluent REST API"
+            )
+        return given
     settings = Settings.load()
     cfg = StackConfig.from_settings(settings)
     theirs = not registry.status(cfg).running and registry.answers(cfg.host, cfg.registry_port)
@@ -158,9 +170,7 @@ def schema_registry_url() -> Iterator[str]:
             registry.up(cfg, print, java_override=settings.registry_java)
     except StackError as exc:
         _unavailable(f"the stack's schema registry did not start: {exc}")
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv(registry.ENV_SCHEMA_REGISTRY_URL, cfg.local_registry_url())
-        yield cfg.local_registry_url()
+    return cfg.local_registry_url()
 
 
 @pytest.fixture(scope="session")

@@ -6,8 +6,8 @@ of its own): two tenants, four requests of three sources, one of them amended
 revision 1), a byte-identical copy of a billing record on the topic (a replay,
 as an at-least-once writer leaves one), and a poison raw record (a dead
 letter).  The topics are Confluent-framed, their schemas in a real registry
-(Apicurio's ``ccompat`` API at ``STREAMTALLY_SCHEMA_REGISTRY_URL``, by default
-``http://127.0.0.1:8081/apis/ccompat/v7``; `streamtally stack up --registry`).
+(the session's `schema_registry_url`: ``STREAMTALLY_SCHEMA_REGISTRY_URL``, else the stack's,
+Apicurio's ``ccompat`` API as `streamtally stack up --registry` starts it).
 Then:
 
 - the official ``confluent-kafka`` client, its `SchemaRegistryClient` and
@@ -31,10 +31,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import re
 import time
-import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -60,9 +58,6 @@ from tests.integration.worker import REPO, SAMPLES, cli, own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.registry, pytest.mark.timeout(300)]
 
-REGISTRY: Final = os.environ.get(
-    "STREAMTALLY_SCHEMA_REGISTRY_URL", "http://127.0.0.1:8081/apis/ccompat/v7"
-).rstrip("/")
 DOC: Final = REPO / "docs" / "analytics.md"
 #: What docs/analytics.md's ClickHouse DDL names, replaced by this run's.
 DOC_BROKER, DOC_PREFIX, DOC_REGISTRY, DOC_GROUP = (
@@ -96,6 +91,8 @@ class Run:
     confluent_namespace: str
     #: Records of each Confluent-framed output topic, by its name in a namespace.
     records: dict[str, int]
+    #: The schema registry's Confluent API (the session's `schema_registry_url`).
+    registry: str
 
     @property
     def tenants(self) -> list[str]:
@@ -103,18 +100,6 @@ class Run:
 
     def topic(self, name: str) -> str:
         return f"{self.confluent_namespace}.{name}"
-
-
-def _require_registry() -> None:
-    try:
-        with urllib.request.urlopen(f"{REGISTRY}/subjects", timeout=5) as answer:
-            json.loads(answer.read())
-    except (OSError, ValueError) as exc:
-        pytest.fail(
-            f"no schema registry answers at {REGISTRY}/subjects ({exc}): start one "
-            "(`streamtally stack up --registry`) or set STREAMTALLY_SCHEMA_REGISTRY_URL to a "
-            "registry's Confluent REST API"
-        )
 
 
 def _send(settings: Settings, source: Source, ref: RequestRef, records: list[bytes]) -> None:
@@ -159,8 +144,6 @@ def run(
 ) -> Iterator[Run]:
     # A module fixture is made before the conftest's per-test registry hook runs: ask for
     # the session's registry here, so that the first test of a session starts it.
-    assert schema_registry_url.rstrip("/") == REGISTRY, (schema_registry_url, REGISTRY)
-    _require_registry()
     tag = uuid.uuid4().hex[:6]
     tenants = (f"an-{tag}-a", f"an:{tag}%b")  # the second needs its key's escapes undone
     refs = tuple(
@@ -170,12 +153,13 @@ def run(
     with pytest.MonkeyPatch.context() as env:
         # The worker (a subprocess with this environment) writes every topic Confluent-framed.
         env.setenv("STREAMTALLY_AVRO_FRAMING", "confluent")
-        env.setenv("STREAMTALLY_SCHEMA_REGISTRY_URL", REGISTRY)
-        yield from _run(stack_endpoints, tmp_path_factory, tag, refs)
+        env.setenv("STREAMTALLY_SCHEMA_REGISTRY_URL", schema_registry_url)
+        yield from _run(stack_endpoints, schema_registry_url, tmp_path_factory, tag, refs)
 
 
 def _run(
     stack_endpoints: Any,
+    registry: str,
     tmp_path_factory: pytest.TempPathFactory,
     tag: str,
     refs: tuple[RequestRef, ...],
@@ -212,7 +196,7 @@ def _run(
             assert time.monotonic() < deadline, worker.describe()
             time.sleep(0.2)
         worker.check()
-        yield Run(settings, worker, refs, settings.namespace, _counts(settings))
+        yield Run(settings, worker, refs, settings.namespace, _counts(settings), registry)
 
 
 @pytest.fixture
@@ -221,7 +205,7 @@ def commands_env(run: Run, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("STREAMTALLY_NAMESPACE", run.settings.namespace)
     monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", run.settings.bootstrap_servers)
     monkeypatch.setenv("REDIS_URL", run.settings.redis_url)
-    monkeypatch.setenv("STREAMTALLY_SCHEMA_REGISTRY_URL", REGISTRY)
+    monkeypatch.setenv("STREAMTALLY_SCHEMA_REGISTRY_URL", run.registry)
 
 
 # --------------------------------------------------------------------------- confluent-kafka
@@ -238,7 +222,7 @@ def _consume(run: Run, name: str) -> list[tuple[bytes | None, dict[str, Any] | N
             "enable.auto.commit": False,
         }
     )
-    deserialize = AvroDeserializer(SchemaRegistryClient({"url": REGISTRY}))
+    deserialize = AvroDeserializer(SchemaRegistryClient({"url": run.registry}))
     context = SerializationContext(topic, MessageField.VALUE)
     try:
         partitions = consumer.list_topics(topic, timeout=10).topics[topic].partitions
@@ -421,7 +405,7 @@ def test_clickhouse_sums_the_billing_topic_into_the_usage_rows(
     replaced = [
         s.replace(DOC_BROKER, f"'{run.settings.bootstrap_servers}'")
         .replace(DOC_PREFIX, f"'{run.confluent_namespace}.")
-        .replace(DOC_REGISTRY, f"'{REGISTRY}'")
+        .replace(DOC_REGISTRY, f"'{run.registry}'")
         .replace(DOC_GROUP, group)
         for s in ddl
     ]

@@ -9,10 +9,9 @@ subject, the unknown id is dead-lettered with the reason, the subjects hold the
 project's schemas (the canonical form of `schemas/history/`) at compatibility
 BACKWARD, and `billing export` and the audit read what was written whole.
 
-Needs the registry (``streamtally stack up --registry``, Apicurio's ``ccompat``
-API at ``STREAMTALLY_SCHEMA_REGISTRY_URL``, by default
-``http://127.0.0.1:8081/apis/ccompat/v7``): without one the test fails, saying
-so (marker ``registry``).
+Needs a registry (marker ``registry``): the session's `schema_registry_url`,
+``STREAMTALLY_SCHEMA_REGISTRY_URL`` or else the stack's (Apicurio's ``ccompat`` API, as
+``streamtally stack up --registry`` starts it).
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import os
 import time
 import urllib.request
 import uuid
@@ -43,9 +41,6 @@ from tests.integration.worker import cli, own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.registry, pytest.mark.timeout(300)]
 
-REGISTRY = os.environ.get(
-    "STREAMTALLY_SCHEMA_REGISTRY_URL", "http://127.0.0.1:8081/apis/ccompat/v7"
-).rstrip("/")
 DB = 11
 HISTORY = Path(avro.SCHEMA_DIR) / "history"
 TRANSCRIPT = (
@@ -61,18 +56,6 @@ TRANSCRIPT = (
 )
 #: An id no registry of this test gave (the largest a registry can).
 UNKNOWN_ID = 2**31 - 1
-
-
-def _require_registry() -> None:
-    try:
-        with urllib.request.urlopen(f"{REGISTRY}/subjects", timeout=5) as answer:
-            json.loads(answer.read())
-    except (OSError, ValueError) as exc:
-        pytest.fail(
-            f"no schema registry answers at {REGISTRY}/subjects ({exc}): start one "
-            "(`streamtally stack up --registry`) or set STREAMTALLY_SCHEMA_REGISTRY_URL to a "
-            "registry's Confluent REST API"
-        )
 
 
 async def _send_and_wait(
@@ -102,13 +85,12 @@ async def _values(settings: Settings, topic: str) -> list[bytes]:
 
 
 def test_a_confluent_worker_reads_both_framings_and_writes_confluent(
-    stack_endpoints: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    stack_endpoints: Any, schema_registry_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    _require_registry()
     tenant = f"t-{uuid.uuid4().hex[:10]}"
     refs = {name: RequestRef(tenant, f"req-{name}") for name in ("mixed", "single", "confluent")}
     monkeypatch.setenv("STREAMTALLY_AVRO_FRAMING", "confluent")
-    monkeypatch.setenv("STREAMTALLY_SCHEMA_REGISTRY_URL", REGISTRY)
+    monkeypatch.setenv("STREAMTALLY_SCHEMA_REGISTRY_URL", schema_registry_url)
     with own_worker(
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
@@ -118,7 +100,7 @@ def test_a_confluent_worker_reads_both_framings_and_writes_confluent(
         request_timeout=30,
     ) as (settings, worker):
         topics = Topics.in_namespace(settings.namespace)
-        registry = SchemaRegistry(REGISTRY)
+        registry = SchemaRegistry(schema_registry_url)
         # A producer of the raw topics in each framing.
         confluent = register_topics(registry, topics.raw)
         requests: dict[RequestRef, list[bytes]] = {}
@@ -177,7 +159,8 @@ def test_a_confluent_worker_reads_both_framings_and_writes_confluent(
             released = json.loads(latest.read_text(encoding="utf-8"))
             held = json.loads(registry.schema(schema_id))
             assert avro.canonical_form(held) == avro.canonical_form(released)
-            with urllib.request.urlopen(f"{REGISTRY}/config/{subject}", timeout=5) as answer:
+            config_url = f"{schema_registry_url}/config/{subject}"
+            with urllib.request.urlopen(config_url, timeout=5) as answer:
                 config = json.loads(answer.read())
             level = config.get("compatibilityLevel") or config.get("compatibility")
             assert level == "BACKWARD", config

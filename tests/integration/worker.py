@@ -177,6 +177,16 @@ def local_stack_up(timeout: float = 600.0) -> subprocess.CompletedProcess[str]:
     )
 
 
+def external_stack(environ: Mapping[str, str] = os.environ) -> str | None:
+    """Why a test that stops and starts the local stack's services must leave this session's
+    stack alone, or None: ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` name an external stack
+    (or the session's containers, which the ``stack_endpoints`` fixture exports there), and
+    others may be using it."""
+    if environ.get(ENV_BOOTSTRAP_SERVERS) or environ.get(ENV_REDIS_URL):
+        return "stops and starts the local stack's services; an external stack is set"
+    return None
+
+
 # --------------------------------------------------------------------------- commands
 
 

@@ -9,7 +9,7 @@ as their UTF-8 length then bytes, a nullable field as its union branch index
 then the value, an enum as its symbol index, an array as one block of its
 items then 0).
 
-It must write exactly the bytes fastavro writes: `tests/unit/test_avro.py`
+It must write exactly the bytes fastavro writes: `tests/unit/wire/test_avro.py`
 compares both on many chunks, and `check_schema` refuses, at import, a Chunk
 schema other than the one spelled out here (a schema change must change this
 module too).

@@ -17,7 +17,7 @@ resolution); an older writer goes through fastavro.  It is stricter than
 fastavro where fastavro reads garbage without a word: a truncated string, a
 negative length, a varint past 64 bits, an enum or union index out of range
 all raise (`ValueError`, `IndexError` or `EOFError`: `DECODE_ERRORS`).
-`tests/unit/test_avro_compiled.py` compares both readers on every sample,
+`tests/unit/wire/test_avro_compiled.py` compares both readers on every sample,
 on random datums of each schema and on damaged bodies.
 
 The two raw schemas' readers are also written out, typed, as a module
@@ -329,7 +329,7 @@ _MODULE_DOC = '''"""Readers of the raw records' Avro bodies, generated from sche
 Written by ``python -m streamtally.wire.avro._compiled`` (`module_source`):
 the readers `compile_reader` makes for the current RawSseEvent and
 RawEngineOutput schemas, as typed functions that mypy checks and mypyc
-compiles.  `tests/unit/test_avro_compiled.py` checks that this file is what
+compiles.  `tests/unit/wire/test_avro_compiled.py` checks that this file is what
 the generator writes for the schemas of today.
 """
 '''

@@ -3,7 +3,7 @@
 Written by ``python -m streamtally.wire.avro._compiled`` (`module_source`):
 the readers `compile_reader` makes for the current RawSseEvent and
 RawEngineOutput schemas, as typed functions that mypy checks and mypyc
-compiles.  `tests/unit/test_avro_compiled.py` checks that this file is what
+compiles.  `tests/unit/wire/test_avro_compiled.py` checks that this file is what
 the generator writes for the schemas of today.
 """
 

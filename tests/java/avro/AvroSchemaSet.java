@@ -1,5 +1,5 @@
 // Loads .avsc files with Apache Avro Java and prints the fingerprint of each schema
-// (tests/unit/test_avro_schema_set.py runs it through tests/avro_java.py).
+// (tests/unit/wire/test_avro_schema_set.py runs it through tests/avro_java.py).
 //
 // Each line of standard input is one job: a mode, then file paths, separated by tabs.
 //   set   one org.apache.avro.SchemaParser reads every file in the order given, then
