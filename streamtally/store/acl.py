@@ -11,7 +11,7 @@ The commands are those `RedisStore` sends (reads, pipelines, ``MULTI``/``EXEC``
 of the usage read, the idempotent scripts through ``EVALSHA`` with a
 ``SCRIPT LOAD`` when Redis lost them) and those the scripts call: Redis checks
 the commands a script calls against the caller's ACL too
-(``tests/unit/test_redis_acl.py`` checks every ``redis.call`` of
+(``tests/unit/stack/test_secure_stack_config.py`` checks every ``redis.call`` of
 `streamtally.store.scripts` against this list).  Keys: every key of the layout
 starts with ``st:`` (`streamtally.store.layout`).  ``streamtally migrate``
 renames keys and needs ``RENAME`` on top: run it with an administrator's

@@ -7,7 +7,7 @@ event); the schema is small and fixed, so its binary encoding is spelled out
 here field by field in schema order, with the primitives of `_chunk_writer`
 (the same Avro 1.11 binary encoding).
 
-It must write exactly the bytes fastavro writes: `tests/unit/test_raw_writer.py`
+It must write exactly the bytes fastavro writes: `tests/unit/wire/test_raw_writer.py`
 compares both on edge values and on every event of the repo's samples, and
 `check_schema` refuses, at import, a RawSseEvent schema other than the one
 spelled out here (a schema change must change this module too).

@@ -181,7 +181,7 @@ ROUTES = {"raw partition": raw_partition_of, "billing partition": billing_partit
 
 def _doubled() -> PriceTable:
     """The packaged price table with every rate doubled (another table to re-rate at)."""
-    packaged = json.loads((Path(__file__).parents[2] / "streamtally/core/prices.json").read_text())
+    packaged = json.loads((Path(__file__).parents[3] / "streamtally/core/prices.json").read_text())
 
     def doubled(entry: dict[str, str | None]) -> dict[str, str | None]:
         return {k: None if v is None else str(Decimal(v) * 2) for k, v in entry.items()}

@@ -27,7 +27,7 @@ from streamtally.wire.avro._errors import AvroEncodeError
 from streamtally.wire.avro._raw_writer import check_schema
 from streamtally.wire.records import KEEPALIVE_EVENT, EventKind, RawSseEvent
 
-SAMPLES = Path(__file__).resolve().parents[2] / "samples"
+SAMPLES = Path(__file__).resolve().parents[3] / "samples"
 SSE_SOURCES = tuple(source for source in Source if source.is_sse)
 LONGS = (0, 1, 63, 64, 127, 128, 8191, 8192, 8193, 2**31, 2**48, 2**55, 2**63 - 1)
 TEXTS = ("", "a", "message", "Grüße, 世界", "😀" * 3, "x" * 200, "\u0000nul", "é" * 5000)
