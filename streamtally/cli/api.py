@@ -24,9 +24,6 @@ from contextlib import contextmanager
 from pathlib import Path
 from types import FrameType
 
-import uvicorn
-
-from streamtally.api import TokenTable, create_app
 from streamtally.cli._output import say
 from streamtally.cli.proxy import Listen, listen_address
 from streamtally.cli.tokens import add_redis_url, run_redis
@@ -104,6 +101,12 @@ def _sigterm_ends_cleanly() -> Iterator[None]:
 
 
 def run(args: argparse.Namespace, settings: Settings) -> int:
+    # The server's libraries are imported by this command only, not by every command's
+    # parser (fastapi alone is a quarter of a second of start-up).
+    import uvicorn
+
+    from streamtally.api import TokenTable, create_app
+
     path: Path | None = args.tokens or settings.api_tokens_path
     if path is None:
         raise InputError("no tokens file: pass --tokens FILE or set STREAMTALLY_API_TOKENS")
