@@ -10,10 +10,12 @@ from memory for what was just appended, from the segment files after a
 restart or while Kafka is behind; or, in a sender process of its own,
 `SpoolReader.take` from the files the writer published:
 `streamtally.producers.sender_process`) and hands them to a `Sender` (in
-production `KafkaSender`: `RawProducer.send`, the idempotent producer with
-``acks=all``), up to `max_in_flight` records unacknowledged at once.  The
-producer keeps their order (one request's records share a key, so a
-partition; the idempotent producer never reorders a partition).  As
+production `KafkaSender`: `RawProducer.send_soon`, the idempotent producer
+with ``acks=all``, the records of one loop turn in one batch per partition:
+`streamtally.producers.batches`), up to `max_in_flight` records
+unacknowledged at once.  The producer keeps their order (one request's
+records share a key, so a partition; the batches of a partition go in
+order, and the idempotent producer never reorders a partition).  As
 acknowledgements come, the spool's cursor moves over the contiguous prefix
 of acknowledged records (`Spool.acknowledge`), never past a record Kafka
 does not have.
