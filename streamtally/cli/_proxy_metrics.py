@@ -13,7 +13,7 @@ reason of a refusal (a closed set) and the path of an unmetered call, which
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry
@@ -21,11 +21,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
+from streamtally.cli._proxy_stats import ProxyStats
 from streamtally.cli._tee import TeeStats
 from streamtally.producers import TapStats
-
-if TYPE_CHECKING:  # proxy imports this module: the type only
-    from streamtally.cli.proxy import ProxyStats
 
 __all__ = ["ProxyCollector", "metrics_app"]
 

@@ -74,7 +74,7 @@ import math
 import re
 import signal
 from collections import Counter as CounterOf
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
@@ -87,6 +87,7 @@ from streamtally.cli._api_keys import ApiKeyTenants
 from streamtally.cli._args import bootstrap_servers, kafka_of, positive
 from streamtally.cli._output import redacted, say
 from streamtally.cli._proxy_metrics import ProxyCollector, metrics_app
+from streamtally.cli._proxy_stats import ProxyStats
 from streamtally.cli._tee import (
     DEFAULT_MAX_BODY_BYTES,
     Call,
@@ -229,28 +230,6 @@ class ProxyOptions:
             raise ValueError("--max-connections must be a whole number in [1, 1000000]")
         if not 1 <= self.max_calls_per_tenant <= 1_000_000:
             raise ValueError("--max-calls-per-tenant must be a whole number in [1, 1000000]")
-
-
-@dataclass(slots=True)
-class ProxyStats:
-    """What the proxy did since it started (its last log line says it)."""
-
-    #: Calls forwarded upstream, and those of them teed to the tap.
-    forwarded: int = 0
-    tapped: int = 0
-    #: Calls answered by the proxy itself, never forwarded, by reason.
-    refused: CounterOf[str] = field(default_factory=CounterOf)
-    #: Calls forwarded to a path the proxy does not meter, by `unmetered_label`.
-    unmetered: CounterOf[str] = field(default_factory=CounterOf)
-    #: Streamed calls whose usage the proxy asked for, and usage-only chunks held back.
-    usage_asked: int = 0
-    usage_chunks_held: int = 0
-    #: Tapped calls whose client went away before the end; of those, the ones whose
-    #: upstream was cut before its end (the drain bound passed, or 0).
-    clients_gone: int = 0
-    drains_cut: int = 0
-    #: Tapped calls whose upstream broke off (the client still there).
-    upstream_broke: int = 0
 
 
 def unmetered_label(path: str, seen: CounterOf[str]) -> str:
