@@ -6,7 +6,8 @@ masters (`streamtally.ops.stack.config` has the ports and the remembered shape).
 
 ``streamtally stack up|down|status`` drives it (see :mod:`streamtally.cli.stack`);
 :mod:`streamtally.ops.stack.kafka` (with ``kafka_jars`` and ``kafka_node``) and
-:mod:`streamtally.ops.stack.redis` (with ``redis_cluster``) hold the services.
+:mod:`streamtally.ops.stack.redis` (the one server in ``redis_server``, the cluster in
+``redis_cluster``) hold the services.
 Application code reads the endpoints from `streamtally.settings.Settings`
 (``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` / ``REDIS_CLUSTER``, else this stack's).
 

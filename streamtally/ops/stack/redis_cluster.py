@@ -38,6 +38,7 @@ from streamtally.ops.stack import (
     port_in_use,
     port_in_use_error,
     process_status,
+    redis_server,
     remove_pid_file,
     spawn_detached,
     stop_services,
@@ -45,7 +46,7 @@ from streamtally.ops.stack import (
     wait_answering,
 )
 from streamtally.ops.stack.config import REDIS_BUS_OFFSET, StackConfig, record_shape
-from streamtally.ops.stack.redis import (
+from streamtally.ops.stack.redis_server import (
     READY_TIMEOUT_S,
     REDIS_SERVER,
     STOP_TIMEOUT_S,
@@ -166,9 +167,7 @@ def statuses(cfg: StackConfig) -> list[ServiceStatus]:
 
 
 def _refuse_single(cfg: StackConfig) -> None:
-    from streamtally.ops.stack import redis
-
-    single = redis.status(dataclasses.replace(cfg, redis_cluster=False))
+    single = redis_server.status(dataclasses.replace(cfg, redis_cluster=False))
     if single.running:
         raise StackError(
             f"redis runs as one server (pid {single.pid}): stop it with `streamtally stack down`, "
