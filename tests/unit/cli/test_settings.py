@@ -117,7 +117,7 @@ def test_only_the_settings_module_reads_the_environment() -> None:
     reads = re.compile(r"os\.environ|os\.getenv|getenv\(")
     allowed = {
         "streamtally/settings.py",
-        "streamtally/ops/stack/redis.py",
+        "streamtally/ops/stack/redis_server.py",
         "streamtally/ops/stack/registry.py",
         "streamtally/_native.py",
     }
