@@ -101,8 +101,8 @@ from benchmarks.pipeline_workload import (
 )
 from streamtally.connection import as_connection
 from streamtally.errors import StackError
-from streamtally.ops.stack.config import StackConfig
 from streamtally.settings import Settings, project_root
+from streamtally.stack.config import StackConfig
 from streamtally.wire.framing import SINGLE_OBJECT, Framing, register_topics
 from streamtally.wire.kafka import ensure_topics
 from streamtally.wire.registry import SchemaRegistry

@@ -212,7 +212,7 @@ def _version(dist: str) -> str | None:
 
 def _kafka_version() -> str | None:
     try:
-        from streamtally.ops.stack.kafka import kafka_version
+        from streamtally.stack.kafka import kafka_version
 
         return kafka_version()
     except (ImportError, StackError, OSError):

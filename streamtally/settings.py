@@ -454,7 +454,7 @@ class Settings(BaseSettings):
     )
     #: ``audit --provider-usage``: how far the provider's counts and the ledger's may differ
     #: and still match, ``rel=0.001,tokens=2000,requests=2`` (``--provider-tolerance``
-    #: wins; `streamtally.ops.provider_usage.Tolerance`); none: exact.
+    #: wins; `streamtally.audit.provider_usage.Tolerance`); none: exact.
     provider_tolerance: str | None = Field(
         None, validation_alias=_env("STREAMTALLY_PROVIDER_TOLERANCE", "provider_tolerance")
     )

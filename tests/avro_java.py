@@ -2,7 +2,7 @@
 
 `tests/java/avro/pom.xml` names the Avro release; Maven copies it and its runtime
 dependencies (jackson, ...) into ``<state>/avro-java/lib`` once, the way
-`streamtally.ops.stack.kafka_jars` fetches Kafka's, and ``javac`` compiles
+`streamtally.stack.kafka_jars` fetches Kafka's, and ``javac`` compiles
 `tests/java/avro/AvroSchemaSet.java` into ``<state>/avro-java/classes`` once.  Both are
 redone when the pom or the source change (a stamp holds their digest).  ``<state>`` is the
 project's state directory (`Settings.state_dir`: ``.stack/`` in a checkout).  Processes that
@@ -26,8 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from streamtally.ops.stack import indent, tail
 from streamtally.settings import Settings
+from streamtally.stack import indent, tail
 
 __all__ = ["POM", "SOURCE", "AvroJava", "AvroJavaUnavailable", "avro_java"]
 

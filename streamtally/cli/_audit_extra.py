@@ -2,7 +2,7 @@
 
 ``--provider-usage FILE…`` with ``--provider-map FILE`` (and ``--provider-tolerance``)
 compares the provider's usage with the bills that stand after the audit
-(`streamtally.ops.provider_usage`); the files and the map are read before anything
+(`streamtally.audit.provider_usage`); the files and the map are read before anything
 else, so a malformed one stops the command (exit 2) before Kafka is read.
 
 ``--yesterday`` audits the previous UTC day (``--since`` its midnight, ``--until`` today's);
@@ -22,11 +22,8 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from streamtally.cli._output import say
-from streamtally.connection import KafkaConnection
-from streamtally.errors import InputError
-from streamtally.ops.audit import Report, TimeRange
-from streamtally.ops.provider_usage import (
+from streamtally.audit import Report, TimeRange
+from streamtally.audit.provider_usage import (
     ProviderReport,
     TenantMap,
     Tolerance,
@@ -34,6 +31,9 @@ from streamtally.ops.provider_usage import (
     load_reports,
     standing_bills,
 )
+from streamtally.cli._output import say
+from streamtally.connection import KafkaConnection
+from streamtally.errors import InputError
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 

@@ -1,4 +1,4 @@
-"""`streamtally audit`: replay the raw topics and prove every bill (`streamtally.ops.audit`).
+"""`streamtally audit`: replay the raw topics and prove every bill (`streamtally.audit`).
 
 Read-only unless ``--correct``: the raw, billing and corrections topics are read with
 consumers of no group, the processors' committed offsets with an admin request, Redis
@@ -20,13 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
-from streamtally.cli import _audit_extra, _output
-from streamtally.cli._args import add_kafka_to_read, file_or_stdin, kafka_of
-from streamtally.cli._output import escape, json_text, write_stdout
-from streamtally.cli.tokens import add_redis_url, run_redis
-from streamtally.core.pricing import PriceTable, PriceTableError
-from streamtally.errors import InputError
-from streamtally.ops.audit import (
+from streamtally.audit import (
     CSV_COLUMNS,
     AuditOptions,
     Merged,
@@ -44,6 +38,12 @@ from streamtally.ops.audit import (
     run_share,
     take_plan,
 )
+from streamtally.cli import _audit_extra, _output
+from streamtally.cli._args import add_kafka_to_read, file_or_stdin, kafka_of
+from streamtally.cli._output import escape, json_text, write_stdout
+from streamtally.cli.tokens import add_redis_url, run_redis
+from streamtally.core.pricing import PriceTable, PriceTableError
+from streamtally.errors import InputError
 from streamtally.settings import Settings
 
 __all__ = ["add_parser", "format_report", "format_rerating", "rerate_prices"]

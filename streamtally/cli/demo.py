@@ -27,11 +27,11 @@ from streamtally.cli.tokens import redacted_error
 from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError, StackError
-from streamtally.ops.stack.config import StackConfig
 from streamtally.ops.worker_process import WorkerProcess, worker_command
 from streamtally.producers import RawProducer
 from streamtally.redact import redact_url
 from streamtally.settings import Settings, export, project_root
+from streamtally.stack.config import StackConfig
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
 from streamtally.wire.framing import SINGLE_OBJECT, Framing, framing_for

@@ -1,8 +1,8 @@
 """``streamtally stack up|down|status``: the local Kafka (KRaft) + Redis stack.
 
 ``up --brokers 3`` runs three Kafka nodes, ``up --redis-cluster`` a Redis Cluster
-of three masters; the stack remembers its shape (`streamtally.ops.stack.config`).
-``up --registry`` also starts the schema registry (`streamtally.ops.stack.registry`),
+of three masters; the stack remembers its shape (`streamtally.stack.config`).
+``up --registry`` also starts the schema registry (`streamtally.stack.registry`),
 which ``status``, ``env`` and ``down`` then handle until it is stopped.
 
 Also runnable on its own: ``python -m streamtally.cli.stack up``.
@@ -19,7 +19,14 @@ from collections.abc import Callable, Sequence
 
 from streamtally.cli._args import Parser
 from streamtally.cli._output import say
-from streamtally.ops.stack import (
+from streamtally.redact import redact_servers, redact_url
+from streamtally.settings import (
+    ENV_BOOTSTRAP_SERVERS,
+    ENV_REDIS_CLUSTER,
+    ENV_REDIS_URL,
+    Settings,
+)
+from streamtally.stack import (
     ServiceStatus,
     StackConfig,
     StackError,
@@ -28,20 +35,13 @@ from streamtally.ops.stack import (
     registry,
     secure,
 )
-from streamtally.ops.stack.client_env import SECURITY_VARIABLES, client_environment
-from streamtally.ops.stack.config import (
+from streamtally.stack.client_env import SECURITY_VARIABLES, client_environment
+from streamtally.stack.config import (
     BROKER_COUNTS,
     KAFKA_PORT_STEP,
     REDIS_BUS_OFFSET,
     REDIS_CLUSTER_MASTERS,
     StackShape,
-)
-from streamtally.redact import redact_servers, redact_url
-from streamtally.settings import (
-    ENV_BOOTSTRAP_SERVERS,
-    ENV_REDIS_CLUSTER,
-    ENV_REDIS_URL,
-    Settings,
 )
 
 EXIT_OK = 0

@@ -109,7 +109,7 @@ when read.  A dead-lettered record lives in ``crc32(position) % 16``.
 
 ``st:{T}:correction:{correction_id}`` (string ``"1"``, expires after the state TTL)
     One per usage row corrected by ``streamtally audit --correct``
-    (`streamtally.ops.audit`), in the shard `shard_of_row` of the row: the
+    (`streamtally.audit`), in the shard `shard_of_row` of the row: the
     correction's difference was added to that shard's part of the row, once.
 """
 

@@ -1,6 +1,6 @@
 """The record of the corrections topic: one `BillingCorrection` per discrepancy an audit corrected.
 
-Written only by ``streamtally audit --correct`` (`streamtally.ops.audit`), never by the
+Written only by ``streamtally audit --correct`` (`streamtally.audit`), never by the
 worker, and never instead of a billing event: the billing topic is kept as it was
 written, and a correction says which of its events it supersedes.  A billing consumer
 applies a correction with replace semantics, so applying one twice, or two corrections of
@@ -36,7 +36,7 @@ from streamtally.wire.records import BillingEvent
 
 __all__ = ["CORRECTION_REASONS", "BillingCorrection", "CorrectionLog"]
 
-#: The discrepancy kinds a correction can be for (`streamtally.ops.audit.Kind` values).
+#: The discrepancy kinds a correction can be for (`streamtally.audit.Kind` values).
 CORRECTION_REASONS: Final = frozenset(
     {
         "missing_billing",

@@ -10,7 +10,7 @@ whole usage and cost, never a difference.  A consumer gets the bills as they sta
 rule; `BillingLedger` is its one implementation (``billing export --ledger`` and
 ``rebuild`` read through it; the audit applies its corrections half, `CorrectionLog`,
 and rule 3 as it replays: its expected rows take an amended request's superseded
-revision out as the next one closes, `streamtally.ops.audit._ledger.Ledger.closed`,
+revision out as the next one closes, `streamtally.audit._ledger.Ledger.closed`,
 which keeps it at one sum per row instead of every bill):
 
 1. **One bill per event id.**  The first record of an event id read is its bill (all the

@@ -272,9 +272,9 @@ def _billing_fields(event: dict[str, Any]) -> dict[str, Any]:
 
 
 async def _restart_broker(say: Any) -> float:
-    from streamtally.ops.stack import kafka
-    from streamtally.ops.stack.config import StackConfig
     from streamtally.settings import Settings
+    from streamtally.stack import kafka
+    from streamtally.stack.config import StackConfig
 
     cfg = StackConfig.from_settings(Settings.load())
     start = time.monotonic()
@@ -303,9 +303,9 @@ async def _wait_busy(url: str, requests: int, timeout: float = 60.0) -> None:
 
 
 async def _restart_redis(say: Any) -> float:
-    from streamtally.ops.stack import redis
-    from streamtally.ops.stack.config import StackConfig
     from streamtally.settings import Settings
+    from streamtally.stack import redis
+    from streamtally.stack.config import StackConfig
 
     cfg = StackConfig.from_settings(Settings.load())
     start = time.monotonic()

@@ -15,7 +15,7 @@ refuses to start on data of an older layout (``streamtally migrate``).  Tests
 that need a database of their own use another number (`own_worker`).
 
 `schema_registry_url` (session) is ``STREAMTALLY_SCHEMA_REGISTRY_URL`` when set (it must
-answer), else the local stack's schema registry (`streamtally.ops.stack.registry`), started
+answer), else the local stack's schema registry (`streamtally.stack.registry`), started
 (and built, the first time in a state dir: under a minute) when it does not run, and left
 running like the stack (a registry of another state dir answering on the stack's port serves
 as well); tests marked ``registry`` get it before they run.  It is not put in the process's
@@ -56,9 +56,9 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streamtally.errors import StackError
-from streamtally.ops.stack import port_in_use, redis_cluster, registry
-from streamtally.ops.stack.config import StackConfig
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
+from streamtally.stack import port_in_use, redis_cluster, registry
+from streamtally.stack.config import StackConfig
 from tests.integration.worker import (
     Endpoints,
     StackMode,

@@ -39,10 +39,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.partitioner import DefaultPartitioner
 
-from streamtally.core.identity import RequestRef
-from streamtally.core.models import FinishReason, Source
-from streamtally.core.pricing import PriceTable
-from streamtally.ops.audit import (
+from streamtally.audit import (
     AuditOptions,
     Share,
     audit_corrections,
@@ -50,7 +47,10 @@ from streamtally.ops.audit import (
     run_share,
     take_plan,
 )
-from streamtally.ops.audit._corrections import CorrectionPlan
+from streamtally.audit._corrections import CorrectionPlan
+from streamtally.core.identity import RequestRef
+from streamtally.core.models import FinishReason, Source
+from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Position, RequestProcessor
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings

@@ -25,10 +25,10 @@ from typing import Any
 
 import pytest
 
-from streamtally.ops.stack import port_in_use, registry
-from streamtally.ops.stack.config import StackConfig
-from streamtally.ops.stack.java import Java
 from streamtally.settings import LOCAL_HOST, Settings
+from streamtally.stack import port_in_use, registry
+from streamtally.stack.config import StackConfig
+from streamtally.stack.java import Java
 from streamtally.wire.avro import current, known_version
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

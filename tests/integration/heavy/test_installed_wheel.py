@@ -80,7 +80,7 @@ def test_the_wheel_has_one_import_root_and_its_data(installed: tuple[Path, Path,
         "streamtally/producers/raw.py",
         "streamtally/core/prices.json",
         "streamtally/_schemas/Tokens.avsc",
-        "streamtally/ops/stack/pom.xml",
+        "streamtally/stack/pom.xml",
     ):
         assert needed in names
     assert not [n for n in names if n.startswith(("streamtally/tests", "benchmarks/"))]

@@ -24,11 +24,11 @@ import pytest
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source
 from streamtally.core.normalize import fold_stream, read_events
-from streamtally.ops.stack import kafka, redis
-from streamtally.ops.stack.config import StackConfig
 from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
+from streamtally.stack import kafka, redis
+from streamtally.stack.config import StackConfig
 from streamtally.store import RedisStore
 from tests.integration.worker import external_stack, own_worker
 

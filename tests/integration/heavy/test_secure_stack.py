@@ -32,9 +32,9 @@ import redis
 import redis.exceptions
 
 from streamtally.core.identity import RequestRef
-from streamtally.ops.stack import port_in_use
-from streamtally.ops.stack.client_env import SECURITY_VARIABLES
 from streamtally.settings import Settings
+from streamtally.stack import port_in_use
+from streamtally.stack.client_env import SECURITY_VARIABLES
 from streamtally.store import tokens_key
 from tests.integration.worker import (
     REPO,

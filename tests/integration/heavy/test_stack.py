@@ -17,8 +17,8 @@ import redis as redis_client
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
-from streamtally.ops.stack import StackConfig, kafka, redis
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
+from streamtally.stack import StackConfig, kafka, redis
 
 pytestmark = pytest.mark.integration
 

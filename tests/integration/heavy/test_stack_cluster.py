@@ -34,10 +34,10 @@ from redis.cluster import RedisCluster
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
-from streamtally.ops.stack import StackConfig, kafka, port_in_use, redis
-from streamtally.ops.stack.redis_cluster import SLOTS, cluster_info
 from streamtally.ops.worker_process import WorkerProcess
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_CLUSTER, ENV_REDIS_URL
+from streamtally.stack import StackConfig, kafka, port_in_use, redis
+from streamtally.stack.redis_cluster import SLOTS, cluster_info
 from streamtally.store import tokens_key, tokens_pattern
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic

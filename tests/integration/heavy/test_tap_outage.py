@@ -63,11 +63,11 @@ from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 from streamtally.cli.proxy import ProxyOptions, ProxyServer
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
-from streamtally.ops.stack import ServiceState, kafka
-from streamtally.ops.stack.config import StackConfig
 from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import Tap
 from streamtally.settings import Settings
+from streamtally.stack import ServiceState, kafka
+from streamtally.stack.config import StackConfig
 from streamtally.store import RedisStore
 from tests.integration.worker import (
     SAMPLES,

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
+from streamtally.audit import Discrepancy, Kind, Report, RequestCounts, RowComparison
 from streamtally.cli import main
 from streamtally.cli.audit import SHOWN, format_report, rerate_prices
-from streamtally.ops.audit import Discrepancy, Kind, Report, RequestCounts, RowComparison
 from streamtally.settings import Settings
 
 

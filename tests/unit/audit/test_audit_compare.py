@@ -1,4 +1,4 @@
-"""`streamtally.ops.audit`: the comparisons, the billing index, the ledger and the time range,
+"""`streamtally.audit`: the comparisons, the billing index, the ledger and the time range,
 as pure functions (no Kafka, no Redis)."""
 
 from __future__ import annotations
@@ -10,12 +10,9 @@ from typing import Any
 
 import pytest
 
-from streamtally.core.identity import RequestRef
-from streamtally.core.models import FinishReason, Source
-from streamtally.errors import InputError
-from streamtally.ops.audit import TimeRange, parse_time
-from streamtally.ops.audit._billing import BillingIndex, Entry
-from streamtally.ops.audit._compare import (
+from streamtally.audit import TimeRange, parse_time
+from streamtally.audit._billing import BillingIndex, Entry
+from streamtally.audit._compare import (
     Discrepancy,
     Kind,
     billing_discrepancies,
@@ -25,9 +22,12 @@ from streamtally.ops.audit._compare import (
     missing_billing,
     unexpected_billing,
 )
-from streamtally.ops.audit._ledger import Ledger, Scope
-from streamtally.ops.audit._rows import RowSum, compare_rows, row_key
-from streamtally.ops.audit._snapshot import _window
+from streamtally.audit._ledger import Ledger, Scope
+from streamtally.audit._rows import RowSum, compare_rows, row_key
+from streamtally.audit._snapshot import _window
+from streamtally.core.identity import RequestRef
+from streamtally.core.models import FinishReason, Source
+from streamtally.errors import InputError
 from streamtally.wire.billing import event_id
 from streamtally.wire.records import BillingEvent, UsageSource
 

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from streamtally.ops.audit._billing import BillingIndex
-from streamtally.ops.audit._compare import Kind, event_key
-from streamtally.ops.audit._corrections import audit_id, plan_corrections
-from streamtally.ops.audit._ledger import Ledger, Scope
-from streamtally.ops.audit._range import TimeRange
-from streamtally.ops.audit._rows import row_key
+from streamtally.audit._billing import BillingIndex
+from streamtally.audit._compare import Kind, event_key
+from streamtally.audit._corrections import audit_id, plan_corrections
+from streamtally.audit._ledger import Ledger, Scope
+from streamtally.audit._range import TimeRange
+from streamtally.audit._rows import row_key
 from streamtally.wire import avro
 from streamtally.wire.avro import AvroDecodeError
 from streamtally.wire.corrections import BillingCorrection, CorrectionLog

@@ -1,4 +1,4 @@
-"""`streamtally.ops.audit._replay`: raw records through the processors' own processor, without
+"""`streamtally.audit._replay`: raw records through the processors' own processor, without
 Kafka or Redis.  Each request must end in the one outcome the audit owes it: closed with the
 billing event `fold` + pricing give, partial (straddling the start, open at the end, not yet
 processed), or dead-lettered."""
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from streamtally.audit import TimeRange
+from streamtally.audit._replay import Replay
 from streamtally.core.identity import RequestRef, call_request_id
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.core.pricing import PriceTable
-from streamtally.ops.audit import TimeRange
-from streamtally.ops.audit._replay import Replay
 from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.producers import raw_records
 from streamtally.topics import Topics
@@ -538,7 +538,7 @@ def test_keepalives_replay_as_the_worker_applied_them() -> None:
 
 
 def test_the_audit_replays_with_the_workers_request_timeouts() -> None:
-    from streamtally.ops.audit._run import replay_processor
+    from streamtally.audit._run import replay_processor
     from streamtally.settings import Settings
 
     settings = Settings(request_timeout=120, request_timeouts={"anthropic": 900})
@@ -549,7 +549,7 @@ def test_the_audit_replays_with_the_workers_request_timeouts() -> None:
 def test_the_audit_makes_chunks_as_the_worker_does() -> None:
     """The worker's chunks setting and content policy: with the chunks topic off neither
     encodes a chunk (nor dead-letters a record whose chunk would not encode)."""
-    from streamtally.ops.audit._run import replay_processor
+    from streamtally.audit._run import replay_processor
     from streamtally.settings import Settings
 
     off = replay_processor(Settings(chunks_topic=False, content="none"), PRICES)

@@ -1,4 +1,4 @@
-"""A split audit (`streamtally.ops.audit._split`): the share of each raw partition and each
+"""A split audit (`streamtally.audit._split`): the share of each raw partition and each
 bill, and the merge of the parts into the report of one process, byte for byte (no Kafka,
 no Redis: each share is the ledger of its partitions' requests, as `run_share` feeds it)."""
 
@@ -16,11 +16,7 @@ from typing import Any, cast
 import pytest
 from aiokafka.partitioner import DefaultPartitioner
 
-from streamtally.cli._output import json_text
-from streamtally.core.identity import RequestRef
-from streamtally.core.pricing import PriceTable
-from streamtally.errors import InputError
-from streamtally.ops.audit import (
+from streamtally.audit import (
     Kind,
     Rerating,
     TimeRange,
@@ -28,12 +24,12 @@ from streamtally.ops.audit import (
     correct_audit,
     merged_report,
 )
-from streamtally.ops.audit._billing import BillingIndex
-from streamtally.ops.audit._compare import event_key
-from streamtally.ops.audit._corrections import CorrectionPlan, audit_id, plan_corrections
-from streamtally.ops.audit._ledger import Ledger, Scope
-from streamtally.ops.audit._snapshot import Snapshot
-from streamtally.ops.audit._split import (
+from streamtally.audit._billing import BillingIndex
+from streamtally.audit._compare import event_key
+from streamtally.audit._corrections import CorrectionPlan, audit_id, plan_corrections
+from streamtally.audit._ledger import Ledger, Scope
+from streamtally.audit._snapshot import Snapshot
+from streamtally.audit._split import (
     Merged,
     Part,
     Plan,
@@ -45,6 +41,10 @@ from streamtally.ops.audit._split import (
     part_of,
     raw_partition_of,
 )
+from streamtally.cli._output import json_text
+from streamtally.core.identity import RequestRef
+from streamtally.core.pricing import PriceTable
+from streamtally.errors import InputError
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
 from streamtally.topics import encode_key

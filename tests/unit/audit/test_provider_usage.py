@@ -1,5 +1,5 @@
 """`audit --provider-usage`: the providers' exports, the tenant map, the comparison and its
-tolerance (`streamtally.ops.provider_usage`), and the nightly options (no Kafka, no Redis).
+tolerance (`streamtally.audit.provider_usage`), and the nightly options (no Kafka, no Redis).
 
 The exports below are written from the providers' public API references: OpenAI's
 organization Usage API, completions (a ``page`` of ``bucket``s of
@@ -20,13 +20,8 @@ from typing import Any
 
 import pytest
 
-from streamtally.cli import main
-from streamtally.cli._api_keys import ApiKeyTenants
-from streamtally.cli._audit_extra import window_of
-from streamtally.core.models import FinishReason, Source
-from streamtally.errors import InputError
-from streamtally.ops.audit import Kind, TimeRange
-from streamtally.ops.provider_usage import (
+from streamtally.audit import Kind, TimeRange
+from streamtally.audit.provider_usage import (
     ProviderReport,
     TenantMap,
     Tolerance,
@@ -36,6 +31,11 @@ from streamtally.ops.provider_usage import (
     parse_csv,
     parse_openai,
 )
+from streamtally.cli import main
+from streamtally.cli._api_keys import ApiKeyTenants
+from streamtally.cli._audit_extra import window_of
+from streamtally.core.models import FinishReason, Source
+from streamtally.errors import InputError
 from streamtally.wire.records import BillingEvent
 
 DAY = datetime(2026, 11, 23, tzinfo=UTC)
@@ -618,7 +618,7 @@ def test_the_help_documents_the_provider_and_nightly_options(
 
 
 def test_each_raw_partition_is_told_once_when_read_to_its_end() -> None:
-    from streamtally.ops.audit._run import _partitions_read
+    from streamtally.audit._run import _partitions_read
     from streamtally.wire.kafka import TopicRecord
 
     def record(partition: int, offset: int) -> TopicRecord:

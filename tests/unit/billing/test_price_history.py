@@ -12,9 +12,9 @@ from zoneinfo import ZoneInfo
 
 import pytest
 
+from streamtally.audit import RerateSum, Rerating, rerated_cost
 from streamtally.core.models import FinishReason, Source, Usage
 from streamtally.core.pricing import NO_VERSION, PriceTable, PriceTableError
-from streamtally.ops.audit import RerateSum, Rerating, rerated_cost
 from streamtally.processors.requests import RequestProcessor
 from streamtally.wire.billing import charge, event_id, price_request
 from streamtally.wire.records import BillingEvent

@@ -23,7 +23,6 @@ from streamtally.cli.stack import _note_overrides
 from streamtally.cli.tokens import run_redis
 from streamtally.cli.worker import _check_layout
 from streamtally.errors import InputError, StackError
-from streamtally.ops.stack import StackConfig
 from streamtally.redact import (
     redact_servers,
     redact_text,
@@ -32,6 +31,7 @@ from streamtally.redact import (
     url_secrets,
 )
 from streamtally.settings import Settings
+from streamtally.stack import StackConfig
 
 SECRET = "s3cr3t-Pa55"
 

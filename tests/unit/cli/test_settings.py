@@ -117,8 +117,8 @@ def test_only_the_settings_module_reads_the_environment() -> None:
     reads = re.compile(r"os\.environ|os\.getenv|getenv\(")
     allowed = {
         "streamtally/settings.py",
-        "streamtally/ops/stack/redis_server.py",
-        "streamtally/ops/stack/registry.py",
+        "streamtally/stack/redis_server.py",
+        "streamtally/stack/registry.py",
         "streamtally/_native.py",
     }
     offenders = [

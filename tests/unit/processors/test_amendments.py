@@ -232,7 +232,7 @@ def test_the_states_kept_in_memory_are_bounded_and_the_oldest_is_asked_of_the_st
 
 
 def test_the_audit_keeps_every_state_it_makes() -> None:
-    from streamtally.ops.audit._run import replay_processor
+    from streamtally.audit._run import replay_processor
     from streamtally.settings import Settings
 
     processor = replay_processor(Settings(), PriceTable.default())

@@ -11,13 +11,13 @@ import pytest
 
 from streamtally.core.identity import RequestRef
 from streamtally.errors import StackError
-from streamtally.ops.stack import redis as stack_redis
-from streamtally.ops.stack import secure
-from streamtally.ops.stack.client_env import SECURITY_VARIABLES, client_environment
-from streamtally.ops.stack.config import StackConfig, StackShape, read_shape, record_shape
-from streamtally.ops.stack.kafka import _scram_users
-from streamtally.ops.stack.kafka_node import node_paths, server_properties
 from streamtally.settings import Settings
+from streamtally.stack import redis as stack_redis
+from streamtally.stack import secure
+from streamtally.stack.client_env import SECURITY_VARIABLES, client_environment
+from streamtally.stack.config import StackConfig, StackShape, read_shape, record_shape
+from streamtally.stack.kafka import _scram_users
+from streamtally.stack.kafka_node import node_paths, server_properties
 from streamtally.store import scripts
 from streamtally.store.acl import WORKER_COMMANDS, WORKER_KEY_PATTERN, worker_acl_rule
 from streamtally.store.layout import LAYOUT_KEY, closed_key, tokens_key

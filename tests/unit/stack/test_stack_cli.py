@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from streamtally.cli import stack as cli
-from streamtally.ops.stack import ServiceState, ServiceStatus, StackConfig, kafka, redis
-from streamtally.ops.stack.config import StackShape, record_shape
+from streamtally.stack import ServiceState, ServiceStatus, StackConfig, kafka, redis
+from streamtally.stack.config import StackShape, record_shape
 
 
 @pytest.fixture

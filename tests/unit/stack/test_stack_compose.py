@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from streamtally.ops.stack.config import StackConfig
-from streamtally.ops.stack.kafka_node import node_paths, server_properties
+from streamtally.stack.config import StackConfig
+from streamtally.stack.kafka_node import node_paths, server_properties
 
 COMPOSE = (Path(__file__).resolve().parents[3] / "docker-compose.yml").read_text()
 

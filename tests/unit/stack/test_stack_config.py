@@ -9,16 +9,16 @@ from typing import Any
 import pytest
 
 from streamtally.errors import StackError
-from streamtally.ops.stack.config import (
+from streamtally.settings import Settings
+from streamtally.stack.config import (
     KafkaNode,
     StackConfig,
     StackShape,
     read_shape,
     record_shape,
 )
-from streamtally.ops.stack.kafka_node import node_paths, server_properties
-from streamtally.ops.stack.redis_cluster import cluster_conf, nodes
-from streamtally.settings import Settings
+from streamtally.stack.kafka_node import node_paths, server_properties
+from streamtally.stack.redis_cluster import cluster_conf, nodes
 
 
 def _properties(text: str) -> dict[str, str]:

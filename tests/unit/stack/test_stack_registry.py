@@ -11,9 +11,9 @@ import pytest
 
 from streamtally.cli import stack as cli
 from streamtally.errors import InputError, StackError
-from streamtally.ops.stack import ServiceState, ServiceStatus, StackConfig, kafka, redis, registry
-from streamtally.ops.stack.java import Java, candidates, find_java, parse_major
 from streamtally.settings import Settings
+from streamtally.stack import ServiceState, ServiceStatus, StackConfig, kafka, redis, registry
+from streamtally.stack.java import Java, candidates, find_java, parse_major
 
 ROOT = Path(__file__).resolve().parents[3]
 

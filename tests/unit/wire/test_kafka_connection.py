@@ -13,9 +13,9 @@ from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 from streamtally.cli._args import kafka_of
 from streamtally.connection import KafkaConnection, as_connection
 from streamtally.errors import InputError
-from streamtally.ops.stack import secure
-from streamtally.ops.stack.config import StackConfig
 from streamtally.settings import Settings
+from streamtally.stack import secure
+from streamtally.stack.config import StackConfig
 from streamtally.wire.connection import client_options, faust_options, ssl_context
 
 PASSWORD = "s3cr3t-sasl-password"
