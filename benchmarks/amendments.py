@@ -25,8 +25,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.models import Source
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Position, RequestProcessor
 from streamtally.producers import raw_records
 from streamtally.topics import Topics, encode_key

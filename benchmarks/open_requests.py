@@ -20,8 +20,8 @@ import tracemalloc
 from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.models import Source
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.outputs import Position
 from streamtally.processors.requests import RequestProcessor
 from streamtally.producers.raw import raw_records

@@ -37,7 +37,7 @@ from typing import Any
 import faust
 from faust.app.base import BootStrategy
 
-from streamtally.core.pricing import PriceTable
+from streamtally.billing.pricing import PriceTable
 from streamtally.processors.content import content_policy
 from streamtally.processors.loop import (
     LOST_WRITE_WAIT_S,

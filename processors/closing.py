@@ -16,11 +16,12 @@ import logging
 from collections.abc import Callable, Hashable, Mapping
 from datetime import datetime
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.content import FULL, ContentPolicy
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.identity import RequestRef, epoch_micros
 from streamtally.core.models import Source, Tokens
-from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.processors._records import _Open
 from streamtally.processors.amendable import Amendable
@@ -31,7 +32,6 @@ from streamtally.processors.outputs import Closed, CloseReason, Completed, Count
 from streamtally.processors.refusals import Refusals
 from streamtally.processors.table import RequestTable
 from streamtally.wire import avro
-from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent, Provenance, UsageSource
 
 __all__ = ["Closer"]

@@ -90,9 +90,9 @@ import time
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from typing import Protocol
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.content import FULL, ContentPolicy
 from streamtally.core.identity import RequestRef
-from streamtally.core.pricing import PriceTable
 from streamtally.processors._records import RawRecord, _Raw
 from streamtally.processors.amendable import Amendable
 from streamtally.processors.clock import InputClock

@@ -34,7 +34,7 @@ with nothing deleted yet, every row is checked.
 
 What is compared of a billing event: every field but `event_id` (its key) and
 `price_table_version`.  The replay prices with the settings' price table, each request by
-the version in force at its receive time (`streamtally.wire.billing.charge`), so a table
+the version in force at its receive time (`streamtally.billing.events.charge`), so a table
 that keeps its history re-bills the past as it was billed; a bill made under a version the
 table no longer holds shows as a ``cost_mismatch``.
 

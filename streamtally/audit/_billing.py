@@ -18,12 +18,12 @@ from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from streamtally.audit._compare import event_digest, event_key, legacy_digest
+from streamtally.billing.corrections import CorrectionLog
 from streamtally.connection import KafkaConnection
 from streamtally.wire.avro import (
     AvroDecodeError,
     decode_billing_event,
 )
-from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import BillingEvent
 

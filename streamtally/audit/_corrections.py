@@ -1,7 +1,7 @@
 """``audit --correct``: one append-only correction per discrepancy, and the usage rows set right.
 
 `plan_corrections` (pure) turns the discrepancies of one audit into `BillingCorrection`
-records (see `streamtally.wire.corrections` for what a billing consumer does with them)
+records (see `streamtally.billing.corrections` for what a billing consumer does with them)
 and `RowFix` differences for Redis; `apply_plan` writes the corrections to the
 corrections topic first (``acks=all``, flushed), then adds each row's difference once
 (`RedisStore.correct_row`, keyed by the fix's id).  The next audit reads the corrections
@@ -34,10 +34,9 @@ from streamtally.core.money import PICO, cost_parts
 from streamtally.store import RedisStore
 from streamtally.topics import Topic, output_key
 from streamtally.wire.avro import encode_billing_correction
-from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.framing import SINGLE_OBJECT, Framing
 from streamtally.wire.kafka import ensure_topics, idempotent_producer
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingCorrection, BillingEvent
 
 __all__ = [
     "Corrected",

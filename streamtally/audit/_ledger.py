@@ -34,8 +34,8 @@ from streamtally.audit._rows import (
     row_key,
     stored_row,
 )
+from streamtally.billing.events import event_id
 from streamtally.core.identity import RequestRef
-from streamtally.wire.billing import event_id
 from streamtally.wire.records import BillingEvent, UsageSource
 
 __all__ = ["ABORTED_LISTED", "Aborted", "Ledger", "RequestCounts", "Scope"]

@@ -3,7 +3,7 @@
 Every request the replay closed (partial and dead-lettered requests are not) is charged
 twice: as billed, by the replay at the price versions in force (the settings' table), and
 at the prices of another table (`Rerating.prices`), each at the request's receive time, its
-billing event's `event_time`, through the one pricing function `streamtally.wire.billing
+billing event's `event_time`, through the one pricing function `streamtally.billing.events
 .charge`.  The sums per tenant are exact (10**-12 units); `difference` is re-rated minus
 billed: positive when the tenant was charged too little at the other prices.  Nothing is
 written anywhere; billing teams issue their corrections from the report.
@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any
 
+from streamtally.billing.events import charge
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.money import PICO, cost_parts, cost_text
-from streamtally.core.pricing import PriceTable
-from streamtally.wire.billing import charge
 from streamtally.wire.records import BillingEvent
 
 __all__ = ["RerateSum", "Rerating", "rerated_cost"]

@@ -49,19 +49,19 @@ from streamtally.audit._split import (
     part_of,
     raw_partition_of,
 )
+from streamtally.billing.corrections import CorrectionLog
+from streamtally.billing.pricing import PriceTable
+from streamtally.billing.reading import read_corrections
 from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import utc_now
-from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
-from streamtally.ops.corrections import read_corrections
 from streamtally.processors.content import content_policy
 from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
 from streamtally.store.layout import marker_revision
 from streamtally.topics import Topics
-from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.framing import SINGLE_OBJECT, framing_for
 from streamtally.wire.kafka import TopicRecord, read_topic
 from streamtally.wire.records import BillingEvent

@@ -38,11 +38,11 @@ from streamtally.audit import (
     run_share,
     take_plan,
 )
+from streamtally.billing.pricing import PriceTable, PriceTableError
 from streamtally.cli import _audit_extra, _output
 from streamtally.cli._args import add_kafka_to_read, file_or_stdin, kafka_of
 from streamtally.cli._output import escape, json_text, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
-from streamtally.core.pricing import PriceTable, PriceTableError
 from streamtally.errors import InputError
 from streamtally.settings import Settings
 

@@ -8,7 +8,7 @@ new events.  No consumer group is used and no offsets are committed
 (`streamtally.wire.kafka.read_topic`, through `read_decoded_at`).
 
 Events are decoded with `streamtally.wire.avro.decode_billing_event` into a
-`streamtally.wire.ledger.BillingLedger`, which tells replays (a second record
+`streamtally.billing.ledger.BillingLedger`, which tells replays (a second record
 equal to an `event_id`'s bill) from conflicts (a different one).  By default
 every record is printed, every revision of a bill included, replays dropped
 unless ``--keep-replays``.  With ``--ledger`` the corrections topic is read too
@@ -30,17 +30,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamtally.billing.ledger import BillingLedger, Seen, Settled, Standing
+from streamtally.billing.reading import read_ledger
 from streamtally.cli import _output
 from streamtally.cli._args import add_kafka_to_read, kafka_of
 from streamtally.cli._output import json_text, say, write_stdout
 from streamtally.connection import KafkaConnection
 from streamtally.core.money import scaled_cost
-from streamtally.ops.corrections import read_ledger
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.avro import decode_billing_event
 from streamtally.wire.kafka import Decoded, read_decoded_at
-from streamtally.wire.ledger import BillingLedger, Seen, Settled, Standing
 from streamtally.wire.records import BillingEvent
 
 __all__ = ["Export", "add_parser", "event_json", "read_billing_events", "standing_json"]

@@ -7,7 +7,9 @@ This module does not import fastavro.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from dataclasses import field as dataclass_field
 from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
@@ -19,12 +21,14 @@ from streamtally.core.money import COST_PRECISION, COST_SCALE, scaled_cost
 
 __all__ = [
     "CANCELLED_END",
+    "CORRECTION_REASONS",
     "COST_PRECISION",
     "COST_SCALE",
     "ENGINE_PAYLOAD_TYPES",
     "KEEPALIVE_EVENT",
     "PART_BYTES",
     "PART_EVENT",
+    "BillingCorrection",
     "BillingEvent",
     "DeadLetter",
     "EventKind",
@@ -350,7 +354,7 @@ class BillingEvent:
     # -- revisions (BillingEvent v5; an older event reads as revision 0, superseding none) --
     #: 0: the bill made when the request first closed; n > 0: its n-th amendment (records
     #: that came after a close at its timeout or over a gap).  The highest revision of a
-    #: request is the bill that stands (the rule, with corrections: `streamtally.wire.ledger`);
+    #: request is the bill that stands (the rule, with corrections: `streamtally.billing.ledger`);
     #: each carries the whole usage, not a difference.
     revision: int = 0
     #: The `event_id` of revision ``revision - 1``, which this one replaces (None for 0).
@@ -481,3 +485,100 @@ class DeadLetter:
             request_id=request_id,
             dead_lettered_at=at if at is not None else utc_now(),
         )
+
+
+# --- the corrections topic -------------------------------------------------
+
+#: The discrepancy kinds a correction can be for (`streamtally.audit.Kind` values).
+CORRECTION_REASONS: Final = frozenset(
+    {
+        "missing_billing",
+        "unexpected_billing",
+        "conflicting_billing",
+        "usage_mismatch",
+        "cost_mismatch",
+        "provenance_mismatch",
+        "usage_row_mismatch",
+        "unbilled_amendment",
+    }
+)
+
+
+def _is_id(text: str) -> bool:
+    return len(text) == 32 and _HEX.issuperset(text)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BillingCorrection:
+    """One correction (value of ``<namespace>.billing.corrections``): its meaning and how a
+    billing consumer applies it are in `streamtally.billing.corrections`."""
+
+    correction_id: str
+    audit_id: str
+    reason: str
+    field: str | None = None
+    tenant: str
+    request_id: str | None = None
+    model: str | None = None
+    day: str | None = None
+    #: The discrepancy's expected and found values as JSON text (None: absent).
+    expected: str | None = None
+    found: str | None = None
+    superseded_event_id: str | None = None
+    #: Billing partition -> its end offset at the audit's snapshot.
+    billing_before: Mapping[int, int] = dataclass_field(
+        default_factory=lambda: MappingProxyType({})
+    )
+    corrected: BillingEvent | None = None
+    input_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    requests: int = 0
+    cost: Decimal = Decimal(0)
+    currency: str = "USD"
+    created_at: datetime
+
+    def __post_init__(self) -> None:
+        for name in ("correction_id", "audit_id"):
+            if not _is_id(getattr(self, name)):
+                raise ValueError(f"{name} must be 32 lower-case hex digits")
+        if self.reason not in CORRECTION_REASONS:
+            raise ValueError(f"unknown correction reason {self.reason!r}")
+        if not self.tenant:
+            raise ValueError("tenant must not be empty")
+        row = self.request_id is None
+        if row and (self.day is None or self.corrected is not None):
+            raise ValueError("a usage row correction names its day and carries no bill")
+        if not row and self.day is not None:
+            raise ValueError("a request correction names no day")
+        if self.superseded_event_id is None and self.corrected is None and not row:
+            raise ValueError("a request correction supersedes a bill, or carries one")
+        for name in (*USAGE_FIELDS, "requests"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"{name} must be an int >= 0, got {value!r}")
+        scaled_cost(self.cost)
+        for partition, offset in self.billing_before.items():
+            if partition < 0 or offset < 0:
+                raise ValueError("billing_before holds partitions and offsets >= 0")
+        if self.created_at.tzinfo is None:
+            raise ValueError("created_at must be timezone-aware")
+
+    def supersedes(self, event_id: str, partition: int, offset: int) -> bool:
+        """Whether the billing event `event_id` at (`partition`, `offset`) is superseded."""
+        return event_id == self.superseded_event_id and self.covers(partition, offset)
+
+    def covers(self, partition: int, offset: int) -> bool:
+        """Whether the audit saw the billing record at (`partition`, `offset`): below
+        `billing_before` (a record at or past it was written after the audit)."""
+        return offset < self.billing_before.get(partition, 0)
+
+    @property
+    def names(self) -> str | None:
+        """The event id this correction decides: `superseded_event_id`, or for a missing
+        bill its `corrected` bill's id; None for a usage row correction."""
+        if self.superseded_event_id is not None:
+            return self.superseded_event_id
+        return None if self.corrected is None else self.corrected.event_id

@@ -18,10 +18,10 @@ import faust
 import pytest
 from aiokafka import TopicPartition
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.app import Pipeline, create_app
 from streamtally.processors.clock import InputClock
 from streamtally.processors.requests import (
@@ -218,7 +218,7 @@ async def test_event_after_the_end_marker_is_dead_lettered(
 
 
 def test_sample_prices_cover_every_sample_model() -> None:
-    prices = json.loads(resources.files("streamtally.core").joinpath("prices.json").read_text())
+    prices = json.loads(resources.files("streamtally.billing").joinpath("prices.json").read_text())
     assert prices["models"]
 
 

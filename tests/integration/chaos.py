@@ -151,15 +151,15 @@ async def _topic_records(topic: str) -> list[tuple[int, int, bytes | None, bytes
 
 
 async def verify(requests: list[dict[str, Any]], redis_url: str) -> dict[str, Any]:
+    from streamtally.billing.events import bill
+    from streamtally.billing.pricing import PriceTable
     from streamtally.core.identity import RequestRef
     from streamtally.core.models import USAGE_FIELDS
     from streamtally.core.normalize import fold_stream, read_events
-    from streamtally.core.pricing import PriceTable
     from streamtally.settings import Settings
     from streamtally.store import RedisStore
     from streamtally.topics import Topics
     from streamtally.wire import avro
-    from streamtally.wire.billing import bill
 
     topics = Topics.in_namespace(Settings.load().namespace)
     prices = PriceTable.default()

@@ -37,6 +37,7 @@ import redis.asyncio as aioredis
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.structs import OffsetAndMetadata
 
+from streamtally.billing.events import event_id
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.ops.worker_process import WorkerProcess
@@ -45,7 +46,6 @@ from streamtally.settings import Settings
 from streamtally.store import RedisStore
 from streamtally.store.layout import amend_key
 from streamtally.topics import Topics
-from streamtally.wire.billing import event_id
 from tests.integration.worker import REPO, SAMPLES, Endpoints, as_called, cli, own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

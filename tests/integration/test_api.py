@@ -37,11 +37,11 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.store import RedisSink, RedisStore, closed_key, tokens_key
-from streamtally.wire.billing import bill
 
 pytestmark = pytest.mark.integration
 

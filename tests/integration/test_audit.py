@@ -48,17 +48,17 @@ from streamtally.audit import (
     take_plan,
 )
 from streamtally.audit._corrections import CorrectionPlan
+from streamtally.billing.corrections import CorrectionLog
+from streamtally.billing.events import event_id
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Position, RequestProcessor
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
 from streamtally.store import SHARDS, RedisSink, RedisStore, usage_key
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
-from streamtally.wire.billing import event_id
-from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic
 from streamtally.wire.records import BillingEvent
 from tests.integration.worker import REQUEST_TIMEOUT_S, SAMPLES, WorkerProcess, cli

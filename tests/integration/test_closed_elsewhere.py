@@ -32,9 +32,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.partitioner import DefaultPartitioner
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
-from streamtally.core.pricing import PriceTable
 from streamtally.ops import worker_process
 from streamtally.processors.requests import CloseReason, Outputs, Position, RequestProcessor
 from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks

@@ -54,9 +54,8 @@ from streamtally.wire.avro import (
     encode_billing_correction,
     encode_billing_event,
 )
-from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.kafka import read_topic
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingCorrection, BillingEvent
 from tests.integration.worker import (
     READY_LINE,
     SAMPLES,

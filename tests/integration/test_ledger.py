@@ -26,8 +26,8 @@ from typing import Any, Final
 
 import pytest
 
+from streamtally.billing.reading import read_ledger
 from streamtally.core.identity import RequestRef
-from streamtally.ops.corrections import read_ledger
 from streamtally.ops.worker_process import WorkerProcess
 from streamtally.settings import Settings
 from streamtally.topics import Topics

@@ -30,9 +30,10 @@ import redis
 from aiokafka.admin import AIOKafkaAdminClient
 from redis.exceptions import ResponseError
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.ops import migrate
 from streamtally.settings import DEFAULT_STATE_TTL_S
 from streamtally.store import (
@@ -56,7 +57,6 @@ from streamtally.store.layout import PREFIX, dead_key, guard_key, rows_key, stat
 from streamtally.store.rows import usage_row
 from streamtally.topics import Topics, encode_key
 from streamtally.wire.avro import encode_billing_event
-from streamtally.wire.billing import bill
 from streamtally.wire.kafka import ensure_topics, idempotent_producer
 from tests.integration.worker import cli
 

@@ -19,13 +19,13 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.events import event_id
 from streamtally.core.identity import RequestRef, call_request_id
 from streamtally.core.models import Source
 from streamtally.ops import worker_process
 from streamtally.producers import RawProducer, raw_records
 from streamtally.topics import Topics
 from streamtally.wire import avro
-from streamtally.wire.billing import event_id
 from streamtally.wire.kafka import ensure_topics
 from tests.integration.worker import REPO, SAMPLES, cli, forget_usage, wait_for_tokens
 

@@ -38,14 +38,14 @@ import pytest
 from aiokafka import AIOKafkaProducer
 from aiokafka.partitioner import DefaultPartitioner
 
+from streamtally.billing.events import bill, event_id
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source, Tokens
-from streamtally.core.pricing import PriceTable
 from streamtally.producers import RawProducer
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.avro import AvroDecodeError, decode_dead_letter
-from streamtally.wire.billing import bill, event_id
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import DeadLetter
 from tests.conftest import PROVIDER_FIXTURES, require_public_transcripts

@@ -27,10 +27,11 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.cli import main
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.ops.rebuild import TokensRecord, apply, join
 from streamtally.processors.outputs import Closed, CloseReason
 from streamtally.store import (
@@ -64,7 +65,6 @@ from streamtally.store.layout import (
     stats_key,
 )
 from streamtally.wire import avro
-from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
 
 pytestmark = pytest.mark.integration

@@ -27,16 +27,16 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.cli.worker import EX_MEMBERSHIP_LOST
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
 from streamtally.core.normalize import fold_stream, read_events
-from streamtally.core.pricing import PriceTable
 from streamtally.producers import raw_records
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
 from streamtally.wire import avro
-from streamtally.wire.billing import bill
 from streamtally.wire.kafka import ensure_topics, read_topic
 from tests.integration.chaos import produce_interleaved, wait_all
 from tests.integration.worker import (

@@ -19,9 +19,10 @@ from decimal import Decimal
 import pytest
 from redis.asyncio.cluster import RedisCluster
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.store import (
     LAYOUT_KEY,
     LAYOUT_VERSION,
@@ -35,7 +36,6 @@ from streamtally.store import (
     usage_key,
 )
 from streamtally.store.layout import guard_key
-from streamtally.wire.billing import bill
 
 pytestmark = pytest.mark.integration
 

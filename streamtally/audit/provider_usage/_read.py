@@ -3,7 +3,7 @@
 The audit's report names the offsets it read (`Report.snapshot`, ``topics``): the billing
 topic from an hour before ``--since`` (or its beginning) to its end at the snapshot, and the
 corrections topic from its beginning to its end then.  The same ranges are read again here
-into a `BillingLedger` (the one rule, `streamtally.wire.ledger`), the billing records of
+into a `BillingLedger` (the one rule, `streamtally.billing.ledger`), the billing records of
 other tenants skipped, and settled: one bill per request, the highest revision, as
 corrected.  Corrections the audit itself writes (``--correct``) come after the snapshot
 and are not in it.
@@ -15,11 +15,11 @@ import contextlib
 from collections.abc import Mapping
 from typing import Any
 
+from streamtally.billing.ledger import BillingLedger
+from streamtally.billing.reading import read_corrections
 from streamtally.connection import KafkaConnection
-from streamtally.ops.corrections import read_corrections
 from streamtally.wire.avro import decode_billing_event
 from streamtally.wire.kafka import read_decoded_at
-from streamtally.wire.ledger import BillingLedger
 from streamtally.wire.records import BillingEvent
 
 __all__ = ["snapshot_ranges", "standing_bills"]

@@ -5,7 +5,7 @@ names it, so `read_billing` reads the billing topic to its end into a
 `Billing` map that `plan` places each version-1 request id by.  Only the tenants
 are read, never summed: the revisions of an amended bill and the corrections of
 ``audit --correct`` name the same request and tenant, so the map is the same
-whichever bill stands (`streamtally.wire.ledger`).
+whichever bill stands (`streamtally.billing.ledger`).
 """
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ Join rules (`join`):
   those tenants has a later v2 record, which supersedes it whichever it was).
 * Billing: every event names its own request (``tenant``, ``request_id``).
   The billing and corrections topics are settled by the one rule of every
-  billing consumer (`streamtally.wire.ledger.BillingLedger`, docs/billing.md,
+  billing consumer (`streamtally.billing.ledger.BillingLedger`, docs/billing.md,
   "One ledger, one rule"): events deduplicated by ``event_id`` (the first one wins; a
   different event under an id already read is a conflict, counted), each
   request's highest revision stands (an amended request is rebuilt from its

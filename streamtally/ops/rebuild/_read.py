@@ -4,7 +4,7 @@
 with its key as text, the bills that stand, and the records that did not
 decode.  The bills that stand are the billing topic and the corrections topic
 (``streamtally audit --correct``) settled by the one rule of every billing
-consumer (`streamtally.wire.ledger.BillingLedger`): one bill per request, its
+consumer (`streamtally.billing.ledger.BillingLedger`): one bill per request, its
 highest revision (an amended request's revision 0 is left out), as corrected.
 """
 
@@ -13,16 +13,16 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
+from streamtally.billing.corrections import CorrectionLog
+from streamtally.billing.ledger import BillingLedger
+from streamtally.billing.reading import read_corrections
 from streamtally.connection import KafkaConnection
 from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
-from streamtally.ops.corrections import read_corrections
 from streamtally.ops.rebuild._records import Skipped, SkipReason, TokensRecord
 from streamtally.topics import decode_key
 from streamtally.wire.avro import AvroDecodeError, decode_billing_event, decode_tokens
-from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import read_topic
-from streamtally.wire.ledger import BillingLedger
 from streamtally.wire.records import BillingEvent
 
 

@@ -52,8 +52,13 @@ from streamtally.wire.avro._ids import (
     writer_by_id,
 )
 from streamtally.wire.avro._schemas import SchemaVersion, writer_of
-from streamtally.wire.corrections import BillingCorrection
-from streamtally.wire.records import BillingEvent, DeadLetter, RawEngineOutput, RawSseEvent
+from streamtally.wire.records import (
+    BillingCorrection,
+    BillingEvent,
+    DeadLetter,
+    RawEngineOutput,
+    RawSseEvent,
+)
 
 if TYPE_CHECKING:
     from streamtally.wire.avro._encoders import Model

@@ -29,9 +29,9 @@ from streamtally.core.models import (
 from streamtally.wire.avro._codec import read
 from streamtally.wire.avro._errors import AvroDecodeError
 from streamtally.wire.avro._schemas import NAMESPACE
-from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.records import (
     ENGINE_PAYLOAD_TYPES,
+    BillingCorrection,
     BillingEvent,
     DeadLetter,
     EventKind,
@@ -260,7 +260,7 @@ def decode_billing_event(data: bytes) -> BillingEvent:
 
 
 def decode_billing_correction(data: bytes) -> BillingCorrection:
-    """A correction (`streamtally.wire.corrections`) written with any version of its schema."""
+    """A correction (`streamtally.billing.corrections`) written with any version of its schema."""
     return billing_correction_of(read("BillingCorrection", data))
 
 

@@ -28,8 +28,8 @@ from streamtally.wire.avro._errors import AvroEncodeError
 from streamtally.wire.avro._raw_writer import check_schema as check_raw_sse_schema
 from streamtally.wire.avro._raw_writer import raw_sse_body
 from streamtally.wire.avro._schemas import CURRENT, NAMESPACE
-from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.records import (
+    BillingCorrection,
     BillingEvent,
     DeadLetter,
     RawEngineOutput,

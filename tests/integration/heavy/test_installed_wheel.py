@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from streamtally.core.pricing import PriceTable
+from streamtally.billing.pricing import PriceTable
 
 pytestmark = pytest.mark.integration
 
@@ -78,7 +78,7 @@ def test_the_wheel_has_one_import_root_and_its_data(installed: tuple[Path, Path,
         "streamtally/topics/__init__.py",
         "streamtally/processors/app.py",
         "streamtally/producers/raw.py",
-        "streamtally/core/prices.json",
+        "streamtally/billing/prices.json",
         "streamtally/_schemas/Tokens.avsc",
         "streamtally/stack/pom.xml",
     ):

@@ -25,10 +25,10 @@ from streamtally.audit._compare import (
 from streamtally.audit._ledger import Ledger, Scope
 from streamtally.audit._rows import RowSum, compare_rows, row_key
 from streamtally.audit._snapshot import _window
+from streamtally.billing.events import event_id
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source
 from streamtally.errors import InputError
-from streamtally.wire.billing import event_id
 from streamtally.wire.records import BillingEvent, UsageSource
 
 WHEN = datetime(2026, 11, 23, 10, 30, tzinfo=UTC)

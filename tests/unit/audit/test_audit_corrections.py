@@ -17,10 +17,10 @@ from streamtally.audit._corrections import audit_id, plan_corrections
 from streamtally.audit._ledger import Ledger, Scope
 from streamtally.audit._range import TimeRange
 from streamtally.audit._rows import row_key
+from streamtally.billing.corrections import CorrectionLog
 from streamtally.wire import avro
 from streamtally.wire.avro import AvroDecodeError
-from streamtally.wire.corrections import BillingCorrection, CorrectionLog
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingCorrection, BillingEvent
 from tests.unit.audit.test_audit_compare import DAY, event
 
 NOW = datetime(2026, 11, 24, 9, 0, tzinfo=UTC)

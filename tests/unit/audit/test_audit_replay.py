@@ -19,15 +19,15 @@ import pytest
 
 from streamtally.audit import TimeRange
 from streamtally.audit._replay import Replay
+from streamtally.billing.events import bill, event_id
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef, call_request_id
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.producers import raw_records
 from streamtally.topics import Topics
 from streamtally.wire import avro
-from streamtally.wire.billing import bill, event_id
 from streamtally.wire.kafka import TopicRecord
 from streamtally.wire.records import BillingEvent, Provenance, RawSseEvent, UsageSource
 from streamtally.wire.tenant_keys import HEADER, ProducerKey, TenantTrust

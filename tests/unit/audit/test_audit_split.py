@@ -41,14 +41,14 @@ from streamtally.audit._split import (
     part_of,
     raw_partition_of,
 )
+from streamtally.billing.events import event_id
+from streamtally.billing.pricing import PriceTable
 from streamtally.cli._output import json_text
 from streamtally.core.identity import RequestRef
-from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
 from streamtally.topics import encode_key
-from streamtally.wire.billing import event_id
 from streamtally.wire.records import UsageSource
 from tests.unit.audit.test_audit_compare import DAY, event, proven
 
@@ -181,7 +181,9 @@ ROUTES = {"raw partition": raw_partition_of, "billing partition": billing_partit
 
 def _doubled() -> PriceTable:
     """The packaged price table with every rate doubled (another table to re-rate at)."""
-    packaged = json.loads((Path(__file__).parents[3] / "streamtally/core/prices.json").read_text())
+    packaged = json.loads(
+        (Path(__file__).parents[3] / "streamtally/billing/prices.json").read_text()
+    )
 
     def doubled(entry: dict[str, str | None]) -> dict[str, str | None]:
         return {k: None if v is None else str(Decimal(v) * 2) for k, v in entry.items()}

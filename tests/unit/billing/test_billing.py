@@ -10,11 +10,11 @@ from decimal import Decimal
 
 import pytest
 
+from streamtally.billing.events import bill, event_id, price_request
+from streamtally.billing.pricing import PriceTable
 from streamtally.cli.billing import event_json
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.wire.avro import decode_billing_event, encode_billing_event
-from streamtally.wire.billing import bill, event_id, price_request
 from streamtally.wire.provenance import EMPTY_SHA256, RawDigest, raw_sha256
 from streamtally.wire.records import Provenance, UsageSource
 
@@ -122,7 +122,7 @@ def test_unpriced_model_is_billed_at_zero_flagged_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     tokens = make_tokens(model="mystery-1")
-    with caplog.at_level(logging.WARNING, logger="streamtally.wire.billing"):
+    with caplog.at_level(logging.WARNING, logger="streamtally.billing.events"):
         billed = price_request(tokens, "acme", WHEN, PRICES)
     assert not billed.priced
     assert billed.event.cost == Decimal(0)
@@ -168,7 +168,7 @@ def test_a_cost_the_record_cannot_carry_is_billed_unpriced(
             "models": {"m": {"input": "9" * 30, "output": "0"}},
         }
     )
-    with caplog.at_level(logging.WARNING, logger="streamtally.wire.billing"):
+    with caplog.at_level(logging.WARNING, logger="streamtally.billing.events"):
         billed = price_request(make_tokens(model="m"), "acme", WHEN, huge)
     assert billed.quote.cost is not None  # the table prices it ...
     assert not billed.priced  # ... but the billing record cannot carry it

@@ -10,9 +10,9 @@ import dataclasses
 from datetime import UTC, datetime
 from decimal import Decimal
 
+from streamtally.billing.events import event_id
 from streamtally.cli.billing import Export, collect
 from streamtally.core.models import FinishReason, Source
-from streamtally.wire.billing import event_id
 from streamtally.wire.kafka import Decoded
 from streamtally.wire.records import BillingEvent
 

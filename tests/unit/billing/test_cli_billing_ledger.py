@@ -17,9 +17,8 @@ from streamtally.errors import StackError
 from streamtally.topics import Topics, output_key
 from streamtally.wire import kafka
 from streamtally.wire.avro import encode_billing_correction, encode_billing_event
-from streamtally.wire.corrections import BillingCorrection
 from streamtally.wire.kafka import TopicRecord
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingCorrection, BillingEvent
 from tests.unit.billing.test_ledger import correction, revision
 
 NAMESPACE = "ledgertest"

@@ -1,4 +1,4 @@
-"""The one rule of the bills that stand (`streamtally.wire.ledger.BillingLedger`): revisions of
+"""The one rule of the bills that stand (`streamtally.billing.ledger.BillingLedger`): revisions of
 the worker and corrections of ``audit --correct``, every edge case of its docstring."""
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.corrections import CorrectionLog
+from streamtally.billing.events import event_id
+from streamtally.billing.ledger import BillingLedger, Seen, Standing
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source
 from streamtally.wire import avro
-from streamtally.wire.billing import event_id
-from streamtally.wire.corrections import BillingCorrection, CorrectionLog
-from streamtally.wire.ledger import BillingLedger, Seen, Standing
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingCorrection, BillingEvent
 
 WHEN = datetime(2026, 11, 24, 12, 0, tzinfo=UTC)
 AUDIT = "0123456789abcdef0123456789abcdef"

@@ -13,10 +13,10 @@ from zoneinfo import ZoneInfo
 import pytest
 
 from streamtally.audit import RerateSum, Rerating, rerated_cost
+from streamtally.billing.events import charge, event_id, price_request
+from streamtally.billing.pricing import NO_VERSION, PriceTable, PriceTableError
 from streamtally.core.models import FinishReason, Source, Usage
-from streamtally.core.pricing import NO_VERSION, PriceTable, PriceTableError
 from streamtally.processors.requests import RequestProcessor
-from streamtally.wire.billing import charge, event_id, price_request
 from streamtally.wire.records import BillingEvent
 from tests.unit.billing.test_billing import make_tokens
 
@@ -406,7 +406,7 @@ def test_a_billing_event_names_the_version_in_force_at_its_receive_time(
         True,
     )
     late = load(history(version("late", "2026-11-01T00:00:00Z", {"m": rates("1")})))
-    with caplog.at_level(logging.WARNING, logger="streamtally.wire.billing"):
+    with caplog.at_level(logging.WARNING, logger="streamtally.billing.events"):
         early = price_request(tokens, "t", NOV - TICK, late).event
     assert (early.price_table_version, early.cost, early.priced) == (NO_VERSION, 0, False)
     assert "before the first version of the price table (late" in caplog.text

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.pricing import PriceTable, PriceTableError
 from streamtally.core.models import Usage
 from streamtally.core.money import scaled_cost
-from streamtally.core.pricing import PriceTable, PriceTableError
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -102,7 +102,7 @@ def test_parts_larger_than_their_total_are_priced_as_reported_and_noted(
 ) -> None:
     prices = table({"m": {"input": "10", "cached_input": "1", "output": "100", "reasoning": "50"}})
     usage = Usage(input_tokens=5, cached_tokens=8, output_tokens=2, reasoning_tokens=3)
-    with caplog.at_level(logging.WARNING, logger="streamtally.core.pricing"):
+    with caplog.at_level(logging.WARNING, logger="streamtally.billing.pricing"):
         quote = prices.quote("m", usage)
     # uncached input and non-reasoning output floor at 0; the parts are priced in full
     assert quote.cost == Decimal(8 * 1 + 3 * 50) / 1_000_000

@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.adapters.base import AdapterOptions
 from streamtally.core.adapters.gemini import RAW_ERROR_BODY
 from streamtally.core.adapters.openai import OpenAIChatAdapter
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.models import FinishReason, Source, Tokens, ToolCall, Usage
 from streamtally.core.normalize import Normalizer, fold_stream, read_events
-from streamtally.core.pricing import PriceTable
 from streamtally.core.sse import NonSseLine, SseEvent
 from streamtally.errors import InputError, InvalidEvent, NotAStream
 from streamtally.processors.requests import Position, RequestProcessor

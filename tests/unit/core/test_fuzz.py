@@ -34,9 +34,9 @@ from pathlib import Path
 
 import pytest
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.cli import main
 from streamtally.core.models import FinishReason, Source, Tokens
-from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.processors.requests import Completed, Outputs, Position, RequestProcessor
 from streamtally.producers import raw_records

@@ -11,13 +11,13 @@ import zlib
 
 import pytest
 
-from streamtally.core.pricing import PriceTable
+from streamtally.billing.events import event_id
+from streamtally.billing.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.processors._records import _Raw
 from streamtally.processors.amendable import Amendable, KeptRecord
 from streamtally.processors.requests import Closed, CloseReason, Completed, Refused
 from streamtally.wire import avro
-from streamtally.wire.billing import event_id
 from streamtally.wire.records import RawSseEvent
 from tests.unit.processors.test_requests import SEVERAL, TIMED_OUT, Run, Sample, position, sample
 

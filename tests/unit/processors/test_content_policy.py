@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.content import FULL, Content, ContentPolicy, marked_size
 from streamtally.core.models import (
     ChoiceTokens,
@@ -28,7 +29,6 @@ from streamtally.core.models import (
     ToolCallDelta,
     Usage,
 )
-from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.processors.content import content_policy
 from streamtally.processors.requests import Outputs, Position, RequestProcessor

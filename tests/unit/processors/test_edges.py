@@ -9,9 +9,9 @@ made a phantom 0-cost request, billed and counted in a usage row.
 
 from __future__ import annotations
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Counters, Limits, Outputs, Position, RequestProcessor
 from streamtally.producers import raw_records
 from streamtally.topics import Topics, encode_key

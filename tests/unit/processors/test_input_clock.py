@@ -12,8 +12,8 @@ from collections.abc import Hashable
 
 import pytest
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.models import FinishReason, Source
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.clock import SKEW_S, InputClock, input_time
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
 from streamtally.producers import raw_records

@@ -13,8 +13,8 @@ from aiohttp.test_utils import TestClient, TestServer
 from prometheus_client.parser import text_string_to_metric_families
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.models import Source
-from streamtally.core.pricing import PriceTable
 from streamtally.processors import metrics as m
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
 from streamtally.processors.sinks import Sinks

@@ -158,7 +158,7 @@ def test_modules_imported_already_are_not_replaced(tmp_path: Path) -> None:
 _FOLD = """
 import hashlib, json, sys
 from streamtally import _native
-from streamtally.core.pricing import PriceTable
+from streamtally.billing.pricing import PriceTable
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
 import streamtally.core.fold as fold_module
 

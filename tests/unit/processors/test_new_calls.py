@@ -13,13 +13,13 @@ from datetime import datetime, timedelta
 
 import pytest
 
+from streamtally.billing.events import event_id
 from streamtally.core.identity import RequestRef, call_request_id
 from streamtally.core.models import FinishReason
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.requests import Closed, Outputs, RequestProcessor
 from streamtally.processors.source import RawMessage
 from streamtally.wire import avro
-from streamtally.wire.billing import event_id
 from streamtally.wire.records import UsageSource
 from tests.unit.processors.test_requests import (
     PRICES,

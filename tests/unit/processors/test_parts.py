@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.models import FinishReason, Source, Tokens
 from streamtally.core.normalize import fold_stream
-from streamtally.core.pricing import PriceTable
 from streamtally.core.sse import SseEvent
 from streamtally.processors.limits import MAX_RECORD_BYTES, Limits
 from streamtally.processors.requests import CloseReason, Outputs, Position, RequestProcessor

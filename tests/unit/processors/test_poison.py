@@ -16,11 +16,11 @@ from decimal import Decimal
 
 import pytest
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.adapters.usage import RawUsage
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source, Tokens, Usage
 from streamtally.core.normalize import fold_stream, read_events
-from streamtally.core.pricing import PriceTable
 from streamtally.errors import InvalidEvent
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
 from streamtally.producers import raw_records

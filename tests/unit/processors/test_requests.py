@@ -23,11 +23,12 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.identity import RequestRef, epoch_micros
 from streamtally.core.models import FinishReason, Source, Tokens
 from streamtally.core.normalize import fold_stream, read_events
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.limits import MAX_RECORD_BYTES
 from streamtally.processors.requests import (
     Closed,
@@ -40,7 +41,6 @@ from streamtally.processors.requests import (
 from streamtally.producers import raw_records
 from streamtally.topics import Topics, encode_key
 from streamtally.wire import avro
-from streamtally.wire.billing import bill
 from streamtally.wire.records import (
     EventKind,
     Provenance,

@@ -10,15 +10,15 @@ from typing import Any
 
 from aiokafka.partitioner import DefaultPartitioner
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.requests import Closed, CloseReason, Completed, Outputs
 from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
 from streamtally.store import FinishedRequest, RedisStore, closed_key
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
-from streamtally.wire.billing import bill
 from streamtally.wire.records import DeadLetter
 
 TOPICS = Topics.in_namespace()
@@ -219,7 +219,7 @@ class DecidedSink:
 async def test_a_close_decided_otherwise_is_never_written_and_is_named_as_elsewhere() -> None:
     """One close decision per request: a second, different one writes no second bill, and
     the write names the request as closed elsewhere (its records wait for that close)."""
-    from streamtally.core.pricing import PriceTable
+    from streamtally.billing.pricing import PriceTable
     from streamtally.processors.requests import Position, RequestProcessor
     from streamtally.producers import raw_records
 

@@ -17,10 +17,10 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.cli import main
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
-from streamtally.core.pricing import PriceTable
 from streamtally.errors import InputError
 from streamtally.processors.metrics import dead_letter_reason
 from streamtally.processors.requests import Outputs, Position, RequestProcessor

@@ -10,14 +10,14 @@ late ones of the victim's request.
 
 from __future__ import annotations
 
+from streamtally.billing.events import event_id
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.requests import Counters, Outputs, Position, RequestProcessor
 from streamtally.producers import raw_records
 from streamtally.topics import Topics, encode_key
-from streamtally.wire.billing import event_id
 
 TOPIC = Topics.in_namespace().raw_sse.name
 VICTIM_ID = "chatcmpl-victim"

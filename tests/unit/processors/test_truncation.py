@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.fold import Fold
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, Source, ToolCallDelta, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.processors.limits import Limits
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
 from streamtally.producers import raw_records

@@ -10,11 +10,12 @@ from decimal import Decimal
 
 import pytest
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.cli import build_parser
 from streamtally.cli.rebuild import _summary_json, _summary_text
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.ops.rebuild import (
     CLOSED_MARKER,
     Applied,
@@ -31,7 +32,6 @@ from streamtally.ops.rebuild import (
 from streamtally.store import FinishedRequest, LayoutError, tokens_json, tokens_key
 from streamtally.topics import output_key
 from streamtally.wire import avro, kafka
-from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
 from tests.unit.billing.test_cli_billing_ledger import TOPICS, FakeTopics
 from tests.unit.billing.test_ledger import correction

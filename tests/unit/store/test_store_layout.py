@@ -19,9 +19,10 @@ from decimal import Decimal
 import pytest
 from redis.crc import key_slot
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.store import (
     COST_FIELDS,
     DEAD_LETTER_SCRIPT,
@@ -67,7 +68,6 @@ from streamtally.store.scripts import (
     dead_letter_calls,
     flush_calls,
 )
-from streamtally.wire.billing import bill
 
 PRICES = PriceTable.from_dict(
     {

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from streamtally.billing.events import bill
+from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
-from streamtally.core.pricing import PriceTable
 from streamtally.store import (
     FinishedRequest,
     RedisSink,
@@ -20,7 +21,6 @@ from streamtally.store import (
     finished_request,
     tokens_key,
 )
-from streamtally.wire.billing import bill
 from streamtally.wire.records import BillingEvent
 
 PRICES = PriceTable.from_dict(

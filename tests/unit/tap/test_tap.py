@@ -22,11 +22,11 @@ from typing import Any
 import pytest
 from aiokafka.errors import KafkaConnectionError, MessageSizeTooLargeError
 
+from streamtally.billing.pricing import PriceTable
 from streamtally.connection import KafkaConnection
 from streamtally.core.fold import NO_FINISH
 from streamtally.core.models import FinishReason, Source, Tokens
 from streamtally.core.normalize import fallback_request_id, fold_stream, read_events
-from streamtally.core.pricing import PriceTable
 from streamtally.core.sse import SseEvent
 from streamtally.processors.requests import Outputs, Position, RequestProcessor
 from streamtally.producers import Tap

@@ -17,6 +17,7 @@ from typing import Any
 import fastavro
 import pytest
 
+from streamtally.billing.events import event_id
 from streamtally.core.models import (
     ChoiceTokens,
     Chunk,
@@ -29,7 +30,6 @@ from streamtally.core.models import (
 )
 from streamtally.errors import InputError
 from streamtally.wire import avro
-from streamtally.wire.billing import event_id
 from streamtally.wire.records import (
     KEEPALIVE_EVENT,
     BillingEvent,

@@ -19,8 +19,7 @@ from streamtally.core.models import ChoiceTokens, Source, ToolCall, ToolCallDelt
 from streamtally.errors import InputError
 from streamtally.wire import avro
 from streamtally.wire.avro._compat import _samples
-from streamtally.wire.corrections import BillingCorrection
-from streamtally.wire.records import RawEngineOutput
+from streamtally.wire.records import BillingCorrection, RawEngineOutput
 from tests.unit.wire.test_avro import (
     BILLING,
     CHOICES,

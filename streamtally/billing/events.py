@@ -13,7 +13,7 @@ drop the duplicate, while two tenants that reuse one provider id get two ids.
 A request is priced at its *receive time*: the receive time of its last raw
 record, which is also its billing event's `event_time` (see `price_request`).
 The event's `price_table_version` names the version of the price table in
-force then (`streamtally.core.pricing.PriceTable.in_force`), or
+force then (`streamtally.billing.pricing.PriceTable.in_force`), or
 ``"(none in force)"`` (`NO_VERSION`) before the table's first version.
 `charge` is the one pricing function: the worker, the audit's replay (both
 through `RequestProcessor`) and the audit's re-rating all go through it.
@@ -21,10 +21,10 @@ through `RequestProcessor`) and the audit's re-rating all go through it.
 Unpriced requests are still billed, with cost ``Decimal(0)`` and
 ``BillingEvent.priced`` False, so their usage is never lost and never hidden:
 a model no entry of the price table matches (exact name or wildcard, see
-`streamtally.core.pricing`; a request without a model matches only ``"*"``),
+`streamtally.billing.pricing`; a request without a model matches only ``"*"``),
 a request received before the table's first version took effect, and a cost
 the billing record cannot carry (beyond decimal(38, 12), a price table
-error).  A warning is logged on the ``streamtally.wire.billing`` logger (once
+error).  A warning is logged on the ``streamtally.billing.events`` logger (once
 per model and price version for an unknown model or a time before the first
 version, every time for a cost that does not fit).  Re-price them from the
 event's token counts once the price table knows the model (``streamtally
@@ -40,10 +40,10 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Final
 
+from streamtally.billing.pricing import NO_VERSION, PriceTable, Quote
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Tokens, Usage
 from streamtally.core.money import COST_SCALE, scaled_cost
-from streamtally.core.pricing import NO_VERSION, PriceTable, Quote
 from streamtally.wire.records import BillingEvent, Provenance, UsageSource
 
 __all__ = [
@@ -56,7 +56,7 @@ __all__ = [
     "price_request",
 ]
 
-log = logging.getLogger("streamtally.wire.billing")
+log = logging.getLogger("streamtally.billing.events")
 
 #: Versioned namespace of `event_id`; changing it changes every id (never do it lightly).
 #: v1 hashed the request id alone; v2 hashes the request's identity (`RequestRef.text`).

@@ -27,7 +27,7 @@ Model names.  A name is either exact (``"gpt-4.1"`` prices the model
 prices ``gpt-4.1-2025-04-14``; ``"*"`` alone prices every model, and a request
 without a model).  A ``*`` anywhere but at the end is refused, as are empty
 names and names with surrounding spaces.  How a model is looked up is
-`streamtally.core.pricing.PriceTable.entry_for`.
+`streamtally.billing.pricing.PriceTable.entry_for`.
 
 Price history.  A table may say when it takes effect, and a file may hold
 several versions of the table::
@@ -58,7 +58,7 @@ inside its version's time (not before its ``effective_from``, before the next
 version's): rates never change inside a version, so a version's name and a
 request's time say exactly which rates priced it.
 
-This module only reads and checks the file; `streamtally.core.pricing` is the
+This module only reads and checks the file; `streamtally.billing.pricing` is the
 table in use and the cost arithmetic.
 """
 

@@ -4,7 +4,7 @@ corrections topics.
 The billing topic is append-only and written at least once.  The worker bills revision 0
 of a request when it first closes it, and revision n > 0 (BillingEvent v5) when records
 that arrived after a close at its timeout or over a gap amend it; ``streamtally audit
---correct`` appends corrections to the corrections topic (`streamtally.wire.corrections`)
+--correct`` appends corrections to the corrections topic (`streamtally.billing.corrections`)
 and never rewrites a bill.  Every revision and every corrected bill carries the request's
 whole usage and cost, never a difference.  A consumer gets the bills as they stand by this
 rule; `BillingLedger` is its one implementation (``billing export --ledger`` and
@@ -62,9 +62,9 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from streamtally.billing.corrections import CorrectionLog
 from streamtally.core.identity import RequestRef
-from streamtally.wire.corrections import BillingCorrection, CorrectionLog
-from streamtally.wire.records import BillingEvent
+from streamtally.wire.records import BillingCorrection, BillingEvent
 
 __all__ = ["BillingLedger", "Seen", "Settled", "Standing"]
 

@@ -1,6 +1,6 @@
 """Price tables in use: which entry prices a model, and the exact cost of a request.
 
-The file format and its validation are `streamtally.core.price_file`; this
+The file format and its validation are `streamtally.billing.price_file`; this
 module is the loaded table (`PriceTable`) and its arithmetic.
 
 Model lookup (`PriceTable.entry_for`): the exact name if the table has it;
@@ -26,11 +26,11 @@ computed with exact rational arithmetic (never a float).  The result is a
 `Decimal` with exactly 12 decimal places (the scale of `BillingEvent.cost`);
 it is rounded, ROUND_HALF_EVEN, only when the exact value has more than 12
 decimal places (`Quote.rounded` says so).  Whether the billing record can
-carry it (decimal(38, 12)) is for `streamtally.wire.billing` to check.
+carry it (decimal(38, 12)) is for `streamtally.billing.events` to check.
 
 Price history (`PriceTable.in_force`): a table holds one or more versions,
 each in force from its `effective_from` (included) until the next one's (see
-`streamtally.core.price_file`).  Every lookup and quote takes the time `at`
+`streamtally.billing.price_file`).  Every lookup and quote takes the time `at`
 of the request; the version in force then prices it, and its entries whose
 own `effective_from` is later than `at` are as if absent.  Before the first
 version's `effective_from` no version is in force and every model is
@@ -44,7 +44,7 @@ report says otherwise (cached + cache_write > input, or reasoning > output)
 the parts are still priced exactly as reported and only the remainder
 (uncached input, non-reasoning output) is floored at 0, so the bill never
 goes below what the parts cost.  Nothing is clamped silently: `Quote.notes`
-describes it and a warning is logged on the ``streamtally.core.pricing`` logger.
+describes it and a warning is logged on the ``streamtally.billing.pricing`` logger.
 """
 
 from __future__ import annotations
@@ -61,9 +61,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Final
 
-from streamtally.core.models import Usage
-from streamtally.core.money import COST_SCALE
-from streamtally.core.price_file import (
+from streamtally.billing.price_file import (
     NO_VERSION,
     WILDCARD,
     ModelRates,
@@ -75,6 +73,8 @@ from streamtally.core.price_file import (
     parse_table,
     read_table_text,
 )
+from streamtally.core.models import Usage
+from streamtally.core.money import COST_SCALE
 
 __all__ = [
     "NO_VERSION",
@@ -87,7 +87,7 @@ __all__ = [
     "Rates",
 ]
 
-log = logging.getLogger("streamtally.core.pricing")
+log = logging.getLogger("streamtally.billing.pricing")
 
 _SCALE: Final = 10**COST_SCALE
 
@@ -271,8 +271,8 @@ class PriceTable:
 
     @classmethod
     def default(cls) -> PriceTable:
-        """The price table shipped with streamtally (`streamtally/core/prices.json`)."""
-        text = resources.files("streamtally.core").joinpath("prices.json").read_text("utf-8")
+        """The price table shipped with streamtally (`streamtally/billing/prices.json`)."""
+        text = resources.files("streamtally.billing").joinpath("prices.json").read_text("utf-8")
         return cls.loads(text, origin="the packaged price table")
 
     @classmethod

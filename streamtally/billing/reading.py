@@ -2,9 +2,9 @@
 ``billing export --ledger``'s.
 
 ``streamtally audit --correct`` appends `BillingCorrection` records (see
-`streamtally.wire.corrections`); the audit judges the bills as corrected and a rebuild
+`streamtally.billing.corrections`); the audit judges the bills as corrected and a rebuild
 restores them so.  Both read the topic here, into one `CorrectionLog`.  `read_ledger`
-reads the billing topic too, into a `BillingLedger` (`streamtally.wire.ledger`: the
+reads the billing topic too, into a `BillingLedger` (`streamtally.billing.ledger`: the
 bills as they stand, one per request).
 """
 
@@ -13,11 +13,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Mapping
 
+from streamtally.billing.corrections import CorrectionLog
+from streamtally.billing.ledger import BillingLedger
 from streamtally.connection import KafkaConnection
 from streamtally.wire.avro import decode_billing_correction, decode_billing_event
-from streamtally.wire.corrections import CorrectionLog
 from streamtally.wire.kafka import read_decoded, read_decoded_at
-from streamtally.wire.ledger import BillingLedger
 
 __all__ = ["read_corrections", "read_ledger"]
 
