@@ -1,4 +1,4 @@
-"""Producers: raw provider SSE events and engine outputs onto their Kafka topics.
+"""The tap: raw provider SSE events and engine outputs onto their Kafka topics.
 
     async with RawProducer("localhost:9092") as producer:
         sent = await producer.send_transcript(Source.OPENAI, data, tenant="acme")
@@ -17,7 +17,8 @@ not take whole or whose event would make a record the worker refuses, as
 and `streamtally proxy`) through a write-ahead spool on local disk that never
 drops a record: a background sender produces from it to Kafka and a restart
 sends what was left; see `streamtally.producers.tap` and
-`streamtally.producers.spool`.
+`streamtally.producers.spool`.  `streamtally.producers.proxy` is the reverse proxy that
+taps the calls going through it.
 """
 
 from streamtally.producers.raw import RawProducer, SentRequest, raw_records

@@ -42,17 +42,20 @@ layer (`streamtally.settings` included) can use them.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Final
 from urllib.parse import unquote
 
 __all__ = [
     "MIN_SCRUBBED",
     "REDACTED",
+    "hiding",
     "redact_credentials",
     "redact_servers",
     "redact_text",
     "redact_url",
+    "redacted",
     "scrub",
     "url_secrets",
 ]
@@ -212,3 +215,34 @@ def scrub(text: str, secrets: Iterable[str]) -> str:
         if len(secret) >= MIN_SCRUBBED and secret in text:
             text = text.replace(secret, REDACTED)
     return text
+
+
+#: The secrets of this command (its Redis password), scrubbed out of messages (`hiding`).
+_HIDDEN: set[str] = set()
+
+
+@contextmanager
+def hiding(secrets: Iterable[str]) -> Iterator[None]:
+    """While the block runs, `redacted` (so `say` and every log record) also hides `secrets`.
+
+    `streamtally.cli.main` hides the secrets of the command's Redis URL
+    (`streamtally.redact.url_secrets`): a library may quote a password it
+    took out of the URL, where no URL is left to redact.
+    """
+    before = set(_HIDDEN)
+    _HIDDEN.update(secrets)
+    try:
+        yield
+    finally:
+        _HIDDEN.intersection_update(before)
+
+
+def redacted(text: str) -> str:
+    """`text` with the credentials of every URL in it, credential headers and ``Bearer``
+    tokens (`redact_credentials`) and the secrets being hidden as ``***``.
+
+    What every message and log record goes through (`streamtally.cli._output.say`,
+    `streamtally.cli._logging`) and the proxy's `describe`.
+    """
+    text = redact_credentials(redact_text(text))
+    return scrub(text, _HIDDEN) if _HIDDEN else text

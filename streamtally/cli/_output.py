@@ -25,11 +25,10 @@ import json
 import os
 import re
 import sys
-from collections.abc import Collection, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Final, TextIO
 
-from streamtally.redact import redact_credentials, redact_text, scrub
+from streamtally.redact import hiding, redacted
 
 __all__ = [
     "escape",
@@ -52,8 +51,6 @@ _UNSAFE: Final = re.compile(
 _JSON_UNSAFE: Final = re.compile("[\x7f-\x9f\u2028\u2029\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
 _SURROGATE: Final = re.compile("[\ud800-\udfff]")
 _SHORT: Final = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
-#: The secrets of this command (its Redis password), scrubbed out of messages (`hiding`).
-_HIDDEN: set[str] = set()
 
 
 def _visible(match: re.Match[str]) -> str:
@@ -94,32 +91,6 @@ def safe_json(text: str) -> str:
     ``\\uXXXX`` escape means the same character.
     """
     return _JSON_UNSAFE.sub(_json_escape, text) if _JSON_UNSAFE.search(text) else text
-
-
-@contextmanager
-def hiding(secrets: Iterable[str]) -> Iterator[None]:
-    """While the block runs, `redacted` (so `say` and every log record) also hides `secrets`.
-
-    `streamtally.cli.main` hides the secrets of the command's Redis URL
-    (`streamtally.redact.url_secrets`): a library may quote a password it
-    took out of the URL, where no URL is left to redact.
-    """
-    before = set(_HIDDEN)
-    _HIDDEN.update(secrets)
-    try:
-        yield
-    finally:
-        _HIDDEN.intersection_update(before)
-
-
-def redacted(text: str) -> str:
-    """`text` with the credentials of every URL in it, credential headers and ``Bearer``
-    tokens (`redact_credentials`) and the secrets being hidden as ``***``.
-
-    What every message and log record goes through (`say`, `streamtally.cli._logging`).
-    """
-    text = redact_credentials(redact_text(text))
-    return scrub(text, _HIDDEN) if _HIDDEN else text
 
 
 def say(text: str, *, file: TextIO | None = None) -> None:

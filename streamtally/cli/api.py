@@ -25,9 +25,10 @@ from pathlib import Path
 from types import FrameType
 
 from streamtally.cli._output import say
-from streamtally.cli.proxy import Listen, listen_address
+from streamtally.cli.proxy import listen_address
 from streamtally.cli.tokens import add_redis_url, run_redis
 from streamtally.errors import InputError
+from streamtally.producers.proxy import Listen
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
 

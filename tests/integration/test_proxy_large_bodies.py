@@ -27,10 +27,10 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, web
 
-from streamtally.cli.proxy import ProxyOptions, ProxyServer
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
 from streamtally.producers import Tap
+from streamtally.producers.proxy.server import ProxyOptions, ProxyServer
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics, read_topic
 from streamtally.wire.records import PART_EVENT

@@ -27,10 +27,10 @@ import pytest
 import zstandard
 from aiohttp import ClientSession, web
 
-from streamtally.cli.proxy import ProxyServer
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source
 from streamtally.producers import Tap
+from streamtally.producers.proxy.server import ProxyServer
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics

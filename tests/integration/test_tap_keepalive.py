@@ -33,10 +33,10 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, ClientTimeout, web
 
-from streamtally.cli.proxy import ProxyOptions, ProxyServer
 from streamtally.core.identity import RequestRef
 from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import Tap
+from streamtally.producers.proxy.server import ProxyOptions, ProxyServer
 from streamtally.settings import Settings
 from streamtally.store import RedisStore
 from tests.integration.worker import (

@@ -31,11 +31,11 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, web
 
-from streamtally.cli.proxy import ProxyServer
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source
 from streamtally.core.normalize import read_events
 from streamtally.producers import Tap
+from streamtally.producers.proxy.server import ProxyServer
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics

@@ -39,11 +39,11 @@ from aiohttp import web
 from google import genai
 from google.genai import types as genai_types
 
-from streamtally.cli.proxy import ProxyOptions, ProxyServer
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source
 from streamtally.core.normalize import read_events
 from streamtally.producers import Tap
+from streamtally.producers.proxy.server import ProxyOptions, ProxyServer
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics

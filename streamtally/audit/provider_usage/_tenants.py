@@ -4,7 +4,7 @@ A usage report names keys by the provider's id for them (OpenAI ``key_…``, Ant
 ``apikey_01…``), never by the key itself, and projects or workspaces by theirs
 (``proj_…``, ``wrkspc_01…``).  `TenantMap.load` reads either of two files:
 
-- the proxy's ``--api-keys`` file (`streamtally.cli._api_keys`), each entry that names
+- the proxy's ``--api-keys`` file (`streamtally.producers.proxy.api_keys`), each entry that names
   its key's id at the provider in ``provider_key_id`` (the proxy ignores the field)::
 
       {"keys": [{"sha256": "<64 hex>", "tenant": "acme", "provider_key_id": "key_abc"}]}
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from streamtally.errors import InputError
-from streamtally.ops.json_input import read_json_file
+from streamtally.json_input import read_json_file
 
 __all__ = ["TenantMap"]
 

@@ -60,11 +60,11 @@ from typing import Any
 import pytest
 from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
-from streamtally.cli.proxy import ProxyOptions, ProxyServer
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
 from streamtally.ops.worker_process import WorkerProcess
 from streamtally.producers import Tap
+from streamtally.producers.proxy.server import ProxyOptions, ProxyServer
 from streamtally.settings import Settings
 from streamtally.stack import ServiceState, kafka
 from streamtally.stack.config import StackConfig

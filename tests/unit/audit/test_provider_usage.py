@@ -32,10 +32,10 @@ from streamtally.audit.provider_usage import (
     parse_openai,
 )
 from streamtally.cli import main
-from streamtally.cli._api_keys import ApiKeyTenants
 from streamtally.cli._audit_extra import window_of
 from streamtally.core.models import FinishReason, Source
 from streamtally.errors import InputError
+from streamtally.producers.proxy.api_keys import ApiKeyTenants
 from streamtally.wire.records import BillingEvent
 
 DAY = datetime(2026, 11, 23, tzinfo=UTC)

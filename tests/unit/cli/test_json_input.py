@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from streamtally.errors import InputError
-from streamtally.ops.json_input import read_json_file
+from streamtally.json_input import read_json_file
 
 
 def test_a_json_file_is_parsed(tmp_path: Path) -> None:

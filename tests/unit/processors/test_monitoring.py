@@ -45,10 +45,10 @@ def _proxy_exported() -> set[str]:
     """Every sample name the proxy's metrics can expose (`streamtally proxy --metrics`)."""
     from prometheus_client import CollectorRegistry, generate_latest
 
-    from streamtally.cli._proxy_metrics import ProxyCollector
-    from streamtally.cli._tee import TeeStats
-    from streamtally.cli.proxy import ProxyStats
     from streamtally.producers import TapStats
+    from streamtally.producers.proxy.metrics import ProxyCollector
+    from streamtally.producers.proxy.server import ProxyStats
+    from streamtally.producers.proxy.tee import TeeStats
 
     registry = CollectorRegistry(auto_describe=False)
     registry.register(ProxyCollector(ProxyStats, TapStats, lambda: 0, TeeStats))

@@ -1,4 +1,4 @@
-"""`extract` (cli/_oversize.py): the usage of a body too large to tap, from its edges.
+"""`extract` (producers/proxy/oversize.py): the usage of a body too large to tap, from its edges.
 
 Each body is a non-streaming body of one of our transcripts (`tests.bodies`),
 its longest string made a few MB long (text that also quotes a usage object,
@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from streamtally.cli._oversize import EDGE_BYTES, extract
 from streamtally.core.models import FinishReason, Source, Tokens
 from streamtally.core.normalize import fold_stream
 from streamtally.core.sse import SseEvent
+from streamtally.producers.proxy.oversize import EDGE_BYTES, extract
 from tests.bodies import body_of
 
 SAMPLES = Path(__file__).resolve().parents[3] / "samples"

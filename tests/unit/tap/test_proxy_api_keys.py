@@ -17,12 +17,12 @@ import pytest
 from aiohttp import ClientSession, web
 
 from streamtally.cli import main
-from streamtally.cli._api_keys import ApiKeyTenants, api_key_of
-from streamtally.cli.proxy import ProxyServer
 from streamtally.core.models import Source
 from streamtally.core.normalize import fold_stream, read_events
 from streamtally.errors import InputError
 from streamtally.producers import Tap
+from streamtally.producers.proxy.api_keys import ApiKeyTenants, api_key_of
+from streamtally.producers.proxy.server import ProxyServer
 from tests.unit.tap.test_tap import SAMPLES, FakeSender, as_called, worker_tokens
 
 TEXT = SAMPLES / "openai" / "text_usage.sse"

@@ -23,8 +23,8 @@ from aiohttp import ClientSession, web
 
 from streamtally.cli import main
 from streamtally.cli._output import redacted
-from streamtally.cli.proxy import ProxyOptions, ProxyServer, describe
 from streamtally.producers import Tap
+from streamtally.producers.proxy.server import ProxyOptions, ProxyServer, describe
 from tests.unit.tap.test_tap import SAMPLES, FakeSender
 
 TEXT = SAMPLES / "openai" / "text_usage.sse"
@@ -330,7 +330,7 @@ async def test_no_secret_in_a_log_line_or_an_answer_when_the_upstream_fails(
 def test_unmetered_paths_are_labelled_without_ids_and_bounded() -> None:
     from collections import Counter
 
-    from streamtally.cli.proxy import MAX_UNMETERED_LABELS, unmetered_label
+    from streamtally.producers.proxy.server import MAX_UNMETERED_LABELS, unmetered_label
 
     seen: Counter[str] = Counter()
     assert unmetered_label("/v1/files/file-abc123/content", seen) == "/v1/files/{id}/content"
@@ -346,7 +346,7 @@ def test_unmetered_paths_are_labelled_without_ids_and_bounded() -> None:
 def test_api_versions_are_not_ids() -> None:
     from collections import Counter
 
-    from streamtally.cli.proxy import unmetered_label
+    from streamtally.producers.proxy.server import unmetered_label
 
     seen: Counter[str] = Counter()
     assert unmetered_label("/v1beta/models/gemini-2.5-pro", seen) == "/v1beta/models/{id}"
@@ -398,7 +398,7 @@ async def test_a_full_spool_refuses_new_calls_before_forwarding_and_keeps_the_re
     """Kafka holds every record (unacknowledged): the spool fills; a new metered call is
     refused with 503 before it reaches the upstream, /ready says so, an unmetered call still
     passes, and every record already accepted stays in the spool to be sent."""
-    from streamtally.cli._proxy_metrics import ProxyCollector, metrics_app
+    from streamtally.producers.proxy.metrics import ProxyCollector, metrics_app
 
     calls: list[str] = []
 

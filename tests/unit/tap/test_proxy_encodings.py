@@ -1,5 +1,5 @@
 """The tee's content decoding and the Accept-Encoding the proxy sends upstream
-(`streamtally.cli._encodings`): every coding, stacks, pieces cut at odd places."""
+(`streamtally.producers.proxy.encodings`): every coding, stacks, pieces cut at odd places."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import brotli
 import pytest
 import zstandard
 
-from streamtally.cli._encodings import (
+from streamtally.producers.proxy.encodings import (
     DecodeError,
     UndecodableEncoding,
     accept_encoding_upstream,

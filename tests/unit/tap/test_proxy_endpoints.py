@@ -1,5 +1,5 @@
-"""Every billable endpoint through the proxy's tee (`streamtally.cli._tee`): which calls are
-metered, how each response folds, encodings the tee must read, and the Responses API's
+"""Every billable endpoint through the proxy's tee (`streamtally.producers.proxy.tee`): which
+calls are metered, how each response folds, encodings the tee must read, and the Responses API's
 background mode billed once per response however many polls and resumes.
 
 The provider bodies here are written for these tests.  Records go to a real `Tap` whose
@@ -17,7 +17,11 @@ import brotli
 import pytest
 import zstandard
 
-from streamtally.cli._tee import (
+from streamtally.core.models import Source
+from streamtally.core.normalize import fold_stream
+from streamtally.core.sse import SseEvent, iter_events
+from streamtally.producers import Tap
+from streamtally.producers.proxy.tee import (
     Call,
     Tee,
     Teeing,
@@ -28,10 +32,6 @@ from streamtally.cli._tee import (
     route_of,
     upstream_headers,
 )
-from streamtally.core.models import Source
-from streamtally.core.normalize import fold_stream
-from streamtally.core.sse import SseEvent, iter_events
-from streamtally.producers import Tap
 from streamtally.wire.records import EventKind, UsageSource
 from tests.unit.tap.test_tap import FakeSender, as_called, settle, worker_tokens
 
@@ -264,7 +264,7 @@ async def test_a_coding_it_cannot_read_is_forwarded_logged_and_counted(
     sender = FakeSender()
     async with Tap(sender=sender) as tap:
         teeing = Teeing(tap)
-        with caplog.at_level(logging.ERROR, "streamtally.cli.proxy"):
+        with caplog.at_level(logging.ERROR, "streamtally.producers.proxy"):
             tee = teeing.tee(
                 chat, "acme", 200, {"Content-Type": "application/json", "Content-Encoding": "exi"}
             )
@@ -280,7 +280,7 @@ async def test_bytes_that_do_not_decode_are_logged_and_counted_not_teed(
 ) -> None:
     chat = call_of("POST", "/v1/chat/completions")
     assert chat is not None
-    with caplog.at_level(logging.ERROR, "streamtally.cli.proxy"):
+    with caplog.at_level(logging.ERROR, "streamtally.producers.proxy"):
         sender, teeing = await _tee_through(
             chat, b"this was said to be zstd" * 3, "zstd", "application/json", 5
         )
@@ -288,7 +288,7 @@ async def test_bytes_that_do_not_decode_are_logged_and_counted_not_teed(
     assert teeing.stats.undecodable == {"/v1/chat/completions": 1}
     assert "not a valid zstd body" in caplog.text
     # Cut short: the same.
-    with caplog.at_level(logging.ERROR, "streamtally.cli.proxy"):
+    with caplog.at_level(logging.ERROR, "streamtally.producers.proxy"):
         sender, teeing = await _tee_through(
             chat, brotli.compress(CHAT_BODY)[:-4], "br", "application/json", 64
         )
@@ -683,7 +683,7 @@ async def test_a_background_stream_that_names_no_response_is_still_teed(
         for n in range(20)
     ]
     sender = FakeSender()
-    with caplog.at_level(logging.ERROR, "streamtally.cli.proxy"):
+    with caplog.at_level(logging.ERROR, "streamtally.producers.proxy"):
         async with Tap(sender=sender) as tap:
             await _stream_call(Teeing(tap), create, deltas)
     assert "no response id" in caplog.text

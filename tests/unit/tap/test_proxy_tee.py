@@ -1,4 +1,5 @@
-"""What the proxy tees (`streamtally.cli._tee`): which calls, SSE or whole body, in which events.
+"""What the proxy tees (`streamtally.producers.proxy.tee`): which calls, SSE or whole body,
+in which events.
 
 The last tests run a `Tee` into a real `Tap` whose Kafka sender is the fake
 of `test_tap` and hand the records to the worker's `RequestProcessor`: a
@@ -14,7 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from streamtally.cli._tee import (
+from streamtally.core.models import Source
+from streamtally.core.normalize import fold_stream
+from streamtally.core.sse import SseEvent
+from streamtally.producers import Tap
+from streamtally.producers.proxy.tee import (
     DEFAULT_MAX_BODY_BYTES,
     Tee,
     Teeing,
@@ -24,10 +29,6 @@ from streamtally.cli._tee import (
     plan,
     source_of,
 )
-from streamtally.core.models import Source
-from streamtally.core.normalize import fold_stream
-from streamtally.core.sse import SseEvent
-from streamtally.producers import Tap
 from streamtally.producers.tap import utf8_slices
 from streamtally.wire.records import PART_BYTES
 from tests.bodies import body_of

@@ -15,8 +15,8 @@ import pytest
 from aiohttp import ClientSession, web
 
 from streamtally.cli import main
-from streamtally.cli.proxy import ProxyOptions, ProxyServer
 from streamtally.producers import Tap
+from streamtally.producers.proxy.server import ProxyOptions, ProxyServer
 from tests.unit.tap.test_tap import FakeSender, worker_tokens
 
 BODY = json.dumps(

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from streamtally.cli._usage_ask import UsageStripper, ask_for_usage, asks_for_usage
+from streamtally.producers.proxy.usage_ask import UsageStripper, ask_for_usage, asks_for_usage
 from tests.integration.worker import SAMPLES
 from tests.openai_upstream import openai_stream
 

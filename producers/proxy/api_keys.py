@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Final
 
 from streamtally.errors import InputError
-from streamtally.ops.json_input import read_json_file
+from streamtally.json_input import read_json_file
 
 __all__ = ["ApiKeyTenants", "api_key_of"]
 

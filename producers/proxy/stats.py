@@ -1,5 +1,5 @@
 """What the proxy counts since it started: `ProxyStats`, read by its last log line and,
-at scrape time, by its metrics (`streamtally.cli._proxy_metrics`)."""
+at scrape time, by its metrics (`streamtally.producers.proxy.metrics`)."""
 
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ one event, so the body becomes one raw record (`body_events`), kept verbatim
 for audit.  Gemini's `streamGenerateContent` without ``alt=sse`` answers with
 a JSON array of chunks: one raw record each.
 
-Encodings (`streamtally.cli._encodings`): the proxy asks the upstream only for
+Encodings (`streamtally.producers.proxy.encodings`): the proxy asks the upstream only for
 codings the tee decodes, and the tee decodes gzip, deflate, br and zstd, in
 any stack, from pieces cut anywhere; the client gets the bytes as sent.  A
 response in another coding (an upstream that ignores Accept-Encoding), or
@@ -76,7 +76,7 @@ raw event, one record, or part records when it is over 512 KiB
 (`DEFAULT_MAX_BODY_BYTES`, 64 MiB) is not teed whole, never dropped either:
 its usage, id and model are found in its first and last 64 KiB and teed as
 a small body of the same source that folds to them
-(`streamtally.cli._oversize`), with a warning (an error naming the request
+(`streamtally.producers.proxy.oversize`), with a warning (an error naming the request
 when no usage is found); `Tee.oversize` says so, and the proxy counts it.
 """
 
@@ -91,7 +91,11 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, Final
 
-from streamtally.cli._encodings import (
+from streamtally.core.identity import new_call_id
+from streamtally.core.models import Source
+from streamtally.core.sse import SseDecoder, SseEvent
+from streamtally.producers import Tap, TapRequest
+from streamtally.producers.proxy.encodings import (
     DecodeError,
     Decoder,
     UndecodableEncoding,
@@ -99,11 +103,7 @@ from streamtally.cli._encodings import (
     codings_of,
     decoder_for,
 )
-from streamtally.cli._oversize import EDGE_BYTES, extract
-from streamtally.core.identity import new_call_id
-from streamtally.core.models import Source
-from streamtally.core.sse import SseDecoder, SseEvent
-from streamtally.producers import Tap, TapRequest
+from streamtally.producers.proxy.oversize import EDGE_BYTES, extract
 
 __all__ = [
     "DEFAULT_MAX_BODY_BYTES",
@@ -122,7 +122,7 @@ __all__ = [
     "upstream_headers",
 ]
 
-log = logging.getLogger("streamtally.cli.proxy")
+log = logging.getLogger("streamtally.producers.proxy")
 
 #: Bytes of a non-streaming body teed whole unless told otherwise (``--max-body-bytes``);
 #: past it, only its usage is (see `Tee`).
@@ -257,7 +257,7 @@ def route_of(path: str) -> str:
 
 def upstream_headers(headers: list[tuple[str, str]]) -> list[tuple[str, str]]:
     """A metered call's headers to send upstream: Accept-Encoding restricted to what the tee
-    decodes (`streamtally.cli._encodings.accept_encoding_upstream`)."""
+    decodes (`streamtally.producers.proxy.encodings.accept_encoding_upstream`)."""
     offers = [value for name, value in headers if name.lower() == "accept-encoding"]
     offer = ", ".join(offers) if offers else None
     rest = [(name, value) for name, value in headers if name.lower() != "accept-encoding"]
@@ -400,7 +400,7 @@ class Tee:
     A non-streaming body goes to a temporary file (in memory up to `SPOOL_MEMORY_BYTES`)
     while it arrives, and is teed whole at its end, up to `max_body_bytes`.  Past it the
     spool is dropped, its first and last `EDGE_BYTES` kept, and a synthetic body with
-    the usage found in them is teed (`streamtally.cli._oversize`); `oversize` says so.
+    the usage found in them is teed (`streamtally.producers.proxy.oversize`); `oversize` says so.
     """
 
     def __init__(

@@ -21,9 +21,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from streamtally.cli._proxy_stats import ProxyStats
-from streamtally.cli._tee import TeeStats
 from streamtally.producers import TapStats
+from streamtally.producers.proxy.stats import ProxyStats
+from streamtally.producers.proxy.tee import TeeStats
 
 __all__ = ["ProxyCollector", "metrics_app"]
 
