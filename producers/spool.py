@@ -101,7 +101,7 @@ from pathlib import Path
 from typing import Final
 
 from streamtally.core.models import Source
-from streamtally.errors import StreamtallyError
+from streamtally.errors import SpoolClosed, SpoolCorrupt, SpoolError, SpoolLocked
 
 __all__ = [
     "DEFAULT_CURSOR_INTERVAL_S",
@@ -155,22 +155,6 @@ MAX_CHECKPOINTS: Final = 65_536
 CHECKPOINT_S: Final = 0.01
 #: Bytes read from a segment at once by `take`.
 READ_BYTES: Final = 1 << 20
-
-
-class SpoolError(StreamtallyError):
-    """The spool cannot do what was asked (see the subclasses)."""
-
-
-class SpoolLocked(SpoolError):
-    """Another process has the spool directory open."""
-
-
-class SpoolCorrupt(SpoolError):
-    """A record that cannot be read where one must be: the spool refuses to open."""
-
-
-class SpoolClosed(SpoolError):
-    """The spool was closed."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,7 @@ from pydantic import (
     field_validator,
 )
 
-from streamtally.errors import InputError
+from streamtally.errors import PriceTableError
 
 __all__ = [
     "NO_VERSION",
@@ -113,10 +113,6 @@ _UTC_TIME: Final = re.compile(
     r"(\d{4}-\d{2}-\d{2})T(\d{2}:\d{2}:\d{2}(?:\.\d{1,6})?)(Z|[+-]\d{2}:\d{2})?"
 )
 _CURRENCY: Final = re.compile(r"[A-Z]{3}")
-
-
-class PriceTableError(InputError):
-    """A price table file that cannot be read or is not valid; the message says where."""
 
 
 def is_wildcard(name: str) -> bool:

@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
 from streamtally.core.identity import RequestRef
-from streamtally.errors import StreamtallyError
+from streamtally.errors import ShardMigrateError
 from streamtally.store import layout, layout_v2
 from streamtally.store.layout import LAYOUT_KEY, LAYOUT_VERSION, MIGRATING, SHARDS
 from streamtally.store.rows import reply_text
@@ -114,10 +114,6 @@ end
 for i = 1, #KEYS do redis.call('SET', KEYS[i], ARGV[2]) end
 return #KEYS
 """
-
-
-class ShardMigrateError(StreamtallyError):
-    """The move to layout 3 stopped; the message says why and what to do."""
 
 
 @dataclass(slots=True)

@@ -39,7 +39,7 @@ from streamtally._native import (
     python_tag,
     source_digest,
 )
-from streamtally.errors import StreamtallyError
+from streamtally.errors import NativeBuildError
 
 __all__ = ["GROUP", "BuildResult", "NativeBuildError", "build", "fresh"]
 
@@ -48,10 +48,6 @@ GROUP: Final = "streamtally_native"
 _LOG: Final = "build.log"
 #: Kept beside the package (the same file system, so the swap is a rename).
 _STAGING: Final = ".native-staging"
-
-
-class NativeBuildError(StreamtallyError):
-    """The compiled modules could not be built; the package still runs as plain Python."""
 
 
 @dataclass(frozen=True, slots=True)

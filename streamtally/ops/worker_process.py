@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Final, Self
 
-from streamtally.errors import StackError
+from streamtally.errors import WorkerError
 
 __all__ = [
     "READY_LINE",
@@ -36,10 +36,6 @@ READY_LINE: Final = "[^Worker]: Ready"
 #: How long `stop` and `kill` wait for the process to go after SIGKILL.
 KILL_WAIT_S: Final = 10.0
 _POLL_S: Final = 0.1
-
-
-class WorkerError(StackError):
-    """The worker exited, or did not get ready in time; the message carries its log."""
 
 
 def streamtally_command(*args: str) -> list[str]:

@@ -23,7 +23,7 @@ from redis.asyncio.cluster import RedisCluster
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
-from streamtally.errors import StreamtallyError
+from streamtally.errors import LayoutError
 from streamtally.store import layout, layout_v2
 from streamtally.store.layout import (
     LAYOUT_KEY,
@@ -76,10 +76,6 @@ __all__ = ["LayoutError", "RedisClient", "RedisStore"]
 
 #: A client of one Redis or of a Redis Cluster.
 RedisClient = aioredis.Redis | RedisCluster
-
-
-class LayoutError(StreamtallyError):
-    """Redis holds data of another layout version: migrate it (the message says how)."""
 
 
 class RedisStore:

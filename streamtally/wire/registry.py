@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any, Final
 from urllib.parse import quote
 
-from streamtally.errors import StreamtallyError
+from streamtally.errors import SchemaNotFound, SchemaRegistryError
 from streamtally.redact import redact_text, redact_url
 from streamtally.settings import Settings
 
@@ -68,14 +68,6 @@ COMPATIBILITY: Final = "BACKWARD"
 #: The Confluent API's error codes for "no such subject", "no such version" and "no such
 #: schema" (HTTP 404).
 _NOT_FOUND: Final = frozenset({40401, 40402, 40403})
-
-
-class SchemaRegistryError(StreamtallyError):
-    """The schema registry could not be reached, or refused a request."""
-
-
-class SchemaNotFound(SchemaRegistryError):
-    """The registry has no schema of that id (or none such under that subject)."""
 
 
 @dataclass(frozen=True, slots=True)

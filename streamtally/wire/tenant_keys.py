@@ -52,7 +52,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from streamtally.errors import InputError
+from streamtally.errors import (
+    BadSignature,
+    InputError,
+    TenantNotAllowed,
+    UnsignedRecord,
+    UntrustedRecord,
+)
 
 __all__ = [
     "HEADER",
@@ -78,22 +84,6 @@ _DOMAIN: Final = b"streamtally.st-auth.v1\x00"
 _KEY_ID: Final = re.compile(r"[A-Za-z0-9._-]{1,64}")
 _HEX: Final = re.compile(r"(?:[0-9a-fA-F]{2})+")
 _MAC_HEX: Final = re.compile(rb"[0-9a-f]{64}")
-
-
-class UntrustedRecord(InputError):
-    """A raw record the worker's trust file does not let bill its tenant (dead-lettered)."""
-
-
-class UnsignedRecord(UntrustedRecord):
-    """No ``st-auth`` header."""
-
-
-class BadSignature(UntrustedRecord):
-    """A malformed header, a key the trust file does not hold, or a MAC that does not match."""
-
-
-class TenantNotAllowed(UntrustedRecord):
-    """A valid signature by a key that may not bill the record's tenant."""
 
 
 def canonical_message(tenant: str, request_id: str, seq: int, value: bytes) -> bytes:

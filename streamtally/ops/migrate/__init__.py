@@ -76,6 +76,7 @@ keys span hash slots).
 
 from __future__ import annotations
 
+from streamtally.errors import MigrateError
 from streamtally.ops.migrate._billing import Billing, read_billing
 from streamtally.ops.migrate._plan import Action, Counts, Plan, Step, plan
 from streamtally.ops.migrate._redis import (
@@ -84,7 +85,6 @@ from streamtally.ops.migrate._redis import (
     UNPLACED_CLOSED_KEY,
     UNPLACED_KEY,
     Entries,
-    MigrateError,
     apply,
     apply_batch,
     begin,

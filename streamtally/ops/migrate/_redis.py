@@ -15,7 +15,7 @@ from typing import Final
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
-from streamtally.errors import StreamtallyError
+from streamtally.errors import MigrateError
 from streamtally.ops.migrate._plan import Counts, Step
 from streamtally.ops.migrate._scripts import FINISH_SCRIPT, MIGRATE_SCRIPT
 from streamtally.store import LAYOUT_KEY, RedisStore
@@ -39,10 +39,6 @@ UNPLACED_KEY: Final = f"{PREFIX}migrate:unplaced"
 UNPLACED_CLOSED_KEY: Final = f"{PREFIX}migrate:unplaced:closed"
 #: Steps per script call (each call is atomic and blocks Redis while it runs).
 BATCH_SIZE: Final = 500
-
-
-class MigrateError(StreamtallyError):
-    """The migration refuses to go on: another layout, or Redis changed under it."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,18 +14,10 @@ from enum import StrEnum
 import redis.asyncio as aioredis
 
 from streamtally.connection import KafkaConnection
-from streamtally.errors import StackError
+from streamtally.errors import MigrateError, StackError
 from streamtally.ops.migrate._billing import Billing, read_billing
 from streamtally.ops.migrate._plan import Counts, Plan, plan
-from streamtally.ops.migrate._redis import (
-    BATCH_SIZE,
-    UNPLACED_KEY,
-    MigrateError,
-    apply,
-    begin,
-    finish,
-    scan,
-)
+from streamtally.ops.migrate._redis import BATCH_SIZE, UNPLACED_KEY, apply, begin, finish, scan
 from streamtally.store import LAYOUT_KEY, RedisStore
 from streamtally.store.layout_v2 import MIGRATING_FROM_1 as MIGRATING
 from streamtally.store.layout_v2 import VERSION as LAYOUT_VERSION

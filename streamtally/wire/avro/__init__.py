@@ -44,6 +44,12 @@ re-exported here (import from `streamtally.wire.avro`, not from them):
 
 from __future__ import annotations
 
+from streamtally.errors import (
+    AvroDecodeError,
+    AvroEncodeError,
+    AvroError,
+    AvroSchemaError,
+)
 from streamtally.wire.avro._codec import decode, encode
 from streamtally.wire.avro._compat import compatibility_errors
 from streamtally.wire.avro._confluent import (
@@ -72,12 +78,6 @@ from streamtally.wire.avro._encoders import (
     encode_raw_engine_output,
     encode_raw_sse_event,
     encode_tokens,
-)
-from streamtally.wire.avro._errors import (
-    AvroDecodeError,
-    AvroEncodeError,
-    AvroError,
-    AvroSchemaError,
 )
 from streamtally.wire.avro._framing import HEADER_SIZE, MARKER
 from streamtally.wire.avro._ids import (

@@ -29,7 +29,7 @@ from streamtally.core.models import (
     ToolCallDelta,
     Usage,
 )
-from streamtally.wire.avro._errors import AvroEncodeError
+from streamtally.errors import AvroEncodeError
 
 __all__ = ["check_schema", "chunk_body"]
 

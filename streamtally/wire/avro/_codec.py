@@ -18,9 +18,9 @@ import fastavro
 from fastavro.read import SchemaResolutionError
 
 from streamtally.core.models import Source
+from streamtally.errors import AvroDecodeError, AvroEncodeError
 from streamtally.wire.avro import _raw_readers
 from streamtally.wire.avro._compiled import Reader, Unsupported, compile_reader
-from streamtally.wire.avro._errors import AvroDecodeError, AvroEncodeError
 from streamtally.wire.avro._framing import HEADER_SIZE
 from streamtally.wire.avro._ids import CONFLUENT_HEADER_SIZE, confluent_writer
 from streamtally.wire.avro._schemas import NAMESPACE, SchemaVersion, current, history, writer_of

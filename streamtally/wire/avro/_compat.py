@@ -17,8 +17,8 @@ from typing import Any, Final
 
 import fastavro
 
+from streamtally.errors import AvroSchemaError
 from streamtally.wire.avro._codec import DECODE_ERRORS, ENCODE_ERRORS
-from streamtally.wire.avro._errors import AvroSchemaError
 from streamtally.wire.avro._names import (
     NAMED,
     PRIMITIVES,

@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from streamtally.core.models import Chunk, Tokens
+from streamtally.errors import AvroDecodeError
 from streamtally.wire.avro._codec import encode, read, read_body
 from streamtally.wire.avro._decoders import (
     billing_correction_of,
@@ -41,7 +42,6 @@ from streamtally.wire.avro._decoders import (
     raw_sse_event_of,
     tokens_of,
 )
-from streamtally.wire.avro._errors import AvroDecodeError
 from streamtally.wire.avro._framing import HEADER_SIZE, MARKER
 from streamtally.wire.avro._ids import (
     CONFLUENT_HEADER_SIZE,

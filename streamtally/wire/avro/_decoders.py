@@ -26,8 +26,8 @@ from streamtally.core.models import (
     ToolCallDelta,
     Usage,
 )
+from streamtally.errors import AvroDecodeError
 from streamtally.wire.avro._codec import read
-from streamtally.wire.avro._errors import AvroDecodeError
 from streamtally.wire.avro._schemas import NAMESPACE
 from streamtally.wire.records import (
     ENGINE_PAYLOAD_TYPES,

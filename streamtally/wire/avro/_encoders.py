@@ -22,9 +22,9 @@ from streamtally.core.models import (
     ToolCallDelta,
     Usage,
 )
+from streamtally.errors import AvroEncodeError
 from streamtally.wire.avro._chunk_writer import check_schema, chunk_body
 from streamtally.wire.avro._codec import write
-from streamtally.wire.avro._errors import AvroEncodeError
 from streamtally.wire.avro._raw_writer import check_schema as check_raw_sse_schema
 from streamtally.wire.avro._raw_writer import raw_sse_body
 from streamtally.wire.avro._schemas import CURRENT, NAMESPACE

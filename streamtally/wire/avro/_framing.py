@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from streamtally.wire.avro._errors import AvroDecodeError
+from streamtally.errors import AvroDecodeError
 
 __all__ = ["HEADER_SIZE", "MARKER", "fingerprint_in", "header"]
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Final
 
-from streamtally.wire.avro._errors import AvroDecodeError, AvroEncodeError
+from streamtally.errors import AvroDecodeError, AvroEncodeError
 from streamtally.wire.avro._schemas import SchemaVersion
 
 __all__ = [

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Final
 
-from streamtally.wire.avro._errors import AvroSchemaError
+from streamtally.errors import AvroSchemaError
 
 __all__ = ["NAMED", "PRIMITIVES", "SchemaJSON", "expand", "fullname", "namespace_of", "register"]
 

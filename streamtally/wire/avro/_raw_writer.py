@@ -19,6 +19,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from streamtally.core.models import Source
+from streamtally.errors import AvroEncodeError
 from streamtally.wire.avro._chunk_writer import (
     _EMPTY_STRING,
     _NULL,
@@ -31,7 +32,6 @@ from streamtally.wire.avro._chunk_writer import (
     _micros,
     _type_name,
 )
-from streamtally.wire.avro._errors import AvroEncodeError
 from streamtally.wire.records import EventKind, RawSseEvent
 
 __all__ = ["RAW_SSE_FIELDS", "check_schema", "raw_sse_body"]

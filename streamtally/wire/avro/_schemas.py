@@ -18,7 +18,7 @@ from typing import Any, Final
 from fastavro.schema import SchemaParseException, parse_schema, to_parsing_canonical_form
 from fastavro.schema import fingerprint as _fastavro_fingerprint
 
-from streamtally.wire.avro._errors import AvroDecodeError, AvroSchemaError
+from streamtally.errors import AvroDecodeError, AvroSchemaError
 from streamtally.wire.avro._framing import fingerprint_in, header
 from streamtally.wire.avro._names import SchemaJSON, expand, fullname, register
 

@@ -28,12 +28,11 @@ from streamtally.core.models import (
     trusted_chunk,
 )
 from streamtally.core.normalize import Normalizer, read_events
-from streamtally.errors import InvalidEvent
+from streamtally.errors import AvroEncodeError, InvalidEvent
 from streamtally.wire import avro
 from streamtally.wire.avro._chunk_writer import check_schema
 from streamtally.wire.avro._codec import write
 from streamtally.wire.avro._encoders import _CHUNK, _chunk_out
-from streamtally.wire.avro._errors import AvroEncodeError
 
 SAMPLES = Path(__file__).resolve().parents[3] / "samples"
 LONG_EDGES = (

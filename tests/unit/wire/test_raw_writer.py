@@ -20,10 +20,10 @@ import pytest
 
 from streamtally.core.models import Source
 from streamtally.core.normalize import read_events
+from streamtally.errors import AvroEncodeError
 from streamtally.wire import avro
 from streamtally.wire.avro._codec import write
 from streamtally.wire.avro._encoders import _RAW_SSE, _raw_sse_out
-from streamtally.wire.avro._errors import AvroEncodeError
 from streamtally.wire.avro._raw_writer import check_schema
 from streamtally.wire.records import KEEPALIVE_EVENT, EventKind, RawSseEvent
 
