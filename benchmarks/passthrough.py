@@ -21,9 +21,8 @@ from typing import Any, Final
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from streamtally.connection import KafkaConnection
+from streamtally.connection import KafkaConnection, client_options
 from streamtally.topics import DAY_MS, Topic
-from streamtally.wire.connection import client_options
 from streamtally.wire.kafka import ensure_topics
 
 __all__ = ["PASSTHROUGH_TOPIC", "PassthroughResult", "ensure_passthrough_topic", "run"]

@@ -19,8 +19,7 @@ from aiokafka.errors import KafkaError
 
 from benchmarks.pipeline_worker import BenchWorkers
 from benchmarks.pipeline_workload import Names, Progress
-from streamtally.connection import KafkaConnection
-from streamtally.wire.connection import client_options
+from streamtally.connection import KafkaConnection, client_options
 from streamtally.wire.kafka import read_topic
 
 __all__ = ["KafkaProbe"]

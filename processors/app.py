@@ -38,6 +38,7 @@ import faust
 from faust.app.base import BootStrategy
 
 from streamtally.billing.pricing import PriceTable
+from streamtally.connection import faust_options
 from streamtally.processors.content import content_policy
 from streamtally.processors.loop import (
     LOST_WRITE_WAIT_S,
@@ -51,7 +52,6 @@ from streamtally.processors.requests import Limits, RequestProcessor
 from streamtally.processors.sinks import Sinks
 from streamtally.settings import Settings
 from streamtally.topics import Topics
-from streamtally.wire.connection import faust_options
 from streamtally.wire.tenant_keys import TenantTrust
 
 __all__ = [

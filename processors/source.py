@@ -43,10 +43,10 @@ from typing import Any, NamedTuple
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
 
+from streamtally.connection import client_options
 from streamtally.processors.stages import BatchTimes
 from streamtally.settings import Settings
 from streamtally.topics import Topics
-from streamtally.wire.connection import client_options
 
 __all__ = ["FetchedBatch", "MembershipLost", "RawMessage", "RawSource", "Revocations"]
 

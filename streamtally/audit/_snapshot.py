@@ -33,11 +33,10 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaConnectionError, KafkaError
 
 from streamtally.audit._range import TimeRange
-from streamtally.connection import KafkaConnection, as_connection
+from streamtally.connection import KafkaConnection, as_connection, client_options
 from streamtally.errors import InputError, StackError
 from streamtally.processors.clock import SKEW_S
 from streamtally.topics import Topics
-from streamtally.wire.connection import client_options
 
 __all__ = ["BILLING_SLACK_S", "LATE_APPEND_S", "Snapshot", "take_snapshot"]
 

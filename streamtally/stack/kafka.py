@@ -198,7 +198,7 @@ def format_storage(
 async def _probe_async(bootstrap: KafkaConnection | str, timeout: float) -> int:
     from aiokafka import AIOKafkaClient  # heavy import, only needed here
 
-    from streamtally.wire.connection import client_options
+    from streamtally.connection import client_options
 
     client = AIOKafkaClient(**client_options(bootstrap), request_timeout_ms=int(timeout * 1000))
     try:

@@ -32,11 +32,10 @@ from aiokafka.errors import (
 )
 from aiokafka.partitioner import DefaultPartitioner
 
-from streamtally.connection import KafkaConnection, as_connection
+from streamtally.connection import KafkaConnection, as_connection, client_options
 from streamtally.errors import StackError
 from streamtally.topics import Topic, kafka_config
 from streamtally.wire.avro import AvroDecodeError
-from streamtally.wire.connection import client_options
 
 __all__ = [
     "MAX_REQUEST_BYTES",

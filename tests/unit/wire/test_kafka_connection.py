@@ -11,12 +11,17 @@ from faust.auth import SASLCredentials, SSLCredentials
 from faust.transport.drivers.aiokafka import credentials_to_aiokafka_auth
 
 from streamtally.cli._args import kafka_of
-from streamtally.connection import KafkaConnection, as_connection
+from streamtally.connection import (
+    KafkaConnection,
+    as_connection,
+    client_options,
+    faust_options,
+    ssl_context,
+)
 from streamtally.errors import InputError
 from streamtally.settings import Settings
 from streamtally.stack import secure
 from streamtally.stack.config import StackConfig
-from streamtally.wire.connection import client_options, faust_options, ssl_context
 
 PASSWORD = "s3cr3t-sasl-password"
 SASL_ENV = {
