@@ -44,13 +44,13 @@ from streamtally.errors import InputError
 from streamtally.processors.amendable import Amendable
 from streamtally.processors.requests import Closed, Outputs
 from streamtally.processors.stages import BatchTimes
-from streamtally.store import RedisSink, RedisStore, amended_request
+from streamtally.store import RedisBatch, RedisStore, amended_request
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.framing import SINGLE_OBJECT, Framing
 from streamtally.wire.kafka import idempotent_producer
 
-__all__ = ["KafkaSink", "RedisOutputs", "Sink", "Sinks", "Written", "retry"]
+__all__ = ["KafkaSink", "RedisSink", "Sink", "Sinks", "Written", "retry"]
 
 log = logging.getLogger(__name__)
 
@@ -173,8 +173,9 @@ class KafkaSink:
         await self._producer.stop()
 
 
-class RedisOutputs:
-    """Finished requests into Redis (Tokens, usage rows, counts), idempotently.
+class RedisSink:
+    """The worker's Redis sink: finished requests into Redis (Tokens, usage rows, counts),
+    idempotently, through a `RedisBatch`; the close decisions and what the agent asks Redis.
 
     Given a client, it wraps it in a `RedisStore` (and closes it on `stop`).
     """
@@ -184,7 +185,7 @@ class RedisOutputs:
 
     def __init__(self, client: aioredis.Redis | RedisStore) -> None:
         self.store = client if isinstance(client, RedisStore) else RedisStore(client)
-        self._sink = RedisSink(self.store)
+        self._sink = RedisBatch(self.store)
         self._dead: list[str] = []
 
     async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
@@ -416,7 +417,7 @@ def _stamp(times: BatchTimes, sink: object) -> None:
 def _store(sink: object) -> str:
     """The store a sink writes to, as the metrics name it."""
     name = type(sink).__name__
-    return {"KafkaSink": "kafka", "RedisOutputs": "redis"}.get(name, name)
+    return {"KafkaSink": "kafka", "RedisSink": "redis"}.get(name, name)
 
 
 _TRANSIENT = (RedisError, KafkaError, OSError, asyncio.TimeoutError)

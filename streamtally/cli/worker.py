@@ -149,7 +149,7 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     import faust
 
     from streamtally.processors.app import create_app
-    from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
+    from streamtally.processors.sinks import KafkaSink, RedisSink, Sinks
     from streamtally.processors.source import MembershipLost
     from streamtally.store import RedisStore
 
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     framing = framing_for(settings, topics.outputs)
 
     def make_sinks(app: Any) -> Sinks:
-        redis_outputs = RedisOutputs(
+        redis_outputs = RedisSink(
             RedisStore.from_url(
                 settings.redis_url, cluster=settings.redis_cluster, state_ttl_s=settings.state_ttl
             )

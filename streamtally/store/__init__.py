@@ -5,13 +5,14 @@
 - `streamtally.store.scripts`: the Lua scripts and their KEYS/ARGV (`FinishedRequest`);
 - `streamtally.store.rows`: usage rows decoded as the read commands print them;
 - `streamtally.store.redis_store`: `RedisStore`, every write and read as a typed method;
-- `streamtally.store.sink`: `RedisSink`, the batching, atomic, idempotent write of
+- `streamtally.store.batch`: `RedisBatch`, the batching, atomic, idempotent write of
   finished requests;
 - `streamtally.store.acl`: the Redis ACL rule of the worker's user (its keys and commands).
 
 Nothing outside this package spells a Redis key.
 """
 
+from streamtally.store.batch import RedisBatch, amended_request, finished_request
 from streamtally.store.layout import (
     COST_FIELDS,
     LAYOUT_KEY,
@@ -40,7 +41,6 @@ from streamtally.store.scripts import (
     FLUSH_SCRIPT,
     FinishedRequest,
 )
-from streamtally.store.sink import RedisSink, amended_request, finished_request
 
 __all__ = [
     "COST_FIELDS",
@@ -57,8 +57,8 @@ __all__ = [
     "UNPRICED_FIELD",
     "FinishedRequest",
     "LayoutError",
+    "RedisBatch",
     "RedisClient",
-    "RedisSink",
     "RedisStore",
     "amended_request",
     "closed_key",

@@ -4,7 +4,7 @@ It wraps one client, of one Redis (`redis.asyncio.Redis`) or of a Redis Cluster
 (`redis.asyncio.RedisCluster`), made with or without ``decode_responses``;
 registers the scripts once, and takes every key from `streamtally.store.layout`.
 Writes: `mark_closing`, `apply_requests` (through the batching
-`streamtally.store.RedisSink`), `count_dead_letters`, each one script call per
+`streamtally.store.RedisBatch`), `count_dead_letters`, each one script call per
 shard (one hash slot), sent in one pipeline.  Reads: Tokens, usage rows (the
 shards' parts summed), close markers, counts.  No other module talks to Redis
 about its data.

@@ -819,7 +819,7 @@ async def test_a_fetched_batch_counts_its_stages_once_per_request_it_closed() ->
     ends the Tokens' write; a batch that closes none adds nothing."""
 
     class RedisLike(RecordingSink):
-        stage = "redis"  # its flush ends the request's write, as RedisOutputs' does
+        stage = "redis"  # its flush ends the request's write, as RedisSink' does
 
     sink = RedisLike()
     settings = Settings(

@@ -1,6 +1,6 @@
 """`streamtally api` against the real Redis, called over HTTP with a real client (aiohttp).
 
-The data is written by the worker's own Redis write (`RedisSink`, the flush
+The data is written by the worker's own Redis write (`RedisBatch`, the flush
 script): two tenants of this test (unique names), on two UTC days, with one
 request id used by both.  The API runs as the real command (``python -m
 streamtally.cli api --listen 127.0.0.1:0``, uvicorn) with a tokens file of
@@ -41,7 +41,7 @@ from streamtally.billing.events import bill
 from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
-from streamtally.store import RedisSink, RedisStore, closed_key, tokens_key
+from streamtally.store import RedisBatch, RedisStore, closed_key, tokens_key
 
 pytestmark = pytest.mark.integration
 
@@ -131,7 +131,7 @@ def plan() -> Written:
 async def write(store: RedisStore, written: Written) -> None:
     """The requests through the worker's Redis write: Tokens, close markers, usage rows."""
     await store.ensure_layout()
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     for ref, tokens in written.tokens.items():
         sink.add(tokens, bill(tokens, ref.tenant, written.when[ref], PRICES))
     assert await sink.flush() == [True] * len(written.tokens)

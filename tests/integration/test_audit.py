@@ -56,7 +56,7 @@ from streamtally.core.models import FinishReason, Source
 from streamtally.processors.requests import Position, RequestProcessor
 from streamtally.producers import RawProducer, raw_records
 from streamtally.settings import Settings
-from streamtally.store import SHARDS, RedisSink, RedisStore, usage_key
+from streamtally.store import SHARDS, RedisBatch, RedisStore, usage_key
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic
@@ -539,7 +539,7 @@ async def _bill_behind_the_workers_back(scene: Scene, sent: Sent) -> BillingEven
     done = completed[0]
     store = RedisStore.from_url(scene.url, connect_timeout=5)
     try:
-        sink = RedisSink(store)
+        sink = RedisBatch(store)
         sink.add(done.tokens, done.billing, closed=done.closed.marker(), records=done.records)
         assert await sink.flush() == [True]
     finally:

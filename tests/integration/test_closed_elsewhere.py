@@ -37,7 +37,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.ops import worker_process
 from streamtally.processors.requests import CloseReason, Outputs, Position, RequestProcessor
-from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
+from streamtally.processors.sinks import KafkaSink, RedisSink, Sinks
 from streamtally.producers import RawProducer, raw_records
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
@@ -151,7 +151,7 @@ def test_a_partition_keeps_committing_after_another_owner_closed_one_of_its_requ
         assert theirs.closed.reason is CloseReason.TIMEOUT
 
         async def write_as_other_owner() -> None:
-            redis = RedisOutputs(RedisStore.from_url(url, state_ttl_s=3600))  # test keys
+            redis = RedisSink(RedisStore.from_url(url, state_ttl_s=3600))  # test keys
             sinks = Sinks(KafkaSink(servers, topics), redis, lookup=redis.lookup)
             try:
                 assert (await sinks.write(out)).elsewhere == frozenset()  # decided first

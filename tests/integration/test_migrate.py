@@ -43,7 +43,7 @@ from streamtally.store import (
     ROW_FIELDS,
     SHARDS,
     LayoutError,
-    RedisSink,
+    RedisBatch,
     RedisStore,
     closed_key,
     row_member,
@@ -464,7 +464,7 @@ def test_an_interrupted_run_blocks_writers_and_a_rerun_ends_it(stack: Stack) -> 
         ensure_layout(stack.url)
 
     async def worker_flush(client: Any) -> None:
-        sink = RedisSink(RedisStore(client))
+        sink = RedisBatch(RedisStore(client))
         tokens = make_tokens("late")
         sink.add(tokens, bill(tokens, "acme", WHEN, PRICES), closed="1 end", records=1)
         await sink.flush()
@@ -749,7 +749,7 @@ def test_a_move_stopped_by_a_key_in_the_way_resumes_where_it_stopped(stack: Stac
 
     async def worker_flush(client: Any) -> None:
         tokens = make_tokens("late")
-        sink = RedisSink(RedisStore(client))
+        sink = RedisBatch(RedisStore(client))
         sink.add(tokens, bill(tokens, "acme", WHEN, PRICES), closed="1 end", records=1)
         await sink.flush()
 

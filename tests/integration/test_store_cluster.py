@@ -6,7 +6,7 @@ requests that land in every shard (so on every master), then check what the
 worker and the read commands rely on: exactly-once application, write-once
 close decisions, dead letters counted once, rows summed exactly, Tokens found
 by id and by tenant, the state TTL on Tokens and markers and none on rows.
-The same behaviours on one Redis: `test_redis_sink.py`.
+The same behaviours on one Redis: `test_redis_batch.py`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ the billing topic every `BillingEvent` (tenant, event time, cost).  So when
 Redis is lost, `streamtally rebuild` reads both topics to their current end,
 joins them by request (`join`, a pure function), a request being its tenant
 and its request id together (`RequestRef`), and writes each request through
-the worker's own sink (`apply`: `streamtally.store.RedisSink`, one atomic,
+the worker's own sink (`apply`: `streamtally.store.RedisBatch`, one atomic,
 idempotent script call per batch).
 
 Join rules (`join`):

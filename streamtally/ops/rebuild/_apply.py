@@ -1,7 +1,7 @@
 """The Redis side of a rebuild: the joined requests written through the worker's sink.
 
 `apply` claims or checks the layout, then writes the requests in batches
-through `streamtally.store.RedisSink` (idempotent: a request already in
+through `streamtally.store.RedisBatch` (idempotent: a request already in
 Redis is left untouched), each with the closing marker `CLOSED_MARKER`.
 """
 
@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from streamtally.ops.rebuild._records import Request, Skipped, SkipReason
-from streamtally.store import RedisSink, RedisStore
+from streamtally.store import RedisBatch, RedisStore
 
 #: The closing marker ("offset reason") written for every rebuilt request.
 CLOSED_MARKER: Final = "0 end"
@@ -57,7 +57,7 @@ async def apply(
     if batch_size < 1 or progress_every < 1:
         raise ValueError("batch_size and progress_every must be >= 1")
     await store.ensure_layout()
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     result = Applied()
     total = len(requests)
     reported = 0

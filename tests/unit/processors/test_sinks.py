@@ -15,7 +15,7 @@ from streamtally.billing.pricing import PriceTable
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk, FinishReason, Source, Tokens, Usage
 from streamtally.processors.requests import Closed, CloseReason, Completed, Outputs
-from streamtally.processors.sinks import KafkaSink, RedisOutputs, Sinks
+from streamtally.processors.sinks import KafkaSink, RedisSink, Sinks
 from streamtally.store import FinishedRequest, RedisStore, closed_key
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
@@ -170,7 +170,7 @@ def _completed(request_id: str) -> Completed:
 
 async def test_redis_outputs_mark_then_flush_requests_and_dead_letter_positions() -> None:
     store = FakeStore()
-    redis = RedisOutputs(store)
+    redis = RedisSink(store)
     assert redis.store is store
     when = datetime(2026, 1, 1, tzinfo=UTC)
     letter = DeadLetter.from_exception(

@@ -1,4 +1,4 @@
-"""`RedisSink` without Redis: what `add` refuses, and how `flush` hands its batch to the store."""
+"""`RedisBatch` without Redis: what `add` refuses, and how `flush` hands its batch to the store."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import FinishReason, Source, Tokens, Usage
 from streamtally.store import (
     FinishedRequest,
-    RedisSink,
+    RedisBatch,
     closed_key,
     finished_request,
     tokens_key,
@@ -57,7 +57,7 @@ def billed(tokens: Tokens) -> BillingEvent:
 
 
 class FakeStore:
-    """What `RedisSink` needs of a `RedisStore`: `apply_requests`."""
+    """What `RedisBatch` needs of a `RedisStore`: `apply_requests`."""
 
     def __init__(self, fail: int = 0) -> None:
         self.batches: list[list[FinishedRequest]] = []
@@ -119,7 +119,7 @@ def test_an_unpriced_billing_event_is_counted_as_unpriced() -> None:
 
 async def test_flush_hands_the_batch_in_add_order_and_empties_it() -> None:
     store = FakeStore()
-    sink = RedisSink(store)  # type: ignore[arg-type]
+    sink = RedisBatch(store)  # type: ignore[arg-type]
     assert await sink.flush() == []
     assert store.batches == []  # nothing to write: no call
     for request_id in ("a", "seen", "b"):
@@ -137,7 +137,7 @@ async def test_flush_hands_the_batch_in_add_order_and_empties_it() -> None:
 
 async def test_a_failed_flush_keeps_the_batch_for_the_retry() -> None:
     store = FakeStore(fail=1)
-    sink = RedisSink(store)  # type: ignore[arg-type]
+    sink = RedisBatch(store)  # type: ignore[arg-type]
     tokens = make_tokens("a")
     sink.add(tokens, billed(tokens))
     with pytest.raises(ConnectionError):

@@ -1,4 +1,4 @@
-"""The Redis store against a real Redis: the sink's layout, idempotency, exact cost carry, reads.
+"""The Redis store against a real Redis: the batch's layout, idempotency, exact cost carry, reads.
 
 Every test on the shared database writes only keys of its own (a unique
 request id prefix and tenants) and deletes them afterwards, so it can run
@@ -41,7 +41,7 @@ from streamtally.store import (
     SHARDS,
     UNPRICED_FIELD,
     LayoutError,
-    RedisSink,
+    RedisBatch,
     RedisStore,
     amended_request,
     closed_key,
@@ -209,7 +209,7 @@ async def test_apply_writes_tokens_row_and_index(
 ) -> None:
     tenant = scope.tenant()
     tokens = make_tokens(scope.rid(1))
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(tokens, billed(tokens, tenant))
     assert await sink.flush() == [True]
     assert len(sink) == 0
@@ -255,14 +255,14 @@ async def test_reapplying_is_a_no_op(
 ) -> None:
     tenant = scope.tenant()
     tokens = make_tokens(scope.rid(1))
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(tokens, billed(tokens, tenant))
     assert await sink.flush() == [True]
     before = await parts_of(redis_client, DAY, tenant, "gpt-4o-2024-08-06")
     assert [part["requests"] for part in before.values()] == ["1"]
     rows_before = await store.usage_rows(tenant=tenant)
 
-    replay = RedisSink(RedisStore(redis_client))  # a new process after a crash
+    replay = RedisBatch(RedisStore(redis_client))  # a new process after a crash
     changed = make_tokens(scope.rid(1), usage=Usage(input_tokens=5))  # even if it differs
     replay.add(changed, billed(changed, tenant))
     replay.add(tokens, billed(tokens, tenant))
@@ -276,7 +276,7 @@ async def test_duplicate_within_one_batch_counts_once(
     redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     for n in (1, 2, 1):
         tokens = make_tokens(scope.rid(n))
         sink.add(tokens, billed(tokens, tenant))
@@ -295,7 +295,7 @@ async def test_a_bad_key_fails_its_shards_whole_batch_before_any_write(
     await redis_client.sadd(rows_key(shard), row_member(DAY, bad, MODEL))  # for cleanup
     # a request of another tenant in the same shard: one script call, checked before any write
     first = make_tokens(scope.ids_in_shard(good, shard)[0])
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(first, billed(first, good))
     sink.add(second, billed(second, bad))
     with pytest.raises(ResponseError, match="not a hash"):
@@ -320,7 +320,7 @@ async def test_a_bad_key_of_one_shard_leaves_the_other_shards_calls_applied(
     await redis_client.set(usage_key(shard, DAY, bad, MODEL), "not a hash")
     await redis_client.sadd(rows_key(shard), row_member(DAY, bad, MODEL))  # for cleanup
     elsewhere = make_tokens(scope.ids_in_shard(good, (shard + 1) % SHARDS)[0])
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(elsewhere, billed(elsewhere, good))
     sink.add(second, billed(second, bad))
     with pytest.raises(ResponseError, match="not a hash"):
@@ -343,7 +343,7 @@ async def test_cost_carries_exactly_across_the_pico_boundary(
     redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     costs = ["0.999999999999", "0.000000000001", "0.600000000001", "123456789012.400000000000"]
     # all in one shard: the script itself adds them to one part of the row, and carries
     ids = scope.ids_in_shard(tenant, 5, len(costs))
@@ -371,7 +371,7 @@ async def test_the_parts_of_a_row_are_summed_exactly_when_read(
     tenant = scope.tenant()
     costs = ["0.999999999999", "0.000000000002", "2.5"]
     ids = [*scope.ids_in_shard(tenant, 3), *scope.ids_in_shard(tenant, 9, 2)]
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     for rid, cost in zip(ids, costs, strict=True):
         tokens = make_tokens(rid)
         sink.add(tokens, billed(tokens, tenant, cost))
@@ -401,7 +401,7 @@ async def test_many_large_picos_never_leave_the_range(
     redis_client: aioredis.Redis, store: RedisStore, scope: Scope
 ) -> None:
     tenant = scope.tenant()
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     ids = scope.ids_in_shard(tenant, 12, 25)  # one part, 25 carries in one script call
     for rid in ids:
         tokens = make_tokens(rid)
@@ -423,7 +423,7 @@ async def test_unpriced_requests_are_counted_in_their_row_once(
     tenant = scope.tenant()
     priced = make_tokens(scope.rid("p"))
     unknown = [make_tokens(scope.rid(n), model="mystery-1") for n in (1, 2)]
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(priced, billed(priced, tenant))
     for tokens in unknown:
         event = billed(tokens, tenant)
@@ -440,7 +440,7 @@ async def test_unpriced_requests_are_counted_in_their_row_once(
     assert (total["requests"], total[UNPRICED_FIELD]) == (2, 2)
     assert (total["cost_units"], total["cost_pico"]) == (0, 0)
 
-    replay = RedisSink(store)
+    replay = RedisBatch(store)
     replay.add(unknown[0], billed(unknown[0], tenant))
     assert await replay.flush() == [False]
     assert await parts_of(redis_client, DAY, tenant, "mystery-1") == parts  # counted once
@@ -472,7 +472,7 @@ async def test_a_row_written_before_the_field_reads_0_and_counts_on(
     [before] = await store.usage_rows(tenant=tenant)
     assert (before["requests"], before["unpriced_requests"]) == (3, 0)
 
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(tokens, billed(tokens, tenant))
     assert await sink.flush() == [True]
     [after] = await store.usage_rows(tenant=tenant)
@@ -521,7 +521,7 @@ async def test_usage_rows_sum_requests_and_filter(
     )
     c = make_tokens(scope.rid("c"), model=None, usage=Usage(input_tokens=7))
     d = make_tokens(scope.rid("d"))
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(a, billed(a, acme))
     sink.add(b, billed(b, acme))
     sink.add(c, billed(c, acme))
@@ -629,7 +629,7 @@ async def test_store_writes_and_reads_markers_tokens_and_counts(
     }
 
     a = make_tokens("a")
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(a, billed(a, "acme"), closed="5 end", records=3, duplicates=1)
     assert await sink.flush() == [True]
     assert (await store.closed_markers([A, B]))[A] == ("5 end", True)
@@ -662,7 +662,7 @@ async def test_store_writes_and_reads_markers_tokens_and_counts(
 
 async def test_store_reads_through_a_decoding_client(redis_url: str, own_store: RedisStore) -> None:
     a = make_tokens("a")
-    sink = RedisSink(own_store)
+    sink = RedisBatch(own_store)
     sink.add(a, billed(a, "acme"), closed="5 end", records=2)
     assert await sink.flush() == [True]
     await own_store.count_dead_letters([own_store.position_of("t", 0, 1)])
@@ -692,7 +692,7 @@ async def test_the_state_ttl_applies_to_tokens_markers_and_dead_letters_not_to_r
     early = RequestRef("acme", "early")
     assert await store.mark_closing({early: "3 timeout"}) == {}  # decided, not yet applied
     a = make_tokens("a")
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(a, billed(a, "acme"), closed="5 end", records=2)
     assert await sink.flush() == [True]
     position = store.position_of("ns.raw.sse", 0, 7)
@@ -753,7 +753,7 @@ def write(redis_url: str, *pairs: tuple[Tokens, BillingEvent]) -> list[bool]:
         try:
             store = RedisStore(client)
             await store.ensure_layout()
-            sink = RedisSink(store)
+            sink = RedisBatch(store)
             for tokens, event in pairs:
                 sink.add(tokens, event)
             return await sink.flush()
@@ -917,7 +917,7 @@ async def test_ensure_layout_claims_an_empty_database_once(own_client: aioredis.
     assert await store.layout_version() == "3"
 
     # writes go through now; claiming again over layout-2 data changes nothing
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(*_tokens_and_event("a"))
     assert await sink.flush() == [True]
     assert await store.holds_data()
@@ -1019,7 +1019,7 @@ async def test_the_write_scripts_refuse_a_database_not_of_layout_3(
     tokens_and_event = _tokens_and_event("a")
     one_shard = re.escape(f"{guard_key(shard_of(A))} is {said}, not 3")
 
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(*tokens_and_event, closed="5 end", records=2)
     with pytest.raises(ResponseError, match=one_shard):  # one request: its own shard's guard
         await sink.flush()
@@ -1062,7 +1062,7 @@ async def test_one_request_id_of_two_tenants_is_two_requests(
     mine = make_tokens("shared", usage=Usage(input_tokens=100, output_tokens=10))
     theirs = make_tokens("shared", usage=Usage(input_tokens=300, output_tokens=30))
     other = make_tokens("eu:shared", usage=Usage(input_tokens=1))
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     sink.add(mine, billed(mine, "acme"), closed="5 end", records=4)
     sink.add(theirs, billed(theirs, "acme:eu"), closed="9 timeout", records=5)
     sink.add(other, billed(other, "acme"), closed="3 end", records=1)
@@ -1102,7 +1102,7 @@ async def test_one_request_id_of_two_tenants_is_two_requests(
 
     # a replay of one tenant's request changes nothing, and does not touch the other's
     before = await store.usage_rows()
-    replay = RedisSink(store)
+    replay = RedisBatch(store)
     replay.add(mine, billed(mine, "acme"), closed="5 end", records=4)
     assert await replay.flush() == [False]
     assert await store.usage_rows() == before
@@ -1120,7 +1120,7 @@ async def test_a_row_correction_is_added_once_and_keeps_the_row_writable(
     tenant = scope.tenant()
     member = row_member(DAY, tenant, MODEL)
     shard = shard_of_row(member)
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     first, second, third = scope.ids_in_shard(tenant, shard, 3)
     for rid, cost in ((first, "0.300000000000"), (second, "0.000000000002")):
         tokens = make_tokens(rid)
@@ -1208,7 +1208,7 @@ async def test_an_amendment_moves_the_bill_from_its_row_to_the_next_once(
     other_tokens = make_tokens("other", other.usage, MODEL)
     marker0 = Closed(3, CloseReason.TIMEOUT, True, 1, 0).marker()
     marker1 = Closed(9, CloseReason.END, True, 2, 1).marker()
-    sink = RedisSink(store)
+    sink = RedisBatch(store)
     assert await store.mark_closing({ref: marker0}) == {}
     sink.add(tokens0, first, closed=marker0, records=3)
     sink.add(other_tokens, other, closed="5 end", records=2)

@@ -1,4 +1,4 @@
-"""`RedisSink`: a batching sink of finished requests, their Tokens and their usage rows.
+"""`RedisBatch`: a batching sink of finished requests, their Tokens and their usage rows.
 
 Use it like a quix-streams `BatchingSink`: `add` each finished request (its
 `Tokens` and its priced `BillingEvent`) as it comes, then `flush` the batch
@@ -34,7 +34,7 @@ from streamtally.store.redis_store import RedisStore
 from streamtally.store.scripts import AmendedRequest, FinishedRequest
 from streamtally.wire.records import BillingEvent
 
-__all__ = ["RedisSink", "amended_request", "finished_request"]
+__all__ = ["RedisBatch", "amended_request", "finished_request"]
 
 _INT64_MAX: Final = 2**63 - 1
 
@@ -164,7 +164,7 @@ def amended_request(
     )
 
 
-class RedisSink:
+class RedisBatch:
     """Batches finished requests and writes them to Redis: atomic per shard, idempotent.
 
     Not safe for concurrent use by several tasks (one sink per consumer task).
