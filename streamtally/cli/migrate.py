@@ -21,7 +21,9 @@ import redis.asyncio as aioredis
 from streamtally.cli._args import add_kafka_to_read, kafka_of, positive
 from streamtally.cli._output import escape, json_text, say, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
-from streamtally.ops import migrate, migrate_shards
+from streamtally.errors import MigrateError, ShardMigrateError
+from streamtally.ops import migrate
+from streamtally.ops.migrate import shards as migrate_shards
 from streamtally.settings import Settings
 from streamtally.store import LAYOUT_KEY, LAYOUT_VERSION, MIGRATING, RedisStore
 from streamtally.store.layout_v2 import CLOSED_KEY, MIGRATING_FROM_1, tokens_pattern
@@ -177,7 +179,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
                     notify=_say,
                 ),
             )
-    except (migrate.MigrateError, migrate_shards.ShardMigrateError) as exc:
+    except (MigrateError, ShardMigrateError) as exc:
         _say(str(exc))
         return 1
     if args.json:

@@ -7,7 +7,7 @@ is spelled as streamtally before layout 2 wrote it: ``st:tokens:{request_id}``
 and `st:closed` fields ``{request_id}``, no ``st:layout``; the billing topic
 holds the tenants of the billed ones.  The version-2 data (`V2_TOKENS` ...) is
 spelled by `streamtally.store.layout_v2`.  One run of the command moves
-version 1 to 2, then 2 to 3 (`streamtally.ops.migrate_shards`).  The
+version 1 to 2, then 2 to 3 (`streamtally.ops.migrate.shards`).  The
 migration runs through the command (in this process,
 `tests.integration.worker.cli`) or, to stop it half-way, through
 `streamtally.ops.migrate` or by moving part of version 2 by hand.

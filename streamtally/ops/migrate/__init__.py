@@ -1,6 +1,7 @@
-"""Moving a Redis of layout version 1 to version 2: the first step of ``streamtally migrate``.
+"""`streamtally migrate`: the Redis layout moved in place, version 1 to 2 here, 2 to 3 in `shards`.
 
-The second step, version 2 to 3, is `streamtally.ops.migrate_shards`.
+This package and its private modules move layout 1 to 2, the first step;
+`streamtally.ops.migrate.shards` moves 2 to 3, the second.
 
 Version 1 (streamtally before layout 2) keyed a request by its provider
 request id alone: ``st:tokens:{request_id}`` and `st:closed` fields

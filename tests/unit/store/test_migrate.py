@@ -28,7 +28,7 @@ from streamtally.ops.migrate import (
     Step,
     plan,
 )
-from streamtally.ops.migrate_shards import ShardMoves
+from streamtally.ops.migrate.shards import ShardMoves
 from streamtally.store.layout_v2 import TOKENS_PREFIX, closed_field, parse_tokens_key, tokens_key
 
 
