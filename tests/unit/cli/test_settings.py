@@ -116,7 +116,7 @@ def test_only_the_settings_module_reads_the_environment() -> None:
     """
     reads = re.compile(r"os\.environ|os\.getenv|getenv\(")
     allowed = {
-        "streamtally/settings.py",
+        "streamtally/settings/__init__.py",
         "streamtally/stack/redis_server.py",
         "streamtally/stack/registry.py",
         "streamtally/_native.py",
@@ -318,3 +318,50 @@ def test_an_instance_id_given_on_the_command_line_is_checked_as_the_variable() -
     short = Settings.load({"STREAMTALLY_SESSION_TIMEOUT": "8"})
     with pytest.raises(InputError, match="at least 15 s"):
         short.with_instance_id("w-2")
+
+
+def _sections() -> list[type]:
+    return [
+        base for base in Settings.__mro__[1:] if base.__module__.startswith("streamtally.settings.")
+    ]
+
+
+def test_every_setting_is_declared_in_exactly_one_section() -> None:
+    owners: dict[str, list[str]] = {}
+    for section in _sections():
+        for field in section.__annotations__:
+            owners.setdefault(field, []).append(section.__name__)
+    assert {name: found for name, found in owners.items() if len(found) > 1} == {}
+    assert set(owners) == set(Settings.model_fields)
+
+
+def test_the_docstring_lists_each_variable_under_its_sections_module() -> None:
+    """The table of `streamtally.settings` groups the variables as the sections do."""
+    import streamtally.settings as module
+    from streamtally.settings import _VARIABLES
+
+    module_of = {
+        field: section.__module__.rsplit(".", 1)[1]
+        for section in _sections()
+        for field in section.__annotations__
+    }
+    group = ""
+    listed: dict[str, str] = {}
+    for line in (module.__doc__ or "").splitlines():
+        heading = re.match(r"^\*[^*]+\* \(``(\w+)\.py``\)$", line)
+        if heading:
+            group = heading.group(1)
+            continue
+        row = re.match(r"^``([A-Z_.]+)``", line)
+        if row:
+            shown = row.group(1)
+            # "..._REGISTRY_USERNAME" abbreviates "STREAMTALLY_SCHEMA_REGISTRY_USERNAME".
+            name = "STREAMTALLY_SCHEMA" + shown[3:] if shown.startswith("...") else shown
+            listed[name] = group
+    assert len(listed) >= 35  # the table was read
+    misplaced = {
+        name: (group, module_of[_VARIABLES[name]])
+        for name, group in listed.items()
+        if module_of[_VARIABLES[name]] != group
+    }
+    assert misplaced == {}

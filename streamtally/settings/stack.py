@@ -1,0 +1,87 @@
+"""The local stack: its ports, its state directory and the Java of its registry
+(`streamtally.stack`; docs/operations.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Self
+
+from pydantic import BaseModel, Field, model_validator
+
+from streamtally.settings._base import LOCAL_HOST, env
+
+__all__ = ["StackSection", "project_root"]
+
+
+def project_root() -> Path | None:
+    """The clone streamtally runs from (an editable install), or None for an installed wheel."""
+    root = Path(__file__).resolve().parents[2]
+    marker = root / "pyproject.toml"
+    if marker.is_file() and (root / "topics").is_dir() and (root / "processors").is_dir():
+        return root
+    return None
+
+
+class StackSection(BaseModel):
+    """The local stack's settings (a section of `Settings`)."""
+
+    state_dir_setting: Path | None = Field(
+        None, validation_alias=env("STREAMTALLY_STATE_DIR", "state_dir_setting")
+    )
+    xdg_state_home: Path | None = Field(
+        None, validation_alias=env("XDG_STATE_HOME", "xdg_state_home")
+    )
+    kafka_port: int = Field(
+        9092, ge=1, le=65535, validation_alias=env("STREAMTALLY_KAFKA_PORT", "kafka_port")
+    )
+    controller_port: int = Field(
+        9093,
+        ge=1,
+        le=65535,
+        validation_alias=env("STREAMTALLY_CONTROLLER_PORT", "controller_port"),
+    )
+    redis_port: int = Field(
+        6379, ge=1, le=65535, validation_alias=env("STREAMTALLY_REDIS_PORT", "redis_port")
+    )
+    #: The schema registry of `stack up --registry` (Confluent's usual port).
+    registry_port: int = Field(
+        8081,
+        ge=1,
+        le=65535,
+        validation_alias=env("STREAMTALLY_REGISTRY_PORT", "registry_port"),
+    )
+    #: The Java that builds and runs that registry (a ``java`` binary or a Java home);
+    #: None: the first JDK 17+ of ``JAVA_HOME``, ``PATH`` and ``/usr/lib/jvm``.
+    registry_java: Path | None = Field(
+        None, validation_alias=env("STREAMTALLY_REGISTRY_JAVA", "registry_java")
+    )
+
+    @model_validator(mode="after")
+    def _ports_differ(self) -> Self:
+        ports = [self.kafka_port, self.controller_port, self.redis_port, self.registry_port]
+        if len(set(ports)) != len(ports):
+            raise ValueError(
+                f"kafka ({self.kafka_port}), controller ({self.controller_port}), redis "
+                f"({self.redis_port}) and registry ({self.registry_port}) ports must differ: "
+                "set STREAMTALLY_KAFKA_PORT, STREAMTALLY_CONTROLLER_PORT, STREAMTALLY_REDIS_PORT "
+                "or STREAMTALLY_REGISTRY_PORT"
+            )
+        return self
+
+    @property
+    def local_bootstrap_servers(self) -> str:
+        return f"{LOCAL_HOST}:{self.kafka_port}"
+
+    @property
+    def local_redis_url(self) -> str:
+        return f"redis://{LOCAL_HOST}:{self.redis_port}/0"
+
+    @property
+    def state_dir(self) -> Path:
+        if self.state_dir_setting is not None:
+            return self.state_dir_setting.expanduser().resolve()
+        root = project_root()
+        if root is not None:
+            return root / ".stack"
+        base = self.xdg_state_home or Path.home() / ".local" / "state"
+        return base / "streamtally"
