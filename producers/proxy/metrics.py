@@ -7,7 +7,7 @@ figure is read at scrape time from the proxy's own `ProxyStats` and its
 tap's `TapStats` (`ProxyCollector`).  Names are prefixed
 ``streamtally_proxy_`` and ``streamtally_tap_``; the only labels are the
 reason of a refusal (a closed set) and the path of an unmetered call, which
-`ProxyStats` keeps bounded (`streamtally.cli.proxy.unmetered_label`).
+`ProxyStats` keeps bounded (`streamtally.producers.proxy.server.unmetered_label`).
 """
 
 from __future__ import annotations

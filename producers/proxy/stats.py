@@ -19,7 +19,7 @@ class ProxyStats:
     #: Calls answered by the proxy itself, never forwarded, by reason.
     refused: CounterOf[str] = field(default_factory=CounterOf)
     #: Calls forwarded to a path the proxy does not meter, by
-    #: `streamtally.cli.proxy.unmetered_label`.
+    #: `streamtally.producers.proxy.server.unmetered_label`.
     unmetered: CounterOf[str] = field(default_factory=CounterOf)
     #: Streamed calls whose usage the proxy asked for, and usage-only chunks held back.
     usage_asked: int = 0

@@ -1,6 +1,6 @@
 """What of a proxied call goes to the tap: which calls, in which events, under which id.
 
-The proxy (`streamtally.cli.proxy`) forwards everything; this module decides
+The proxy (`streamtally.producers.proxy.server`) forwards everything; this module decides
 what it tees: `metered` (from the request's method and path) and `call_of`
 (with its body too: a metered `Call`, or None), `upstream_headers` (what the
 proxy asks of the upstream), and `Teeing.tee` (from the response's status
