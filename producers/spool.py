@@ -57,10 +57,11 @@ offset: the spool refuses to open rather than skip a billable record.
 
 Limits.  `unsent_bytes` are the framed bytes appended and not yet
 acknowledged.  `full` is True from ``max_bytes - headroom_bytes`` on (the
-proxy refuses new calls then); `wait_for_room` waits while `unsent_bytes`
-is at least `max_bytes` (the tap awaits it before each event it appends, so
-a call in flight is slowed, never dropped).  `append` itself never refuses:
-an END marker appended without waiting may go past `max_bytes` a little.
+proxy refuses new calls then); `at_limit` is True from `max_bytes` on, and
+`wait_for_room` waits while it is (the tap awaits it before each event it
+appends, so a call in flight is slowed, never dropped).  `append` itself
+never refuses: an END marker appended without waiting may go past
+`max_bytes` a little.
 
 Reading.  The sender `take`s records in spool order from its read position:
 from memory for what was appended by this process while the sender kept up
@@ -631,6 +632,11 @@ class Spool(_Cursor):
         """No room for new calls: `unsent_bytes` >= `max_bytes` - `headroom_bytes`."""
         return self._end - self._cursor >= self.max_bytes - self.headroom_bytes
 
+    @property
+    def at_limit(self) -> bool:
+        """No room for more events: `unsent_bytes` >= `max_bytes` (`wait_for_room` waits)."""
+        return self._end - self._cursor >= self.max_bytes
+
     def oldest_unsent_age_s(self, now: float | None = None) -> float:
         """Seconds since the oldest unsent record was appended (0 when all are sent).
 
@@ -866,9 +872,9 @@ class Spool(_Cursor):
         self._dir_dirty = True
 
     async def wait_for_room(self) -> None:
-        """Wait while `unsent_bytes` >= `max_bytes` (the sender makes room as Kafka
+        """Wait while the spool is `at_limit` (the sender makes room as Kafka
         acknowledges); at once otherwise, or when the spool is closed."""
-        while self._end - self._cursor >= self.max_bytes and not self._closed:
+        while self.at_limit and not self._closed:
             self._room.clear()
             await self._room.wait()
 
@@ -935,7 +941,7 @@ class Spool(_Cursor):
             checkpoints.popleft()
         if self._cursor >= self._end:
             checkpoints.clear()
-        if self._end - self._cursor < self.max_bytes:
+        if not self.at_limit:
             self._room.set()
         super()._moved()
 

@@ -448,7 +448,7 @@ class Tap:
 
     async def _wait_for_room(self, request: TapRequest) -> None:
         spool = self.spool
-        if spool.unsent_bytes >= spool.max_bytes:
+        if spool.at_limit:
             self._append_held(request)  # nothing waits unwritten while the spool is full
         await spool.wait_for_room()
 

@@ -324,9 +324,11 @@ async def test_full_past_the_headroom_and_wait_for_room_at_the_limit(tmp_path: P
     assert not spool.full
     spool.append(Source.OPENAI, "req-0", value(0))
     assert spool.full, "7 of 10: new calls are refused"
+    assert not spool.at_limit
     await asyncio.wait_for(spool.wait_for_room(), 0.1)  # below the limit: at once
     while spool.unsent_bytes < spool.max_bytes:
         spool.append(Source.OPENAI, "req-0", value(0))
+    assert spool.at_limit
     waiter = asyncio.create_task(spool.wait_for_room())
     await asyncio.sleep(0.02)
     assert not waiter.done()
@@ -335,6 +337,7 @@ async def test_full_past_the_headroom_and_wait_for_room_at_the_limit(tmp_path: P
     spool.acknowledge(records[1].end, 1)
     await asyncio.wait_for(waiter, 1)
     assert spool.unsent_bytes < spool.max_bytes
+    assert not spool.at_limit
     await spool.close()
 
 

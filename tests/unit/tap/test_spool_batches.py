@@ -4,7 +4,8 @@ The tap appends every record one upstream chunk made with one ``write()``
 per segment, before the chunk goes on to the client.  The records read back
 exactly as if appended one by one, segments still roll at their size, a
 failed write leaves only the records before it, and a chunk's records are in
-the spool when `TapRequest.feed` returns.
+the spool when `TapRequest.feed` returns, or before one of its events waits for
+room.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import pytest
 
 from streamtally.core.models import Source
+from streamtally.core.sse import SseEvent
 from streamtally.producers.spool import Spool, SpoolError, SpoolRecord, encode_frame
 from streamtally.producers.tap import Tap
 from streamtally.wire import avro
@@ -157,3 +159,34 @@ async def test_a_chunk_of_events_is_one_write_done_before_feed_returns(
         assert request._held_records is None
         request.end()
     assert [avro.decode_raw_sse_event(v).seq for _, _, v in sender.records] == list(range(8))
+
+
+class Silent(Acknowledging):
+    """A sender that acknowledges nothing (Kafka slow: the spool only fills)."""
+
+    async def send(self, source: Source, request_id: str, value: bytes) -> asyncio.Future[Any]:
+        self.records.append((source, request_id, value))
+        return asyncio.get_running_loop().create_future()
+
+
+async def test_the_records_held_go_into_the_spool_before_an_event_waits_for_room(
+    tmp_path: Path,
+) -> None:
+    """An event of a chunk that finds the spool at its limit waits for room, and the
+    records of that chunk before it do not wait with it, unwritten."""
+    async with Tap(sender=Silent(), spool_dir=tmp_path / "spool", spool_bytes=600) as tap:
+        request = tap.request(Source.OPENAI, tenant="acme", request_id="r")
+        request._held_records = []  # as in `feed`
+        await request.event(SseEvent("held"))
+        assert tap.spool.appended == 0
+        while not tap.spool.at_limit:
+            tap.spool.append(Source.OPENAI, "other", b"x" * 50)
+        appended = tap.spool.appended
+        waiting = asyncio.create_task(tap._wait_for_room(request))
+        await asyncio.sleep(0.02)
+        assert not waiting.done(), "at the limit: it waits"
+        assert tap.spool.appended == appended + 1, "the held record is in the spool"
+        assert request._held_records == []
+        waiting.cancel()
+        request._held_records = None
+        await tap.close(timeout=0.1)
