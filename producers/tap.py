@@ -458,21 +458,7 @@ class Tap:
         if not held:
             return
         request._held_records = []
-        spool = self.spool
-        before = spool.appended
-        try:
-            spool.append_many(held)
-        except SpoolError as exc:
-            lost = len(held) - (spool.appended - before)
-            self._failed += lost
-            log.error(
-                "tap: %d records of request %s (%s, tenant %s) could not be spooled: %s",
-                lost,
-                held[-lost][1],
-                request.source.value,
-                request.tenant,
-                exc,
-            )
+        self._append(request, held)
 
     def _put(self, request: TapRequest, request_id: str, seq: int, value: bytes) -> None:
         try:  # framed first: the signature covers the bytes Kafka gets
@@ -487,18 +473,29 @@ class Tap:
             if key is None
             else key.sign(tenant=request.tenant, request_id=request_id, seq=seq, value=value)
         )
+        record = (request.source, request_id, value, auth)
         held = request._held_records
         if held is not None:  # in `feed`: appended with the rest of the chunk's records
-            held.append((request.source, request_id, value, auth))
-            return
+            held.append(record)
+        else:
+            self._append(request, [record])
+
+    def _append(
+        self, request: TapRequest, records: list[tuple[Source, str, bytes, bytes | None]]
+    ) -> None:
+        """Append `records` of `request` to the spool, in order: those the disk did not take
+        are counted failed and logged (the worker sees the gap), never raised to the caller."""
+        spool = self.spool
+        before = spool.appended
         try:
-            self.spool.append(request.source, request_id, value, auth)
+            spool.append_many(records)
         except SpoolError as exc:
-            self._failed += 1
+            lost = len(records) - (spool.appended - before)
+            self._failed += lost
             log.error(
-                "tap: record %d of request %s (%s, tenant %s) could not be spooled: %s",
-                seq,
-                request_id,
+                "tap: %d records of request %s (%s, tenant %s) could not be spooled: %s",
+                lost,
+                records[-lost][1],
                 request.source.value,
                 request.tenant,
                 exc,

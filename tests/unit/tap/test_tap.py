@@ -316,6 +316,42 @@ async def test_records_kafka_refuses_for_good_are_counted_failed_and_kept(tmp_pa
     assert [avro.decode_raw_sse_event(r.value).seq for r in kept.records] == [0, 1]
 
 
+async def test_records_the_disk_refuses_are_counted_failed_and_logged_never_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A full disk: an event alone and the events of a chunk alike are counted failed and
+    logged with their request, the caller goes on; what comes after the disk is back is
+    spooled and sent (the worker sees the gap)."""
+    sender = FakeSender()
+    events = events_of(TEXT)
+    real = os.write
+
+    def full(fd: int, data: Any) -> int:
+        raise OSError(28, "No space left on device")
+
+    tap = Tap(sender=sender, spool_dir=tmp_path / "spool")
+    async with tap, tap.request(Source.OPENAI, tenant="acme", request_id="gw-1") as req:
+        await req.event(events[0])
+        monkeypatch.setattr("streamtally.producers.spool.os.write", full)
+        await req.event(events[1])  # one record
+        assert tap.stats.failed == 1
+        await req.feed(b"".join(b"data: %s\n\n" % e.data.encode() for e in events[2:4]))
+        assert tap.stats.failed == 3, "both records of the chunk"
+        monkeypatch.setattr("streamtally.producers.spool.os.write", real)
+        await req.event(events[4])
+    assert [(r.seq, r.kind) for r in sender.decoded()] == [
+        (0, EventKind.EVENT),
+        (4, EventKind.EVENT),
+        (5, EventKind.END),
+    ]
+    assert tap.stats.failed == 3
+    lost = [r.getMessage() for r in caplog.records if "could not be spooled" in r.getMessage()]
+    assert len(lost) == 2
+    assert all("gw-1 (openai, tenant acme)" in m and "No space left" in m for m in lost)
+    assert lost[0].startswith("tap: 1 records")
+    assert lost[1].startswith("tap: 2 records")
+
+
 async def test_kafka_down_the_records_wait_in_the_spool_with_their_capture_time(
     tmp_path: Path,
 ) -> None:
