@@ -808,9 +808,8 @@ class Spool(_Cursor):
                         records[first][1])  # fmt: skip
             position = self._end
             for n in range(first, last):
-                source, key, value, auth = records[n]
                 end = position + len(frames[n])
-                self._appended(SpoolRecord(position, end, source, key, value, auth, now))
+                self._appended(position, end, now, records[n])
                 position = end
             first = last
         for listener in self._listeners:
@@ -832,18 +831,27 @@ class Spool(_Cursor):
                 f"spool {self.directory}: a record of request {key!r} could not be written ({exc})"
             ) from exc
 
-    def _appended(self, record: SpoolRecord) -> None:
-        """The counts, checkpoints and memory cache after `record` was written."""
-        size = record.end - record.position
-        self._end = record.end
+    def _appended(
+        self,
+        position: int,
+        end: int,
+        appended_at: float,
+        fields: tuple[Source, str, bytes, bytes | None],
+    ) -> None:
+        """The counts, checkpoints and memory cache after the record of `fields` (source,
+        key, value, auth) was written from `position` to `end`: its `SpoolRecord` is made
+        only to be kept in memory for `take`."""
+        size = end - position
+        self._end = end
         self._segment_size += size
         self._unsent_records += 1
         self.appended += 1
-        self._checkpoint(record.position, record.appended_at)
+        self._checkpoint(position, appended_at)
         if not self._caching and not self._cache and not self._elsewhere:
-            self._caching = self._read == record.position
+            self._caching = self._read == position
         if self._caching:
-            self._cache.append(record)
+            source, key, value, auth = fields
+            self._cache.append(SpoolRecord(position, end, source, key, value, auth, appended_at))
             self._cache_bytes += size
             if self._cache_bytes > self.memory_bytes:
                 self._caching = False
