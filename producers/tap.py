@@ -449,16 +449,17 @@ class Tap:
     async def _wait_for_room(self, request: TapRequest) -> None:
         spool = self.spool
         if spool.at_limit:
-            self._append_held(request)  # nothing waits unwritten while the spool is full
+            self._append_chunk(request)  # nothing waits unwritten while the spool is full
         await spool.wait_for_room()
 
-    def _append_held(self, request: TapRequest) -> None:
-        """Append the records `request` holds (`TapRequest.feed`), in the order put."""
-        held = request._held_records
-        if not held:
+    def _append_chunk(self, request: TapRequest) -> None:
+        """Append the records `request` gathered of the chunk it is fed (`TapRequest.feed`),
+        in the order put."""
+        records = request._chunk_records
+        if not records:
             return
-        request._held_records = []
-        self._append(request, held)
+        request._chunk_records = []
+        self._append(request, records)
 
     def _put(self, request: TapRequest, request_id: str, seq: int, value: bytes) -> None:
         try:  # framed first: the signature covers the bytes Kafka gets
@@ -474,9 +475,9 @@ class Tap:
             else key.sign(tenant=request.tenant, request_id=request_id, seq=seq, value=value)
         )
         record = (request.source, request_id, value, auth)
-        held = request._held_records
-        if held is not None:  # in `feed`: appended with the rest of the chunk's records
-            held.append(record)
+        chunk = request._chunk_records
+        if chunk is not None:  # in `feed`: appended with the rest of the chunk's records
+            chunk.append(record)
         else:
             self._append(request, [record])
 
@@ -522,6 +523,7 @@ class TapRequest:
         self._finder: Adapter | None = (
             make_adapter(source, tap.options) if self._request_id is None else None
         )
+        #: Events (with their receive times) waiting for the request id to be found.
         self._held: list[tuple[Any, datetime]] = []
         self._seq = 0
         self._decoder: SseDecoder | None = None
@@ -534,8 +536,9 @@ class TapRequest:
         self._last_append = time.monotonic()
         #: Its caller numbers its events (`event(..., seq=n)`): the tap sends no keep-alive.
         self._numbered = False
-        #: During `feed`: the records put, appended together when it returns (None: at once).
-        self._held_records: list[tuple[Source, str, bytes, bytes | None]] | None = None
+        #: During `feed`: the spool records of the chunk's events (framed, signed), appended
+        #: together when it returns or before an event waits for room (None: each at once).
+        self._chunk_records: list[tuple[Source, str, bytes, bytes | None]] | None = None
 
     @property
     def request_id(self) -> str | None:
@@ -560,7 +563,7 @@ class TapRequest:
                 self._raw += data
             else:
                 self._raw = None
-        self._held_records = []  # one spool write for every record of this chunk
+        self._chunk_records = []  # one spool write for every record of this chunk
         try:
             if self.source.is_sse:
                 if self._decoder is None:
@@ -574,8 +577,8 @@ class TapRequest:
             for line in lines:
                 await self._engine_line(bytes(line))
         finally:  # in the spool before `feed` returns: before the client has them
-            self.tap._append_held(self)
-            self._held_records = None
+            self.tap._append_chunk(self)
+            self._chunk_records = None
 
     async def event(
         self,

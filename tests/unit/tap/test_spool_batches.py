@@ -1,4 +1,4 @@
-"""Several records at once (`Spool.append_many`, the tap's hold and release): one write each.
+"""Several records at once (`Spool.append_many`, the tap's records of a chunk): one write each.
 
 The tap appends every record one upstream chunk made with one ``write()``
 per segment, before the chunk goes on to the client.  The records read back
@@ -156,7 +156,7 @@ async def test_a_chunk_of_events_is_one_write_done_before_feed_returns(
         assert tap.spool.appended == 6
         await request.feed(sse(6)[20:])
         assert tap.spool.appended == 7
-        assert request._held_records is None
+        assert request._chunk_records is None
         request.end()
     assert [avro.decode_raw_sse_event(v).seq for _, _, v in sender.records] == list(range(8))
 
@@ -169,15 +169,15 @@ class Silent(Acknowledging):
         return asyncio.get_running_loop().create_future()
 
 
-async def test_the_records_held_go_into_the_spool_before_an_event_waits_for_room(
+async def test_a_chunks_records_go_into_the_spool_before_an_event_waits_for_room(
     tmp_path: Path,
 ) -> None:
     """An event of a chunk that finds the spool at its limit waits for room, and the
     records of that chunk before it do not wait with it, unwritten."""
     async with Tap(sender=Silent(), spool_dir=tmp_path / "spool", spool_bytes=600) as tap:
         request = tap.request(Source.OPENAI, tenant="acme", request_id="r")
-        request._held_records = []  # as in `feed`
-        await request.event(SseEvent("held"))
+        request._chunk_records = []  # as in `feed`
+        await request.event(SseEvent("first"))
         assert tap.spool.appended == 0
         while not tap.spool.at_limit:
             tap.spool.append(Source.OPENAI, "other", b"x" * 50)
@@ -185,8 +185,8 @@ async def test_the_records_held_go_into_the_spool_before_an_event_waits_for_room
         waiting = asyncio.create_task(tap._wait_for_room(request))
         await asyncio.sleep(0.02)
         assert not waiting.done(), "at the limit: it waits"
-        assert tap.spool.appended == appended + 1, "the held record is in the spool"
-        assert request._held_records == []
+        assert tap.spool.appended == appended + 1, "the chunk's record is in the spool"
+        assert request._chunk_records == []
         waiting.cancel()
-        request._held_records = None
+        request._chunk_records = None
         await tap.close(timeout=0.1)
