@@ -75,6 +75,8 @@ _NINE_BYTES: Final = 1 << 56
 _NULL: Final = b"\x00"
 _SOME: Final = b"\x02"  # union branch 1 (the non-null one)
 _EMPTY_STRING: Final = b"\x00"
+#: The record named in this module's errors.
+_CHUNK: Final = "Chunk"
 
 
 def _symbols(names: Sequence[str]) -> dict[str, bytes]:
@@ -121,18 +123,22 @@ def _long(n: int) -> bytes:
     return bytes(out)
 
 
-def _string(text: str) -> bytes:
+def _string(text: str, record: str) -> bytes:
+    """`text` as an Avro string (its UTF-8 length, then its bytes), for a field of `record`
+    (the name an `AvroEncodeError` gives when `text` is not UTF-8: a lone surrogate).
+    `_raw_writer` writes its strings with it too."""
     if not text:
         return _EMPTY_STRING
     try:
         data = text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise AvroEncodeError(f"Chunk: {exc}") from exc
-    return _long(len(data)) + data
+        raise AvroEncodeError(f"{record}: {exc}") from exc
+    n = len(data)
+    return (_SMALL[n] if n < _SMALL_LIMIT else _long(n)) + data
 
 
 def _optional_string(text: str | None) -> bytes:
-    return _NULL if text is None else _SOME + _string(text)
+    return _NULL if text is None else _SOME + _string(text, _CHUNK)
 
 
 def _micros(moment: datetime) -> int:
@@ -149,7 +155,7 @@ def _tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> bytes:
             _long(d.index),
             _optional_string(d.id),
             _optional_string(d.name),
-            _string(d.arguments_delta),
+            _string(d.arguments_delta, _CHUNK),
         )
     parts.append(_NULL)
     return b"".join(parts)
@@ -179,18 +185,18 @@ def chunk_body(chunk: Chunk) -> bytes:
     error: str | None = fields["error"]
     return b"".join(
         (
-            _string(fields["request_id"]),
+            _string(fields["request_id"], _CHUNK),
             _SMALL[seq] if 0 <= seq < _SMALL_LIMIT else _long(seq),
             _SOURCE_OF[fields["source"]],
-            _NULL if model is None else _SOME + _string(model),
+            _NULL if model is None else _SOME + _string(model, _CHUNK),
             _SMALL[choice] if 0 <= choice < _SMALL_LIMIT else _long(choice),
-            _string(text) if text else _EMPTY_STRING,
-            _string(reasoning) if reasoning else _EMPTY_STRING,
+            _string(text, _CHUNK) if text else _EMPTY_STRING,
+            _string(reasoning, _CHUNK) if reasoning else _EMPTY_STRING,
             _tool_call_deltas(deltas) if deltas else _NULL,
             _NULL if usage is None else _usage(usage),
             _FINISH_OF[fields["finish_reason"]],
-            _NULL if raw_finish is None else _SOME + _string(raw_finish),
-            _NULL if error is None else _SOME + _string(error),
+            _NULL if raw_finish is None else _SOME + _string(raw_finish, _CHUNK),
+            _NULL if error is None else _SOME + _string(error, _CHUNK),
             _long(_micros(fields["event_time"])),
         )
     )

@@ -5,7 +5,8 @@ to the client, so this encoding is on the client's path.  fastavro's generic
 writer took about 12 µs per event there (a third of the proxy's time per
 event); the schema is small and fixed, so its binary encoding is spelled out
 here field by field in schema order, with the primitives of `_chunk_writer`
-(the same Avro 1.11 binary encoding).
+(the same Avro 1.11 binary encoding; its string writer names this record in
+its errors).
 
 It must write exactly the bytes fastavro writes: `tests/unit/wire/test_raw_writer.py`
 compares both on edge values and on every event of the repo's samples, and
@@ -19,9 +20,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from streamtally.core.models import Source
-from streamtally.errors import AvroEncodeError
 from streamtally.wire.avro._chunk_writer import (
-    _EMPTY_STRING,
     _NULL,
     _SMALL,
     _SMALL_LIMIT,
@@ -30,6 +29,7 @@ from streamtally.wire.avro._chunk_writer import (
     _branches,
     _long,
     _micros,
+    _string,
     _type_name,
 )
 from streamtally.wire.records import EventKind, RawSseEvent
@@ -51,19 +51,10 @@ RAW_SSE_FIELDS: Final = (
 _KIND_SYMBOLS: Final = ("UNKNOWN", "EVENT", "END")
 _SOURCE_OF: Final = {member: _SOURCE[member.name] for member in Source}
 _KIND_OF: Final = {member: _SMALL[_KIND_SYMBOLS.index(member.name)] for member in EventKind}
+#: The record named in this module's errors.
+_RAW_SSE: Final = "RawSseEvent"
 #: The event name nearly every record carries, encoded once.
 _MESSAGE: Final = b"\x0emessage"
-
-
-def _text(text: str) -> bytes:
-    if not text:
-        return _EMPTY_STRING
-    try:
-        data = text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise AvroEncodeError(f"RawSseEvent: {exc}") from exc
-    n = len(data)
-    return (_SMALL[n] if n < _SMALL_LIMIT else _long(n)) + data
 
 
 def raw_sse_body(event: RawSseEvent) -> bytes:
@@ -77,15 +68,15 @@ def raw_sse_body(event: RawSseEvent) -> bytes:
     sse_id = event.sse_id
     return b"".join(
         (
-            _text(event.request_id),
+            _string(event.request_id, _RAW_SSE),
             _SMALL[seq] if seq < _SMALL_LIMIT else _long(seq),
             _SOURCE_OF[event.source],
-            _text(event.tenant),
+            _string(event.tenant, _RAW_SSE),
             _long(_micros(event.received_at)),
             _KIND_OF[event.kind],
-            _MESSAGE if name == "message" else _text(name),
-            _text(event.data),
-            _NULL if sse_id is None else _SOME + _text(sse_id),
+            _MESSAGE if name == "message" else _string(name, _RAW_SSE),
+            _string(event.data, _RAW_SSE),
+            _NULL if sse_id is None else _SOME + _string(sse_id, _RAW_SSE),
         )
     )
 

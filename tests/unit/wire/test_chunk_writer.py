@@ -193,6 +193,8 @@ def test_what_avro_cannot_carry_is_an_encode_error_as_with_fastavro() -> None:
             reference(bad)
         with pytest.raises(AvroEncodeError):
             avro.encode_chunk(bad)
+    with pytest.raises(AvroEncodeError, match=r"Chunk: .*surrogate"):
+        avro.encode_chunk(chunk(error="lone \ud800 surrogate"))
 
 
 def test_another_chunk_schema_is_refused_at_import() -> None:
