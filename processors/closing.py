@@ -151,6 +151,10 @@ class Closer:
         for chunk in chunks:
             state.fold.add(chunk)
         state.fold.provider_request_id = state.normalizer.provider_request_id
+        if state.fold.model is None:
+            # No chunk named it (cut after a first event with no content, as OpenAI's role
+            # chunk): the model the events named, so the bill is that model's, not unknown.
+            state.fold.model = state.normalizer.model
         tokens = state.fold.result(ended=True, reason=reason)
         # Stored (Redis, the tokens topic) under the content policy; billed from the fold.
         policy = self.content

@@ -105,6 +105,8 @@ class Fold:
         #: The provider's own id of the call, when its stream named one (the `Normalizer`'s
         #: `provider_request_id`, set by whoever folds: chunks carry the request id only).
         self.provider_request_id: str | None = None
+        #: The model the first chunk naming one named; when none did, whoever folds sets
+        #: the `Normalizer`'s (a request cut after a first event without content).
         self.model: str | None = None
         self.usage: Usage | None = None
         self.error: str | None = None

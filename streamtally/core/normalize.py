@@ -292,6 +292,8 @@ def fold_stream(
     for chunk in chunks:
         acc.add(chunk)
     acc.provider_request_id = normalizer.provider_request_id
+    if acc.model is None:  # no chunk named it: the model the events named (as the worker)
+        acc.model = normalizer.model
     return acc.result()
 
 

@@ -237,3 +237,19 @@ def test_the_audit_keeps_every_state_it_makes() -> None:
 
     processor = replay_processor(Settings(), PriceTable.default())
     assert processor.amendable_memory_bytes > 1 << 60
+
+
+def test_a_request_timed_out_after_its_first_event_alone_is_billed_under_its_model() -> None:
+    """OpenAI's first event (the role chunk) names the model and has no content: a request
+    closed at its timeout with it alone is billed under that model, priced, not under
+    ``unknown``; so its amendment stays in that model's usage row (moving it from an
+    ``unknown`` row left one with 0 requests)."""
+    s = sample("openai/long_text_bench.sse")
+    run, first, amended = _quiet_then_rest(s, 1)
+    model = s.expected().model
+    assert model is not None
+    assert (first.tokens.model, first.billing.model, first.billing.priced) == (model, model, True)
+    assert first.tokens.error == TIMED_OUT
+    assert amended.supersedes == first.billing
+    assert amended.billing.model == amended.supersedes.model == model
+    assert run.processor.counters.unpriced == 0
