@@ -96,11 +96,13 @@ _FINISH_OF: Final = {None: _NULL} | {
 }
 
 
-def _long(n: int) -> bytes:
+def _long(n: int, record: str) -> bytes:
+    """`n` as an Avro long (a zig-zag varint), for a field of `record` (the name an
+    `AvroEncodeError` gives when `n` does not fit 64 bits)."""
     if 0 <= n < _SMALL_LIMIT:
         return _SMALL[n]
     if not _LONG_MIN <= n <= _LONG_MAX:
-        raise AvroEncodeError(f"Chunk: {n} does not fit an Avro long")
+        raise AvroEncodeError(f"{record}: {n} does not fit an Avro long")
     z = (n << 1) ^ (n >> 63)
     if _EIGHT_BYTES <= z < _NINE_BYTES:  # a time in micros, Dec. 1978 to 3111
         return bytes(
@@ -126,7 +128,7 @@ def _long(n: int) -> bytes:
 def _string(text: str, record: str) -> bytes:
     """`text` as an Avro string (its UTF-8 length, then its bytes), for a field of `record`
     (the name an `AvroEncodeError` gives when `text` is not UTF-8: a lone surrogate).
-    `_raw_writer` writes its strings with it too."""
+    `_raw_writer` writes its strings with it too, and its longs with `_long`."""
     if not text:
         return _EMPTY_STRING
     try:
@@ -134,7 +136,7 @@ def _string(text: str, record: str) -> bytes:
     except UnicodeEncodeError as exc:
         raise AvroEncodeError(f"{record}: {exc}") from exc
     n = len(data)
-    return (_SMALL[n] if n < _SMALL_LIMIT else _long(n)) + data
+    return (_SMALL[n] if n < _SMALL_LIMIT else _long(n, record)) + data
 
 
 def _optional_string(text: str | None) -> bytes:
@@ -149,10 +151,10 @@ def _micros(moment: datetime) -> int:
 def _tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> bytes:
     if not deltas:
         return _NULL  # an empty array: one block of 0 items
-    parts = [_long(len(deltas))]
+    parts = [_long(len(deltas), _CHUNK)]
     for d in deltas:
         parts += (
-            _long(d.index),
+            _long(d.index, _CHUNK),
             _optional_string(d.id),
             _optional_string(d.name),
             _string(d.arguments_delta, _CHUNK),
@@ -163,7 +165,7 @@ def _tool_call_deltas(deltas: Sequence[ToolCallDelta]) -> bytes:
 
 def _usage(usage: Usage) -> bytes:
     return _SOME + b"".join(
-        [_SMALL[n] if 0 <= n < _SMALL_LIMIT else _long(n) for n in usage.counts()]
+        [_SMALL[n] if 0 <= n < _SMALL_LIMIT else _long(n, _CHUNK) for n in usage.counts()]
     )
 
 
@@ -186,10 +188,10 @@ def chunk_body(chunk: Chunk) -> bytes:
     return b"".join(
         (
             _string(fields["request_id"], _CHUNK),
-            _SMALL[seq] if 0 <= seq < _SMALL_LIMIT else _long(seq),
+            _SMALL[seq] if 0 <= seq < _SMALL_LIMIT else _long(seq, _CHUNK),
             _SOURCE_OF[fields["source"]],
             _NULL if model is None else _SOME + _string(model, _CHUNK),
-            _SMALL[choice] if 0 <= choice < _SMALL_LIMIT else _long(choice),
+            _SMALL[choice] if 0 <= choice < _SMALL_LIMIT else _long(choice, _CHUNK),
             _string(text, _CHUNK) if text else _EMPTY_STRING,
             _string(reasoning, _CHUNK) if reasoning else _EMPTY_STRING,
             _tool_call_deltas(deltas) if deltas else _NULL,
@@ -197,7 +199,7 @@ def chunk_body(chunk: Chunk) -> bytes:
             _FINISH_OF[fields["finish_reason"]],
             _NULL if raw_finish is None else _SOME + _string(raw_finish, _CHUNK),
             _NULL if error is None else _SOME + _string(error, _CHUNK),
-            _long(_micros(fields["event_time"])),
+            _long(_micros(fields["event_time"]), _CHUNK),
         )
     )
 

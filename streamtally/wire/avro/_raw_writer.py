@@ -5,8 +5,8 @@ to the client, so this encoding is on the client's path.  fastavro's generic
 writer took about 12 µs per event there (a third of the proxy's time per
 event); the schema is small and fixed, so its binary encoding is spelled out
 here field by field in schema order, with the primitives of `_chunk_writer`
-(the same Avro 1.11 binary encoding; its string writer names this record in
-its errors).
+(the same Avro 1.11 binary encoding; its string and long writers name this
+record in their errors).
 
 It must write exactly the bytes fastavro writes: `tests/unit/wire/test_raw_writer.py`
 compares both on edge values and on every event of the repo's samples, and
@@ -69,10 +69,10 @@ def raw_sse_body(event: RawSseEvent) -> bytes:
     return b"".join(
         (
             _string(event.request_id, _RAW_SSE),
-            _SMALL[seq] if seq < _SMALL_LIMIT else _long(seq),
+            _SMALL[seq] if seq < _SMALL_LIMIT else _long(seq, _RAW_SSE),
             _SOURCE_OF[event.source],
             _string(event.tenant, _RAW_SSE),
-            _long(_micros(event.received_at)),
+            _long(_micros(event.received_at), _RAW_SSE),
             _KIND_OF[event.kind],
             _MESSAGE if name == "message" else _string(name, _RAW_SSE),
             _string(event.data, _RAW_SSE),

@@ -195,6 +195,8 @@ def test_what_avro_cannot_carry_is_an_encode_error_as_with_fastavro() -> None:
             avro.encode_chunk(bad)
     with pytest.raises(AvroEncodeError, match=r"Chunk: .*surrogate"):
         avro.encode_chunk(chunk(error="lone \ud800 surrogate"))
+    with pytest.raises(AvroEncodeError, match=r"^Chunk: 9223372036854775808 does not fit"):
+        avro.encode_chunk(chunk(seq=2**63))
 
 
 def test_another_chunk_schema_is_refused_at_import() -> None:

@@ -136,6 +136,11 @@ def test_text_that_is_not_utf8_is_an_encode_error() -> None:
         avro.encode_raw_sse_event(raw(data="half \ud800 a pair"))
 
 
+def test_a_sequence_number_past_an_avro_long_is_an_encode_error_of_this_record() -> None:
+    with pytest.raises(AvroEncodeError, match=r"^RawSseEvent: 9223372036854775808 does not fit"):
+        avro.encode_raw_sse_event(raw(seq=2**63))
+
+
 def test_the_schema_it_writes_is_checked() -> None:
     check_schema(_RAW_SSE.parsed)  # the current schema: accepted
     renamed = copy.deepcopy(_RAW_SSE.parsed)
