@@ -398,7 +398,7 @@ def test_prices_re_rate_each_request_at_its_receive_time(scene: Scene, tmp_path:
     """A history whose second version (every rate doubled) starts at T: requests received
     before T re-rate at what they were billed, those after at twice that."""
     packaged = json.loads(
-        (Path(__file__).parents[2] / "streamtally" / "core" / "prices.json").read_text()
+        (Path(__file__).parents[2] / "streamtally" / "billing" / "prices.json").read_text()
     )
 
     def doubled(entry: dict[str, str | None]) -> dict[str, str | None]:
