@@ -43,6 +43,7 @@ from streamtally.cli import _audit_extra, _output
 from streamtally.cli._args import add_kafka_to_read, file_or_stdin, kafka_of
 from streamtally.cli._output import escape, json_text, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
+from streamtally.cli.worker import tune_gc
 from streamtally.errors import InputError
 from streamtally.settings import Settings
 
@@ -325,6 +326,7 @@ def run(args: argparse.Namespace, settings: Settings) -> int:
     if args.workers > 1:
         report = _run_workers(args, settings, options)
     else:
+        tune_gc()  # the replay holds what a worker holds: the worker's collector settings
         try:
             report = run_redis(
                 args.redis_url or settings.redis_url,
@@ -483,6 +485,7 @@ def run_part(args: argparse.Namespace, settings: Settings) -> int:
     prices = rerate_prices(args.prices, settings)
     rerating = None if prices is None else Rerating(prices, args.prices)
     servers = kafka_of(args, settings)
+    tune_gc()  # as `run`: the replay holds what a worker holds
     done = run_redis(
         args.redis_url or settings.redis_url,
         lambda store: run_share(settings, store, plan, share, rerate=rerating, servers=servers),

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gc
 import io
 import json
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from streamtally.audit import Discrepancy, Kind, Report, RequestCounts, RowComparison
+from streamtally.cli import audit as cli_audit
 from streamtally.cli import main
 from streamtally.cli.audit import SHOWN, format_report, rerate_prices
+from streamtally.cli.worker import GC_YOUNG_THRESHOLD
+from streamtally.errors import InputError
 from streamtally.settings import Settings
 
 
@@ -287,3 +292,36 @@ def test_aborted_requests_are_their_own_kind_not_a_discrepancy() -> None:
     assert "and 2 more (--json lists them)" in line
     assert text.endswith("no discrepancies\n")
     assert "aborted: " not in format_report(report())  # none: no line
+
+
+@pytest.fixture
+def restored_gc() -> Iterator[None]:
+    thresholds = gc.get_threshold()
+    yield
+    gc.unfreeze()
+    gc.set_threshold(*thresholds)
+
+
+@pytest.mark.usefixtures("restored_gc")
+@pytest.mark.parametrize(
+    "argv",
+    [[], ["run", "--snapshot", "s.json", "--share", "0/2", "--out", "p.json"]],
+    ids=["one process", "a share"],
+)
+def test_the_replay_runs_with_the_workers_collector_settings(
+    argv: list[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replay holds what a worker holds: tuned as `tune_gc` tunes the worker (else the
+    collector rescans the open requests' state, a third of the audit's CPU)."""
+    monkeypatch.chdir(tmp_path)
+    gc.set_threshold(700, 10, 10)
+    seen: list[int] = []
+
+    def replay(*_args: object, **_kwargs: object) -> object:
+        seen.append(gc.get_threshold()[0])
+        raise InputError("stop here")
+
+    monkeypatch.setattr(cli_audit, "run_redis", replay)
+    monkeypatch.setattr(cli_audit, "_read_plan", lambda name: name)
+    assert main(["audit", *argv]) == 2
+    assert seen == [GC_YOUNG_THRESHOLD]

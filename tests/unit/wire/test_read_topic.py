@@ -16,6 +16,7 @@ import aiokafka
 import pytest
 
 from streamtally.errors import StackError
+from streamtally.wire import kafka
 from streamtally.wire.avro import AvroDecodeError
 from streamtally.wire.kafka import TopicRecord, read_decoded, read_ranges, read_topic
 
@@ -57,11 +58,16 @@ class FakeConsumer:
     ends: ClassVar[dict[int, int]] = {}
     #: Records one getmany returns per partition.
     batch = 2
+    #: The consumer made last.
+    last: ClassVar[FakeConsumer | None] = None
 
     def __init__(self, **config: Any) -> None:
         self.config = config
         self._client = _Client(set(self.logs))
         self.positions: dict[Any, int] = {}
+        #: Records each getmany returned, in all.
+        self.returned: list[int] = []
+        FakeConsumer.last = self
 
     async def start(self) -> None:
         pass
@@ -88,12 +94,17 @@ class FakeConsumer:
     async def position(self, tp: Any) -> int:
         return self.positions[tp]
 
-    async def getmany(self, *tps: Any, timeout_ms: int = 0) -> dict[Any, list[_Record]]:
+    async def getmany(
+        self, *tps: Any, timeout_ms: int = 0, max_records: int | None = None
+    ) -> dict[Any, list[_Record]]:
+        self.returned.append(0)
         out = {}
         for tp in tps:
             first = self.positions[tp]
             assert first >= 0, "read before a seek"
-            values = self.logs[tp.partition][first : first + self.batch]
+            room = self.batch if max_records is None else max_records - self.returned[-1]
+            values = self.logs[tp.partition][first : first + min(self.batch, room)]
+            self.returned[-1] += len(values)
             if values:
                 out[tp] = [
                     _Record(first + i, f"k{first + i}".encode(), v, 1000 + first + i)
@@ -162,6 +173,19 @@ async def test_reads_every_record_from_the_beginning_to_the_end(
     records = await _read()
     assert _positions(records) == [(0, 0), (0, 1), (0, 2), (0, 3), (0, 4)]
     assert records[2] == TopicRecord(TOPIC, 0, 2, b"k2", b"a2", 1002)
+
+
+async def test_takes_a_bounded_number_of_records_at_a_time(
+    consumer: type[FakeConsumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The consumer unpacks what it fetched a few records at a time, never all at once."""
+    monkeypatch.setattr(consumer, "logs", {0: [b"a0", b"a1", b"a2"], 1: [b"b0", b"b1"]})
+    monkeypatch.setattr(consumer, "batch", 10)
+    monkeypatch.setattr(kafka, "READ_MAX_RECORDS", 3)
+    records = await _read()
+    assert sorted(_positions(records)) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert consumer.last is not None
+    assert max(consumer.last.returned) == 3
 
 
 async def test_stops_at_the_end_offsets_taken_at_the_call(consumer: type[FakeConsumer]) -> None:
