@@ -51,7 +51,9 @@ COMMANDS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command, or of `command` alone (a run of one command imports
+    only its module: `streamtally audit` does not import the proxy's aiohttp server)."""
     parser = Parser(
         prog="streamtally",
         description=(
@@ -61,17 +63,24 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"streamtally {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in COMMANDS:
+    for name in COMMANDS if command is None else (command,):
         import_module(f"streamtally.cli.{name}").add_parser(subparsers)
-    for command in leaf_parsers(parser):
-        add_log_format(command)
-        check_text_arguments(command)
+    for leaf in leaf_parsers(parser):
+        add_log_format(leaf)
+        check_text_arguments(leaf)
     return parser
 
 
+def command_of(argv: Sequence[str]) -> str | None:
+    """The command `argv` runs, if its first word names one; else None (``--help``,
+    ``--version``, a mistyped command: the whole parser answers)."""
+    return argv[0] if argv and argv[0] in COMMANDS else None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    given = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(command_of(given))
+    args = parser.parse_args(given)
     # The password of --redis-url, then those of REDIS_URL and KAFKA_SASL_PASSWORD once the
     # settings are read, are hidden from every message and log record (the settings' own
     # errors redact them).
