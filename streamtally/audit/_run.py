@@ -374,7 +374,13 @@ def merged_report(
 ) -> Report:
     """The report of the audit of `plan` whose parts `merged` adds up: the usage rows
     compared once, here; `rerate` (empty) names the ``--prices`` table, the one the parts
-    were re-rated at (`InputError` otherwise)."""
+    were re-rated at, and is given exactly when they were (`InputError` otherwise: a merge
+    never drops a re-rating its parts carry)."""
+    if rerate is None and merged.prices:
+        raise InputError(
+            "the parts were re-rated (run with --prices): give merge the same --prices FILE, "
+            "so the report carries their re-rating"
+        )
     if rerate is not None and merged.prices != rerate.prices.digest():
         raise InputError(
             f"--prices {rerate.name}: "

@@ -116,7 +116,8 @@ On several machines, the same in three steps:
                                                                  (i = 0 .. N-1)
   streamtally audit merge --snapshot SNAP PART... [--prices FILE] [--correct]
         [--provider-usage FILE... --provider-map FILE] [--json] [--out FILE]
---prices on merge must name the table every share was run with (--prices on run);
+--prices on merge must name the table every share was run with (--prices on run),
+and is given exactly when they were run with one;
 --correct on merge writes the corrections from the machine that merges, once; the
 provider comparison, like the usage rows', runs once there too.  Run merge --correct
 soon after the snapshot: bills corrected since are judged as the snapshot saw them.

@@ -365,8 +365,10 @@ def test_a_merge_wants_the_parts_re_rated_at_the_table_it_names() -> None:
         merged_report(plan, merge_parts(at["packaged"]), rerate=Rerating(doubled, "d.json"))
     with pytest.raises(InputError, match="not re-rated"):
         merged_report(plan, merge_parts(at["none"]), rerate=Rerating(doubled, "d.json"))
-    # Re-rated shares merged without --prices: no re-rating in the report.
-    assert merged_report(plan, merge_parts(at["doubled"])).rerating is None
+    # Re-rated shares merged without --prices: refused, never a report without their re-rating.
+    with pytest.raises(InputError, match="give merge the same --prices FILE"):
+        merged_report(plan, merge_parts(at["doubled"]))
+    assert merged_report(plan, merge_parts(at["none"])).rerating is None
 
 
 def _one_process_corrections() -> CorrectionPlan:
