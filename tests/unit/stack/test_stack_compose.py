@@ -78,3 +78,14 @@ def test_redis_cluster_profile_has_the_stacks_ports(tmp_path: Path) -> None:
 def test_the_default_services_have_no_profile() -> None:
     for name in ("kafka", "redis", "worker"):
         assert "profiles:" not in _service(name)
+
+
+def test_the_nightly_audit_runs_the_worker_image_and_installs_nothing() -> None:
+    """The audit replays with the worker's compiled hot path: the image the Dockerfile
+    builds, not a bare Python that pip-installs the clone at every run."""
+    audit, worker = _service("audit-nightly"), _service("worker")
+    assert "image: streamtally-worker" in worker
+    assert "image: streamtally-worker" in audit
+    assert "build: ." in audit
+    assert "pip install" not in audit
+    assert "profiles: [nightly]" in audit
