@@ -134,9 +134,6 @@ DEFAULT_MAX_REQUEST_BYTES: Final = 64 << 20
 DEFAULT_CLIENT_TIMEOUT_S: Final = 60.0
 #: Default calls served at once.
 DEFAULT_MAX_CONNECTIONS: Final = 4096
-#: Default most bytes the tap's spool holds unsent, and how often it is synced.
-DEFAULT_SPOOL_BYTES: Final = 1 << 30
-DEFAULT_SPOOL_SYNC_MS: Final = 20.0
 #: Retry-After of a call refused for a full spool (seconds, as the header says it).
 SPOOL_FULL_RETRY_AFTER_S: Final = "5"
 #: Default calls of one tenant served at once.
@@ -149,8 +146,6 @@ _VERSION: Final = re.compile(r"v\d+(?:[a-z]+\d*)?")
 CLIENT_POLL_S: Final = 0.25
 #: `--unmetered`: what a call to a path the proxy does not meter gets.
 UNMETERED: Final = ("forward", "reject")
-#: `--sender`: where the spool's records are produced to Kafka.
-SENDERS: Final = ("process", "inline")
 #: Headers aiohttp's client would add on its own: only those the client sent go upstream.
 _AUTO_HEADERS: Final = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
 

@@ -13,6 +13,7 @@ import logging
 import math
 import signal
 from pathlib import Path
+from typing import Final
 
 from aiokafka.errors import KafkaError
 from yarl import URL
@@ -30,9 +31,6 @@ from streamtally.producers.proxy.server import (
     DEFAULT_MAX_CALLS_PER_TENANT,
     DEFAULT_MAX_CONNECTIONS,
     DEFAULT_MAX_REQUEST_BYTES,
-    DEFAULT_SPOOL_BYTES,
-    DEFAULT_SPOOL_SYNC_MS,
-    SENDERS,
     UNMETERED,
     Listen,
     ProxyOptions,
@@ -40,7 +38,12 @@ from streamtally.producers.proxy.server import (
     serve_metrics,
 )
 from streamtally.producers.proxy.tee import DEFAULT_MAX_BODY_BYTES
-from streamtally.producers.tap import DEFAULT_KEEPALIVE_S, default_spool_dir
+from streamtally.producers.tap import (
+    DEFAULT_KEEPALIVE_S,
+    DEFAULT_SPOOL_BYTES,
+    DEFAULT_SPOOL_SYNC_MS,
+    default_spool_dir,
+)
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.framing import framing_for
@@ -48,6 +51,9 @@ from streamtally.wire.kafka import ensure_topics
 from streamtally.wire.tenant_keys import ProducerKey
 
 __all__ = ["add_parser", "listen_address", "run", "upstream_url"]
+
+#: `--sender`: where the spool's records are produced to Kafka.
+SENDERS: Final = ("process", "inline")
 
 
 def listen_address(value: str) -> Listen:
