@@ -2,21 +2,26 @@
 # they create .venv, install the project, and start the local stack as needed.
 
 PYTHON ?= python3
+# The set-up steps that do not depend on each other run at once (the compiled hot path's
+# build beside the lint, the type check and the stack's start); each step's output together.
+MAKEFLAGS += --jobs=3 --output-sync=target
 VENV := .venv
 BIN := $(VENV)/bin
 ST := $(BIN)/streamtally
 
 # The test tiers (tests/README.md), each printing its slowest tests: the unit and agent tiers
 # in parallel (pytest-xdist, TEST_WORKERS processes: 2, this 2-core machine's best), then the
-# integration tier on the stack, then the heavy tier alone (its tests stop, pause or restart
-# the stack's services, or start stacks of their own: nothing may run beside them).
+# integration tiers, heavy included, in INTEGRATION_WORKERS processes (a module per process;
+# their tests mostly wait on the broker, workers and timeouts, so three beat two here).
 TEST_WORKERS ?= 2
+INTEGRATION_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -q --durations=15
 UNIT_TIER := $(PYTEST) -n $(TEST_WORKERS) tests/unit tests/agents
-INTEGRATION_TIER := $(PYTEST) tests/integration -m "not heavy"
-HEAVY_TIER := $(PYTEST) tests/integration/heavy
+INTEGRATION_TIER := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration -m "not heavy"
+HEAVY_TIER := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration/heavy
+BOTH_INTEGRATION_TIERS := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration
 
-.PHONY: help setup demo test check lint typecheck unit integration heavy bench stack-up stack-down clean
+.PHONY: help install setup demo test check lint typecheck unit integration heavy bench stack-up stack-down clean
 
 help:
 	@echo "make demo        set up, start Kafka + Redis + registry, run the pipeline on the samples"
@@ -33,20 +38,22 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
+install: $(VENV)/.installed
+
 # The compiled hot path (streamtally/_native.py): built when missing or stale, skipped with a
 # note where there is no C compiler (streamtally then runs as plain Python).
-setup: $(VENV)/.installed
+setup: install
 	@$(ST) native build --optional
 
 demo: setup
 	$(ST) demo
 
-lint: setup
+lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/lint-imports
 
-typecheck: setup
+typecheck: install
 	$(BIN)/mypy
 
 unit: setup
@@ -64,18 +71,18 @@ check: lint typecheck unit
 test: setup lint typecheck stack-up
 	@status=0; \
 	echo "== unit and agent tiers ($(TEST_WORKERS) processes)"; $(UNIT_TIER) || status=1; \
-	echo "== integration tier"; $(INTEGRATION_TIER) || status=1; \
-	echo "== heavy tier"; $(HEAVY_TIER) || status=1; \
+	echo "== integration and heavy tiers ($(INTEGRATION_WORKERS) processes)"; \
+	$(BOTH_INTEGRATION_TIERS) || status=1; \
 	exit $$status
 
 bench: setup stack-up
 	$(ST) bench fold
 	$(ST) bench pipeline
 
-stack-up: setup
+stack-up: install
 	$(ST) stack up
 
-stack-down: setup
+stack-down: install
 	$(ST) stack down
 
 clean:

@@ -49,6 +49,7 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -59,6 +60,13 @@ from streamtally.errors import StackError
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from streamtally.stack import port_in_use, redis_cluster, registry
 from streamtally.stack.config import StackConfig
+from tests.integration.isolation import (
+    FAULT_STACK_MODULES,
+    leased_db,
+    machine_lock,
+    process_namespace,
+    reserve_ports,
+)
 from tests.integration.worker import (
     Endpoints,
     StackMode,
@@ -71,6 +79,22 @@ from tests.integration.worker import (
     start_containers,
 )
 
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope``: a module's tests go to one process (its module fixtures, a
+    worker or a stack, start once), and the fault-stack modules together to one."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "fault-stack" if module in FAULT_STACK_MODULES else module
+
+    return ByModule(config, log)
+
+
 #: Seconds a new worker may take to join its group and put the probe through.
 WORKER_READY_TIMEOUT_S = 60.0
 
@@ -82,8 +106,24 @@ def _unavailable(message: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def stack_endpoints() -> Iterator[Endpoints]:
-    """The Kafka and Redis of this session (see the module docstring)."""
+def _process_namespace(worker_id: str) -> Iterator[str]:
+    """The topic namespace of this pytest process (`process_namespace`), exported in
+    ``STREAMTALLY_NAMESPACE`` for the session: in a parallel run each process's module
+    workers form a consumer group of their own, on topics of their own, and serve no
+    metrics (``STREAMTALLY_WEB_PORT=0``; `test_metrics` gives its worker a port)."""
+    parallel = worker_id != "master"
+    namespace = process_namespace(Settings.load().namespace, worker_id if parallel else None)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("STREAMTALLY_NAMESPACE", namespace)
+        if parallel:  # the module workers of two processes would both want the metrics port
+            env.setenv("STREAMTALLY_WEB_PORT", "0")
+        yield namespace
+
+
+@pytest.fixture(scope="session")
+def stack_endpoints(_process_namespace: str) -> Iterator[Endpoints]:
+    """The Kafka and Redis of this session (see the module docstring), after this process's
+    topic namespace is exported (`_process_namespace`)."""
     mode = choose_stack_mode(os.environ, docker_answers)
     if mode is StackMode.EXTERNAL:
         settings = Settings.load()
@@ -95,7 +135,8 @@ def stack_endpoints() -> Iterator[Endpoints]:
             env.setenv(ENV_REDIS_URL, endpoints.redis_url)
             yield endpoints
     else:
-        up = local_stack_up()
+        with machine_lock("local-stack-up"):  # parallel processes: one starts it, all wait
+            up = local_stack_up()
         if up.returncode != 0:
             _unavailable(
                 f"`streamtally stack up` failed ({up.returncode}):\n{up.stdout}{up.stderr}"
@@ -126,20 +167,28 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
     if missing:
         _unavailable(f"a Redis Cluster needs {', '.join(missing)}")
     state = tmp_path_factory.mktemp("redis-cluster")
+    with contextlib.ExitStack() as held:
+        cfg = _spare_cluster_config(state, held)
+        held.callback(redis_cluster.down, cfg, say=lambda _: None)  # (before the ports are freed)
+        redis_cluster.up(cfg, say=lambda _: None)
+        yield cfg.local_redis_url()
+
+
+def _spare_cluster_config(state: Path, held: contextlib.ExitStack) -> StackConfig:
     for _ in range(50):
         # Below Linux's ephemeral range (32768-60999), bus ports (+10000) included: an
         # outgoing connection may take any port in it between this check and the start.
         cfg = StackConfig(state, redis_port=random.randrange(13000, 15000, 10), redis_cluster=True)
         ports = [port for name, port in cfg.named_ports() if name.startswith("redis")]
-        if not any(port_in_use(cfg.host, port) for port in ports):
-            break
-    else:
-        pytest.fail("no spare ports for a Redis Cluster")
-    redis_cluster.up(cfg, say=lambda _: None)
-    try:
-        yield cfg.local_redis_url()
-    finally:
-        redis_cluster.down(cfg, say=lambda _: None)
+        reserved = reserve_ports(ports)
+        if reserved is None:
+            continue
+        if any(port_in_use(cfg.host, port) for port in ports):
+            reserved.close()
+            continue
+        held.enter_context(reserved)
+        return cfg
+    pytest.fail("no spare ports for a Redis Cluster")
 
 
 @pytest.fixture(scope="session")
@@ -164,10 +213,13 @@ def schema_registry_url() -> str:
         return given
     settings = Settings.load()
     cfg = StackConfig.from_settings(settings)
-    theirs = not registry.status(cfg).running and registry.answers(cfg.host, cfg.registry_port)
     try:
-        if not theirs:  # else: another state dir's registry on the stack's port serves
-            registry.up(cfg, print, java_override=settings.registry_java)
+        with machine_lock("schema-registry-up"):  # parallel processes: one starts it
+            theirs = not registry.status(cfg).running and registry.answers(
+                cfg.host, cfg.registry_port
+            )
+            if not theirs:  # else: another state dir's registry on the stack's port serves
+                registry.up(cfg, print, java_override=settings.registry_java)
     except StackError as exc:
         _unavailable(f"the stack's schema registry did not start: {exc}")
     return cfg.local_registry_url()
@@ -183,6 +235,20 @@ def redis_url(stack_endpoints: Endpoints) -> str:
 def bootstrap_servers(stack_endpoints: Endpoints) -> str:
     """The session's Kafka (``$KAFKA_BOOTSTRAP_SERVERS``, a container's, or the local stack's)."""
     return stack_endpoints.bootstrap_servers
+
+
+@pytest.fixture
+def own_db(redis_url: str) -> Iterator[int]:
+    """A Redis database number of the test's own (`leased_db`): empty it before use."""
+    with leased_db(redis_url) as db:
+        yield db
+
+
+@pytest.fixture(scope="module")
+def module_db(redis_url: str) -> Iterator[int]:
+    """A Redis database number of the module's own (`leased_db`): empty it before use."""
+    with leased_db(redis_url) as db:
+        yield db
 
 
 @pytest.fixture

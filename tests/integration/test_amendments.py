@@ -53,8 +53,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 FILE = SAMPLES / "openai" / "text_usage.sse"
 REQUEST_TIMEOUT_S = 3.0
 FIRST = 3
-#: Redis database of these tests' workers (emptied before and after).
-DB = 14
 
 
 @pytest.fixture
@@ -63,7 +61,6 @@ def scene(stack_endpoints: Endpoints, tmp_path: Path) -> Iterator[tuple[Settings
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="amend",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=REQUEST_TIMEOUT_S,
     ) as (settings, worker):

@@ -66,7 +66,6 @@ DOC_BROKER, DOC_PREFIX, DOC_REGISTRY, DOC_GROUP = (
     "'http://127.0.0.1:8081/apis/ccompat/v7'",
     "'clickhouse-",
 )
-DB: Final = 10
 REQUEST_TIMEOUT_S: Final = 3.0
 #: Records of the amended request's transcript sent before its timeout.
 FIRST: Final = 3
@@ -169,7 +168,6 @@ def _run(
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="analytics",
-        db=DB,
         log=tmp_path_factory.mktemp("analytics") / "worker.log",
         request_timeout=REQUEST_TIMEOUT_S,
     ) as (settings, worker):

@@ -1,10 +1,10 @@
 """`streamtally audit` against the real broker and Redis, with a real worker.
 
-Its own topic namespace (``audit-<hex>``) and Redis database (`DB`), emptied before and
-after.  The module's traffic: every sample (44 requests, three tenants), a request with no
-end marker (the worker closes it by timeout, 20 s), one with a re-sent record, one whose
-records straddle a moment `T`, and three more requests after `T`.  Once every request is
-in Redis and the processors have committed everything:
+Its own topic namespace (``audit-<hex>``) and Redis database (leased, `module_db`),
+emptied before and after.  The module's traffic: every sample (44 requests, three tenants),
+a request with no end marker (the worker closes it by timeout, 20 s), one with a re-sent
+record, one whose records straddle a moment `T`, and three more requests after `T`.  Once
+every request is in Redis and the processors have committed everything:
 
 - the whole audit is clean, its counts are what was produced, and the selections
   (``--tenant``, ``--since`` / ``--until`` around `T`, whole days) cover what they say;
@@ -61,12 +61,11 @@ from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic
 from streamtally.wire.records import BillingEvent
+from tests.integration.isolation import db_url
 from tests.integration.worker import REQUEST_TIMEOUT_S, SAMPLES, WorkerProcess, cli
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
-#: The Redis database of this module (no other test uses it).
-DB = 3
 #: Seconds the worker gets to put every request into Redis (one closes by timeout).
 SETTLE_S = 120.0
 #: Requests produced after `T`.
@@ -103,10 +102,6 @@ class Scene:
 
     def tenant(self, name: str) -> str:
         return f"{name}-{self.tag}"
-
-
-def _redis_url(base: str, db: int) -> str:
-    return base.rsplit("/", 1)[0] + f"/{db}"
 
 
 def _flush(url: str) -> None:
@@ -224,10 +219,12 @@ async def _settled(scene: Scene, timeout: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def scene(stack_endpoints: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Scene]:
+def scene(
+    stack_endpoints: Any, module_db: int, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Scene]:
     tag = uuid.uuid4().hex[:8]
     namespace = f"audit-{tag}"
-    url = _redis_url(stack_endpoints.redis_url, DB)
+    url = db_url(stack_endpoints.redis_url, module_db)
     servers = stack_endpoints.bootstrap_servers
     env = {
         "KAFKA_BOOTSTRAP_SERVERS": servers,

@@ -41,7 +41,6 @@ from tests.integration.worker import cli, own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.registry, pytest.mark.timeout(300)]
 
-DB = 11
 HISTORY = Path(avro.SCHEMA_DIR) / "history"
 TRANSCRIPT = (
     b'data: {"id":"c1","object":"chat.completion.chunk","model":"gpt-4o","choices":[{"index":0,'
@@ -95,7 +94,6 @@ def test_a_confluent_worker_reads_both_framings_and_writes_confluent(
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="confluent",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=30,
     ) as (settings, worker):

@@ -43,8 +43,8 @@ PHRASE = "marmot vellum 8093"
 REQUEST = RequestRef("acme", "req-content")
 T0 = datetime(2026, 11, 24, 9, 0, tzinfo=UTC)
 KEY_HEX = "3c" * 32
-#: Each run: its policy, its chunks switch, its Redis database.
-RUNS = {"full": ("full", "on", 6), "none": ("none", "off", 8), "redacted": ("redacted", "on", 10)}
+#: Each run: its policy and its chunks switch (its Redis database is leased, `own_worker`).
+RUNS = {"full": ("full", "on"), "none": ("none", "off"), "redacted": ("redacted", "on")}
 
 
 def _event(delta: str, finish: str = "null") -> bytes:
@@ -82,7 +82,7 @@ def _run(
     name: str, endpoints: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Settings]:
     """A ready worker with the run's policy; the read commands' environment is its own."""
-    content, chunks, db = RUNS[name]
+    content, chunks = RUNS[name]
     key = tmp_path / "content.key"
     key.write_text(KEY_HEX + "\n")
     with monkeypatch.context() as env:
@@ -93,7 +93,6 @@ def _run(
             endpoints.bootstrap_servers,
             endpoints.redis_url,
             prefix=f"content-{name}",
-            db=db,
             log=tmp_path / f"worker-{name}.log",
             request_timeout=30,
         ) as (settings, worker):

@@ -2,7 +2,7 @@
 
 The module runs in its own namespace (``STREAMTALLY_NAMESPACE``: topics and
 consumer group of its own, created by the commands it runs) and its own
-Redis database (`DB`, flushed before and after), so it can wipe Redis
+Redis database (leased, `module_db`; flushed before and after), so it can wipe Redis
 without touching anybody's data.  The Kafka commands run as subprocesses
 (``python -m streamtally.cli``) so that `topics` reads the namespace; the
 Redis read commands (`tokens get`, `usage`), which do not use Kafka, run
@@ -56,6 +56,7 @@ from streamtally.wire.avro import (
 )
 from streamtally.wire.kafka import read_topic
 from streamtally.wire.records import BillingCorrection, BillingEvent
+from tests.integration.isolation import db_url
 from tests.integration.worker import (
     READY_LINE,
     SAMPLES,
@@ -69,19 +70,11 @@ from tests.integration.worker import (
 
 pytestmark = pytest.mark.integration
 
-#: This module's own Redis database.
-DB = 9
 #: Seconds for the worker to join, and then to put everything into Redis.
 READY_TIMEOUT_S = 60.0
 PIPELINE_TIMEOUT_S = 60.0
 #: Every few manifest lines: a sample of each source, quickly.
 MANIFEST_STEP = 3
-
-
-def _redis_db(url: str, db: int) -> str:
-    base = url.split("?", 1)[0]
-    head, _, tail = base.rpartition("/")
-    return f"{head}/{db}" if tail.isdigit() and head.count("/") >= 2 else f"{base.rstrip('/')}/{db}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,11 +167,11 @@ def _wait_for_dead_letters(url: str, count: int, timeout: float) -> int:
 
 @pytest.fixture(scope="module")
 def run(
-    bootstrap_servers: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+    bootstrap_servers: str, redis_url: str, module_db: int, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Run]:
     tag = uuid.uuid4().hex[:10]
     namespace = f"st-dlrb-{tag}"
-    url = _redis_db(redis_url, DB)
+    url = db_url(redis_url, module_db)
     env = {
         "STREAMTALLY_NAMESPACE": namespace,
         "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,

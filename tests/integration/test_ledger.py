@@ -32,14 +32,13 @@ from streamtally.ops.worker_process import WorkerProcess
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 from streamtally.wire.records import BillingEvent
+from tests.integration.isolation import db_url
 from tests.integration.test_amendments import FIRST, _records, _send, _wait_revision
 from tests.integration.worker import REPO, Endpoints, cli, flush_db, own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 REQUEST_TIMEOUT_S: Final = 3.0
-#: Redis databases of this test: the worker's, and the rebuild's (emptied before and after).
-DB, REBUILT_DB = 1, 2
 FIELDS: Final = (
     "requests",
     "input_tokens",
@@ -56,7 +55,6 @@ def scene(stack_endpoints: Endpoints, tmp_path: Path) -> Iterator[tuple[Settings
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="ledger",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=REQUEST_TIMEOUT_S,
     ) as (settings, worker):
@@ -121,7 +119,7 @@ def _standing_by_sql(records: list[dict[str, Any]]) -> list[str]:
 
 
 def test_the_ledger_sums_to_the_usage_rows_and_rebuilds_them(
-    scene: tuple[Settings, WorkerProcess], monkeypatch: pytest.MonkeyPatch
+    scene: tuple[Settings, WorkerProcess], own_db: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settings, worker = scene
     tenant = f"lg-{uuid.uuid4().hex[:6]}"
@@ -179,8 +177,8 @@ def test_the_ledger_sums_to_the_usage_rows_and_rebuilds_them(
     # the docs' SQL over every record keeps the same bills
     assert _standing_by_sql(records) == sorted(b["event_id"] for b in bills)
 
-    # rebuild into an empty Redis database: the same usage rows
-    rebuilt_url = settings.redis_url.rsplit("/", 1)[0] + f"/{REBUILT_DB}"
+    # rebuild into an empty Redis database (another of the test's own): the same usage rows
+    rebuilt_url = db_url(settings.redis_url, own_db)
     flush_db(rebuilt_url)
     try:
         done = cli("rebuild", "--json", "--redis-url", rebuilt_url)

@@ -31,7 +31,6 @@ from tests.integration.worker import SAMPLES, own_worker
 
 pytestmark = pytest.mark.integration
 
-DB = 7
 #: (file, source, request id, model) of the requests sent.
 SENT = [
     ("openai/text_usage.sse", Source.OPENAI, "m-openai-1", None),
@@ -81,7 +80,6 @@ def scene(
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="metrics",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=30,
     ) as (settings, worker):

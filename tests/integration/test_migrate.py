@@ -2,7 +2,7 @@
 
 The module has a topic namespace of its own (``st-migrate-{uuid}``: only its
 billing topic is created, and deleted at the end) and a Redis database of its
-own (`DB`, flushed before and after each test).  The version-1 data (`V1`)
+own (`own_db`, flushed before and after each test).  The version-1 data (`V1`)
 is spelled as streamtally before layout 2 wrote it: ``st:tokens:{request_id}``
 and `st:closed` fields ``{request_id}``, no ``st:layout``; the billing topic
 holds the tenants of the billed ones.  The version-2 data (`V2_TOKENS` ...) is
@@ -58,12 +58,11 @@ from streamtally.store.rows import usage_row
 from streamtally.topics import Topics, encode_key
 from streamtally.wire.avro import encode_billing_event
 from streamtally.wire.kafka import ensure_topics, idempotent_producer
+from tests.integration.isolation import db_url
 from tests.integration.worker import cli
 
 pytestmark = pytest.mark.integration
 
-#: This module's own Redis database.
-DB: Final = 14
 WHEN: Final = datetime(2026, 11, 21, 12, 30, tzinfo=UTC)
 PRICES: Final = PriceTable.from_dict(
     {
@@ -184,12 +183,6 @@ def assert_state_ttl(client: redis.Redis, limit: int) -> None:
             assert ttl == -1, (key, ttl)
 
 
-def db_url(url: str, db: int) -> str:
-    base = url.split("?", 1)[0]
-    head, _, tail = base.rpartition("/")
-    return f"{head}/{db}" if tail.isdigit() and head.count("/") >= 2 else f"{base.rstrip('/')}/{db}"
-
-
 def snapshot(client: redis.Redis) -> dict[str, Any]:
     """Every key of the database and its value (strings, hashes and sets)."""
     out: dict[str, Any] = {}
@@ -280,11 +273,15 @@ def namespace(bootstrap_servers: str) -> Iterator[str]:
 
 @pytest.fixture
 def stack(
-    namespace: str, bootstrap_servers: str, redis_url: str, monkeypatch: pytest.MonkeyPatch
+    namespace: str,
+    bootstrap_servers: str,
+    redis_url: str,
+    own_db: int,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> Iterator[Stack]:
-    """This module's database, empty, and the namespace the command reads."""
+    """A database of the test's own, empty, and the namespace the command reads."""
     monkeypatch.setenv("STREAMTALLY_NAMESPACE", namespace)
-    url = db_url(redis_url, DB)
+    url = db_url(redis_url, own_db)
     client = redis.Redis.from_url(url, socket_connect_timeout=5, decode_responses=True)
     try:
         client.ping()

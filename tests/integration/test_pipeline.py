@@ -69,7 +69,6 @@ from tests.integration.worker import (
 )
 
 EXPECTATIONS = Path(__file__).resolve().parents[1] / "expectations"
-TOPICS = Topics.in_namespace()
 #: Seconds the worker gets to put all of the run's requests into Redis.
 PIPELINE_TIMEOUT_S = 150.0
 COST_TEXT = re.compile(r"-?\d+\.\d{12}")
@@ -556,6 +555,11 @@ def test_usage_rows_sum_the_folds_and_the_billed_costs(
 # --------------------------------------------------------------------------- dead letters
 
 
+def _topics() -> Topics:
+    """The topics of this process's namespace (its module worker's)."""
+    return Topics.in_namespace(Settings.load().namespace)
+
+
 async def _send_garbage_then(
     servers: str, key: bytes, garbage: bytes, follower: Req
 ) -> tuple[int, int]:
@@ -563,14 +567,14 @@ async def _send_garbage_then(
     producer = AIOKafkaProducer(bootstrap_servers=servers, acks="all")
     await producer.start()
     try:
-        partitions = sorted(await producer.partitions_for(TOPICS.raw_sse.name))
+        partitions = sorted(await producer.partitions_for(_topics().raw_sse.name))
         partition = DefaultPartitioner()(follower.request_id.encode(), partitions, partitions)
         sent = await producer.send_and_wait(
-            TOPICS.raw_sse.name, garbage, key=key, partition=partition
+            _topics().raw_sse.name, garbage, key=key, partition=partition
         )
     finally:
         await producer.stop()
-    async with RawProducer(servers) as raw:
+    async with RawProducer(servers, namespace=Settings.load().namespace) as raw:
         await raw.send_transcript(
             Source(follower.source),
             follower.path.read_bytes(),
@@ -592,7 +596,7 @@ async def _find_dead_letter(
     deadline = time.monotonic() + timeout
     while True:
         async with contextlib.aclosing(
-            read_topic(servers, TOPICS.deadletter.name, start=start)
+            read_topic(servers, _topics().deadletter.name, start=start)
         ) as records:
             async for record in records:
                 start[record.partition] = record.offset + 1
@@ -620,7 +624,7 @@ def test_garbage_is_dead_lettered_and_the_worker_goes_on(run: Run) -> None:
     letter = asyncio.run(_find_dead_letter(servers, lambda d: d.value == garbage, timeout=30))
     assert letter is not None, f"no dead letter in 30 s\n{run.worker.describe()}"
     assert (letter.topic, letter.partition, letter.offset) == (
-        TOPICS.raw_sse.name,
+        _topics().raw_sse.name,
         partition,
         offset,
     )

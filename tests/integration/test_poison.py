@@ -38,7 +38,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = (REPO / "samples" / "openai" / "text_usage.sse").read_bytes()
-DB = 13
 
 
 def _chunk(content: str) -> bytes:
@@ -68,7 +67,6 @@ def scene(stack_endpoints: Any, tmp_path: Path) -> Iterator[tuple[Settings, str]
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="poison",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=30,
     ) as (settings, worker):

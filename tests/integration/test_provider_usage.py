@@ -1,6 +1,6 @@
 """``streamtally audit --provider-usage`` on the real stack, with a real worker.
 
-A namespace and Redis database of its own (`DB`).  Four OpenAI calls of one tenant go
+A namespace and Redis database of its own (`own_worker`).  Four OpenAI calls of one tenant go
 through a worker; once the processors have committed them, the provider's usage is
 written as OpenAI's organization Usage API would report it (a page of daily buckets,
 grouped by model and API key id), and the key's id mapped to the tenant:
@@ -37,8 +37,6 @@ from tests.integration.worker import Endpoints, cli, own_worker
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-#: Redis database of this test's worker (no other test uses it; emptied before and after).
-DB: Final = 6
 CALLS: Final = 4
 MISSING: Final = 3
 
@@ -49,7 +47,6 @@ def scene(stack_endpoints: Endpoints, tmp_path: Path) -> Iterator[tuple[Settings
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="provider",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=30.0,
     ) as (settings, worker):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import uuid
 
 import pytest
@@ -22,6 +23,9 @@ from streamtally.topics import RAW_MAX_MESSAGE_BYTES, Topics
 from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic
 
 pytestmark = pytest.mark.integration
+
+#: Seconds a created topic may take to be known to the broker that is asked.
+KNOWN_TIMEOUT_S = 30.0
 
 
 def namespace() -> str:
@@ -47,8 +51,8 @@ async def configs_of(servers: str, names: list[str]) -> dict[str, dict[str, str]
 
 async def settled(servers: str, names: list[str], wanted: str) -> dict[str, dict[str, str]]:
     """The configs once every broker applied the change (the controller's metadata reaches
-    them a moment after AlterConfigs answers), or as they are after 10 s."""
-    for _ in range(100):
+    them a moment after AlterConfigs answers), or as they are after 30 s."""
+    for _ in range(300):
         found = await configs_of(servers, names)
         if all(found[name]["max.message.bytes"] == wanted for name in names):
             break
@@ -69,12 +73,17 @@ async def create_as_before(servers: str, topics: Topics, max_message_bytes: int 
                 config["max.message.bytes"] = str(max_message_bytes)
             new.append(NewTopic(topic.name, topic.partitions, 1, topic_configs=config))
         await admin.create_topics(new)
-        for _ in range(100):  # until the broker knows them (its metadata follows the controller)
+        # Until the broker knows them (its metadata follows the controller; on a broker busy
+        # with a parallel run's topics, seconds later).
+        deadline = time.monotonic() + KNOWN_TIMEOUT_S
+        while True:
             responses = await admin.describe_configs(
                 [ConfigResource(ConfigResourceType.TOPIC, t.name) for t in topics.raw]
             )
-            if all(r[0] == 0 for response in responses for r in response.resources):
+            codes = [r[0] for response in responses for r in response.resources]
+            if not any(codes):
                 break
+            assert time.monotonic() < deadline, f"not known {KNOWN_TIMEOUT_S:.0f} s on: {codes}"
             await asyncio.sleep(0.1)
     finally:
         await admin.close()

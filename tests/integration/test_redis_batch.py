@@ -8,7 +8,7 @@ older data: ``streamtally migrate``).  A usage row is kept as one part per
 shard (``st:{T}:usage:...``), summed when read: the tests check both the
 parts the scripts write and the rows `RedisStore.usage_rows` reads.  The
 tests of the layout itself, of the TTLs and of the global counts use a
-database of their own (`STORE_DB`), flushed around them.
+database of their own (`own_db`), flushed around them.
 """
 
 from __future__ import annotations
@@ -66,6 +66,7 @@ from streamtally.store.layout import (
 )
 from streamtally.wire import avro
 from streamtally.wire.records import BillingEvent
+from tests.integration.isolation import db_url
 
 pytestmark = pytest.mark.integration
 
@@ -576,21 +577,14 @@ async def test_usage_rows_sum_requests_and_filter(
 
 # --------------------------------------------------------------------------- store reads, counts
 
-#: The Redis database of `own_store` (flushed before and after each test that uses it).
-STORE_DB = 11
-
-
-def _db_url(url: str, db: int) -> str:
-    base = url.split("?", 1)[0]
-    head, _, tail = base.rpartition("/")
-    return f"{head}/{db}" if tail.isdigit() and head.count("/") >= 2 else f"{base.rstrip('/')}/{db}"
-
 
 @pytest.fixture
-async def own_client(redis_client: aioredis.Redis, redis_url: str) -> AsyncIterator[aioredis.Redis]:
-    """A client of database `STORE_DB`, emptied before and after the test."""
+async def own_client(
+    redis_client: aioredis.Redis, redis_url: str, own_db: int
+) -> AsyncIterator[aioredis.Redis]:
+    """A client of a database of the test's own (`own_db`), emptied before and after it."""
     del redis_client  # it skips the test when Redis does not answer
-    client = aioredis.from_url(_db_url(redis_url, STORE_DB), socket_connect_timeout=3)
+    client = aioredis.from_url(db_url(redis_url, own_db), socket_connect_timeout=3)
     await client.flushdb()
     try:
         yield client
@@ -601,8 +595,8 @@ async def own_client(redis_client: aioredis.Redis, redis_url: str) -> AsyncItera
 
 @pytest.fixture
 async def own_store(own_client: aioredis.Redis) -> RedisStore:
-    """A store on database `STORE_DB`, empty but for its layout (claimed): the counts are
-    this test's alone."""
+    """A store on the test's own database (`own_client`), empty but for its layout
+    (claimed): the counts are this test's alone."""
     store = RedisStore(own_client)
     await store.ensure_layout()
     return store
@@ -660,14 +654,16 @@ async def test_store_writes_and_reads_markers_tokens_and_counts(
     assert await store.has_tokens(A)  # the idempotency marker stays
 
 
-async def test_store_reads_through_a_decoding_client(redis_url: str, own_store: RedisStore) -> None:
+async def test_store_reads_through_a_decoding_client(
+    redis_url: str, own_db: int, own_store: RedisStore
+) -> None:
     a = make_tokens("a")
     sink = RedisBatch(own_store)
     sink.add(a, billed(a, "acme"), closed="5 end", records=2)
     assert await sink.flush() == [True]
     await own_store.count_dead_letters([own_store.position_of("t", 0, 1)])
 
-    decoding = RedisStore(aioredis.from_url(_db_url(redis_url, STORE_DB), decode_responses=True))
+    decoding = RedisStore(aioredis.from_url(db_url(redis_url, own_db), decode_responses=True))
     try:
         assert await decoding.tokens_text(A) == tokens_json(a)
         assert await decoding.tokens_texts([A]) == [tokens_json(a)]

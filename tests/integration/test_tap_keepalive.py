@@ -60,8 +60,6 @@ KEEPALIVE_S = 1.0
 SILENCE_S = 2 * REQUEST_TIMEOUT_S
 #: Events the upstream sends before it goes silent.
 THINK_AFTER = 2
-#: Redis database of the test's worker (emptied before and after; no other test uses it).
-DB = 4
 
 
 @pytest.fixture
@@ -71,7 +69,6 @@ def scene(stack_endpoints: Endpoints, tmp_path: Path) -> Iterator[tuple[Settings
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="tapka",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=REQUEST_TIMEOUT_S,
     ) as (settings, worker):

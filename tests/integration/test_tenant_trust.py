@@ -29,7 +29,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
 REPO = Path(__file__).resolve().parents[2]
 SAMPLE = REPO / "samples" / "openai" / "text_usage.sse"
-DB = 12
 SECRET_A = "5f" * 32
 
 
@@ -47,7 +46,6 @@ def scene(
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="trust",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=30,
     ) as (settings, worker):

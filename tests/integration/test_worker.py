@@ -22,6 +22,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.producers import RawProducer
 from streamtally.producers.raw import raw_records
+from streamtally.settings import Settings
 from streamtally.topics import Topics
 from tests.integration.worker import (
     PROBE_FILE,
@@ -84,7 +85,7 @@ def _same_partition_id(prefix: str, other: str, partitions: list[int]) -> str:
 
 
 async def _send(servers: str, source: Source, request_id: str, records: list[bytes]) -> None:
-    async with RawProducer(servers) as producer:
+    async with RawProducer(servers, namespace=Settings.load().namespace) as producer:
         await producer.send_records(source, request_id, records)
 
 
@@ -113,7 +114,8 @@ def test_a_request_open_across_a_sigterm_is_finished_by_the_next_worker(
     assert len(records) >= 6, "need a transcript with several events"
     half = len(records) // 2
     servers, url = stack_endpoints.bootstrap_servers, stack_endpoints.redis_url
-    partitions = asyncio.run(_partitions(servers, Topics.in_namespace().raw_sse.name))
+    raw_topic = Topics.in_namespace(Settings.load().namespace).raw_sse.name
+    partitions = asyncio.run(_partitions(servers, raw_topic))
     behind = _same_partition_id(f"behind-{tag}", split_id, partitions)
     _, behind_records = raw_records(
         Source(PROBE_SOURCE), PROBE_FILE.read_bytes(), tenant=tenant, request_id=behind

@@ -33,6 +33,7 @@ from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics
+from tests.integration.isolation import db_url, leased_db
 
 REPO: Final = Path(__file__).resolve().parents[2]
 SAMPLES: Final = REPO / "samples"
@@ -367,37 +368,37 @@ def own_worker(
     redis_url: str,
     *,
     prefix: str,
-    db: int,
     log: Path,
     request_timeout: float,
 ) -> Iterator[tuple[Settings, worker_process.WorkerProcess]]:
-    """A ready worker in a topic namespace and Redis database of its own (emptied before
-    and after), and the settings a test's producers and reads use with it."""
+    """A ready worker in a topic namespace and a leased Redis database of its own (emptied
+    before and after, `leased_db`), and the settings a test's producers and reads use with it."""
     namespace = f"{prefix}-{uuid.uuid4().hex[:8]}"
-    url = redis_url.rsplit("/", 1)[0] + f"/{db}"
-    settings = Settings.load(
-        {
-            "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
-            "REDIS_URL": url,
-            "STREAMTALLY_NAMESPACE": namespace,
-        }
-    )
-    flush_db(url)
-    asyncio.run(ensure_topics(bootstrap_servers, Topics.in_namespace(namespace).all))
-    env = dict(os.environ)
-    env.update(
-        KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
-        REDIS_URL=url,
-        STREAMTALLY_NAMESPACE=namespace,
-        STREAMTALLY_REQUEST_TIMEOUT=str(request_timeout),
-    )
-    worker = worker_process.WorkerProcess(log, env, cwd=REPO).start()
-    try:
-        worker.wait_until_ready(60)
-        yield settings, worker
-    finally:
-        worker.stop(timeout=30)
+    with leased_db(redis_url) as db:
+        url = db_url(redis_url, db)
+        settings = Settings.load(
+            {
+                "KAFKA_BOOTSTRAP_SERVERS": bootstrap_servers,
+                "REDIS_URL": url,
+                "STREAMTALLY_NAMESPACE": namespace,
+            }
+        )
         flush_db(url)
+        asyncio.run(ensure_topics(bootstrap_servers, Topics.in_namespace(namespace).all))
+        env = dict(os.environ)
+        env.update(
+            KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,
+            REDIS_URL=url,
+            STREAMTALLY_NAMESPACE=namespace,
+            STREAMTALLY_REQUEST_TIMEOUT=str(request_timeout),
+        )
+        worker = worker_process.WorkerProcess(log, env, cwd=REPO).start()
+        try:
+            worker.wait_until_ready(60)
+            yield settings, worker
+        finally:
+            worker.stop(timeout=30)
+            flush_db(url)
 
 
 def raw_sse_of(bootstrap_servers: str, namespace: str, tenants: Iterable[str]) -> list[Any]:

@@ -15,26 +15,21 @@ from pathlib import Path
 
 import pytest
 
+from tests.integration.isolation import db_url
 from tests.integration.worker import external_stack
 
 REPO = Path(__file__).resolve().parents[3]
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.fault_stack]
 
 
-def _redis_db(url: str, db: int) -> str:
-    base = url.split("?", 1)[0]
-    head, _, tail = base.rpartition("/")
-    return f"{head}/{db}" if tail.isdigit() and head.count("/") >= 2 else f"{base.rstrip('/')}/{db}"
-
-
-def test_chaos_run_loses_nothing_and_counts_nothing_twice(redis_url: str) -> None:
+def test_chaos_run_loses_nothing_and_counts_nothing_twice(redis_url: str, own_db: int) -> None:
     if (external := external_stack()) is not None:  # as test_outage: the broker is restarted
         pytest.skip(external)
     requests = int(os.environ.get("STREAMTALLY_CHAOS_REQUESTS", "2000"))
     env = dict(os.environ)
     env["STREAMTALLY_NAMESPACE"] = f"chaos-{uuid.uuid4().hex[:8]}"
-    env["REDIS_URL"] = _redis_db(redis_url, 7)
+    env["REDIS_URL"] = db_url(redis_url, own_db)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integration.chaos", "--requests", str(requests)],
         env=env,

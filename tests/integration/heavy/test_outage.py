@@ -32,7 +32,7 @@ from streamtally.stack.config import StackConfig
 from streamtally.store import RedisStore
 from tests.integration.worker import external_stack, own_worker
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.fault_stack, pytest.mark.timeout(300)]
 
 REPO = Path(__file__).resolve().parents[3]
 SAMPLES = REPO / "samples"
@@ -43,7 +43,6 @@ SAMPLES = REPO / "samples"
 #: the worker sees there is a producer gone quiet after the outage.)
 TIMEOUT = 8.0
 OUTAGE = 3 * TIMEOUT
-DB = 12
 FILES = [
     ("openai/text_usage.sse", Source.OPENAI, None),
     ("anthropic/text_end_turn.sse", Source.ANTHROPIC, None),
@@ -84,7 +83,6 @@ def scene(tmp_path: Path) -> Iterator[tuple[StackConfig, Settings, WorkerProcess
             cfg.local_bootstrap_servers(),
             cfg.local_redis_url(),
             prefix="outage",
-            db=DB,
             log=tmp_path / "worker.log",
             request_timeout=TIMEOUT,
         ) as (settings, worker):

@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
-from tests.integration.scaleout import DEFAULT_DB
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -22,7 +21,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_three_workers_through_leaves_joins_and_a_kill_stay_exact(
-    redis_url: str, bootstrap_servers: str
+    redis_url: str, bootstrap_servers: str, own_db: int
 ) -> None:
     requests = int(os.environ.get("STREAMTALLY_SCALEOUT_REQUESTS", "400"))
     env = dict(os.environ)
@@ -31,7 +30,7 @@ def test_three_workers_through_leaves_joins_and_a_kill_stay_exact(
     env[ENV_BOOTSTRAP_SERVERS] = bootstrap_servers
     proc = subprocess.run(
         [sys.executable, "-m", "tests.integration.scaleout", "--requests", str(requests),
-         "--db", str(DEFAULT_DB)],
+         "--db", str(own_db)],
         env=env, cwd=REPO, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]

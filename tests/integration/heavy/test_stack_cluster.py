@@ -15,10 +15,7 @@ import asyncio
 import contextlib
 import json
 import os
-import random
-import shutil
 import signal
-import subprocess
 import time
 import uuid
 from collections import Counter
@@ -35,117 +32,28 @@ from redis.cluster import RedisCluster
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
 from streamtally.ops.worker_process import WorkerProcess
-from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_CLUSTER, ENV_REDIS_URL
 from streamtally.stack import StackConfig, kafka, port_in_use, redis
 from streamtally.stack.redis_cluster import SLOTS, cluster_info
 from streamtally.store import tokens_key, tokens_pattern
 from streamtally.topics import Topics
 from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topic
-from tests.integration.worker import SAMPLES, cli, run_streamtally, streamtally, wait_for_tokens
+from tests.integration.spare_stack import own_stack, run_stack, stack_env
+from tests.integration.worker import SAMPLES, cli, run_streamtally, wait_for_tokens
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
-TOOLS = ("java", "mvn", "redis-server", "redis-cli")
 #: Seconds one phase of the kill test may take to produce or consume its records.
 PHASE_TIMEOUT_S = 90.0
 
 
-def _spare_config(state_dir: Path) -> StackConfig:
-    """A 3-broker, Redis Cluster config on ports nothing listens on (nor the shared stack)."""
-    for _ in range(50):
-        # Every port (Redis bus ports are +10000) below Linux's ephemeral range (32768-60999):
-        # an outgoing connection may take a port in it between this check and the start.
-        kafka_port = random.randrange(25000, 29000, 10)
-        redis_port = random.randrange(11000, 13000, 10)
-        cfg = StackConfig(
-            state_dir,
-            kafka_port=kafka_port,
-            controller_port=kafka_port + 1,
-            redis_port=redis_port,
-            # Not the stack's registry port (8081), which a registry of the session may hold.
-            registry_port=kafka_port + 9,
-            brokers=3,
-            redis_cluster=True,
-        )
-        if not any(port_in_use(cfg.host, port) for _, port in cfg.named_ports()):
-            return cfg
-    pytest.fail("no spare ports for a 3-broker stack and a Redis Cluster")
-
-
-def _env(cfg: StackConfig) -> dict[str, str]:
-    env = {
-        k: v
-        for k, v in os.environ.items()
-        if k not in (ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, ENV_REDIS_CLUSTER)
-    }
-    env.update(
-        STREAMTALLY_STATE_DIR=str(cfg.state_dir),
-        STREAMTALLY_KAFKA_PORT=str(cfg.kafka_port),
-        STREAMTALLY_CONTROLLER_PORT=str(cfg.controller_port),
-        STREAMTALLY_REDIS_PORT=str(cfg.redis_port),
-    )
-    return env
-
-
-def _stack(cfg: StackConfig, *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        streamtally("stack", *args),
-        env=_env(cfg),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-
-
-def _leftovers(cfg: StackConfig) -> list[str]:
-    """The java and redis-server processes of this stack still running (pgrep)."""
-    patterns = [f"kafka.Kafka {cfg.state_dir}/"]
-    patterns += [f"redis-server {cfg.host}:{port}" for port in cfg.redis_cluster_ports]
-    found = []
-    for pattern in patterns:
-        result = subprocess.run(
-            ["pgrep", "-a", "-f", pattern], capture_output=True, text=True, check=False
-        )
-        found += [line[:160] for line in result.stdout.splitlines()]
-    return found
-
-
-def _kill_what_is_left(cfg: StackConfig) -> None:
-    """SIGKILL the nodes `stack down` left running (only processes that are this stack's)."""
-    for st in [*kafka.statuses(cfg), *redis.statuses(cfg)]:
-        if st.running and st.pid is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(st.pid, signal.SIGKILL)
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackConfig]:
-    missing = [tool for tool in TOOLS if shutil.which(tool) is None]
-    if missing:
-        message = f"the local stack needs {', '.join(missing)}"
-        if os.environ.get("CI"):
-            pytest.fail(message)
-        pytest.skip(message)
-    cfg = _spare_config(tmp_path_factory.mktemp("stack-cluster"))
-    try:
-        start = time.monotonic()
-        up = _stack(cfg, "up", "--brokers", "3", "--redis-cluster")
-        print(up.stdout, up.stderr, f"(up took {time.monotonic() - start:.1f} s)")
-        assert up.returncode == 0, up.stdout + up.stderr
+    with own_stack(tmp_path_factory.mktemp("stack-cluster"), brokers=3, redis_cluster=True) as cfg:
         yield cfg
-    finally:
-        down = _stack(cfg, "down", "--timeout", "30", timeout=180)
-        _kill_what_is_left(cfg)
-        assert down.returncode == 0, down.stdout + down.stderr
-        deadline = time.monotonic() + 10
-        while _leftovers(cfg) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert _leftovers(cfg) == []
 
 
 def test_status_shows_every_node_and_the_shape_is_remembered(cluster: StackConfig) -> None:
-    status = _stack(cluster, "status")
+    status = run_stack(cluster, "status")
     assert status.returncode == 0, status.stdout + status.stderr
     lines = status.stdout.splitlines()
     assert [line.split(":")[0] for line in lines[:6]] == [
@@ -252,7 +160,7 @@ async def test_a_killed_broker_loses_nothing(cluster: StackConfig) -> None:
         print(f"broker {victim} killed: 300 records through in {time.monotonic() - started:.1f} s")
         assert not kafka.statuses(cluster)[victim - 1].running
 
-        restart = await asyncio.to_thread(_stack, cluster, "up")  # the shape is remembered
+        restart = await asyncio.to_thread(run_stack, cluster, "up")  # the shape is remembered
         assert restart.returncode == 0, restart.stdout + restart.stderr
         assert f"kafka-{victim}: starting" in restart.stdout
         await produce("after", 300)
@@ -315,7 +223,7 @@ def test_the_pipeline_is_exact_on_the_redis_cluster_through_a_broker_kill(
     broker is SIGKILLed halfway through production; the keys spread over every master.
     """
     tag = uuid.uuid4().hex[:8]
-    env = _env(cluster)
+    env = stack_env(cluster)
     env.update(
         KAFKA_BOOTSTRAP_SERVERS=cluster.all_bootstrap_servers(),
         REDIS_URL=cluster.local_redis_url(),
@@ -346,7 +254,7 @@ def test_the_pipeline_is_exact_on_the_redis_cluster_through_a_broker_kill(
     finally:
         if worker.running:
             worker.kill()
-        restart = _stack(cluster, "up")  # the shape is remembered: the killed broker comes back
+        restart = run_stack(cluster, "up")  # the shape is remembered: the killed broker comes back
         assert restart.returncode == 0, restart.stdout + restart.stderr
 
     expected_usage: dict[str, Counter[str]] = {}

@@ -81,7 +81,7 @@ from tests.integration.worker import (
 )
 from tests.openai_upstream import asked_for_usage, openai_blocks, openai_stream
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.fault_stack, pytest.mark.timeout(300)]
 
 TRANSCRIPT = SAMPLES / "openai" / "long_text_bench.sse"
 CALLS = 1000
@@ -96,8 +96,6 @@ REQUEST_TIMEOUT_S = 8.0
 THINKING_EVERY = 10
 THINK_AFTER = 3
 THINK_S = 4.0
-#: Redis database of the test's worker (emptied before and after).
-DB = 15
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +164,6 @@ def scene(stack_endpoints: Endpoints, tmp_path: Path) -> Iterator[tuple[Settings
         stack_endpoints.bootstrap_servers,
         stack_endpoints.redis_url,
         prefix="tapout",
-        db=DB,
         log=tmp_path / "worker.log",
         request_timeout=REQUEST_TIMEOUT_S,
     ) as (settings, worker):
