@@ -2,9 +2,6 @@
 # they create .venv, install the project, and start the local stack as needed.
 
 PYTHON ?= python3
-# The set-up steps that do not depend on each other run at once (the compiled hot path's
-# build beside the lint, the type check and the stack's start); each step's output together.
-MAKEFLAGS += --jobs=3 --output-sync=target
 VENV := .venv
 BIN := $(VENV)/bin
 ST := $(BIN)/streamtally
@@ -68,7 +65,10 @@ heavy: setup stack-up
 check: lint typecheck unit
 
 # Every tier runs, also after a failing one; the exit status says whether all passed.
-test: setup lint typecheck stack-up
+# The set-up steps that do not depend on each other run at once: the compiled hot path's
+# build beside the lint, the type check and the stack's start (each step's output together).
+test:
+	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target setup lint typecheck stack-up
 	@status=0; \
 	echo "== unit and agent tiers ($(TEST_WORKERS) processes)"; $(UNIT_TIER) || status=1; \
 	echo "== integration and heavy tiers ($(INTEGRATION_WORKERS) processes)"; \

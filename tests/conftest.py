@@ -9,9 +9,11 @@ folder                      markers                  `make test` runs it
 ==========================  =======================  ==========================================
 tests/unit/<concept>/       ``unit``                 in parallel (pytest-xdist), with the agents
 tests/agents/               ``agent``                in parallel, with the unit tier
-tests/integration/          ``integration``          on the stack, after the unit tier
-tests/integration/heavy/    ``integration heavy``    alone, last: stops, pauses or restarts the
-                                                     stack's services, or starts stacks of its own
+tests/integration/          ``integration``          in parallel on the stack, a module per
+                                                     process, after the unit tier
+tests/integration/heavy/    ``integration heavy``    with the integration tier: stacks of their
+                                                     own (the outage tests on a fault stack),
+                                                     or the stack under heavy load
 ==========================  =======================  ==========================================
 
 Which concept folder of tests/unit holds what: tests/README.md.

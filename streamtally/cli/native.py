@@ -21,15 +21,25 @@ _DESCRIPTION = (
 
 
 def cmd_build(args: argparse.Namespace, settings: Settings) -> int:
-    del settings
     try:
-        result = native.build(force=args.force, progress=lambda line: say(line, file=sys.stdout))
+        result = native.build(
+            force=args.force,
+            progress=lambda line: say(line, file=sys.stdout),
+            cache=settings.native_cache,
+        )
     except native.NativeBuildError as exc:
         if args.optional:
             say(f"native build skipped: {exc}", file=sys.stdout)
             return 0
         raise
-    if result.built:
+    if result.cached is not None:
+        say(
+            f"took the {len(result.modules)} compiled modules built from these sources "
+            f"from the cache {result.cached} (STREAMTALLY_NATIVE_CACHE=off: always compile) "
+            f"into {result.build_dir}",
+            file=sys.stdout,
+        )
+    elif result.built:
         say(
             f"built {len(result.modules)} compiled modules in {result.seconds:.0f} s "
             f"into {result.build_dir}",

@@ -11,12 +11,22 @@ meanwhile fail it, rather than ship a build of sources that no longer exist.
 Needs mypyc (part of mypy, in the dev extras), setuptools and a C compiler;
 without them the package runs as plain Python, only slower.
 
+A finished build is also kept in a cache (``$XDG_CACHE_HOME/streamtally/native``, or
+``STREAMTALLY_NATIVE_CACHE``; ``off``: none; `Settings.native_cache`), under a key of
+everything it was built from: the sources' digest, the interpreter, mypy's version, the
+list of modules and the C compiler.  A clone whose sources equal an earlier build's
+takes that build instead of compiling for a minute (a fresh clone of an unchanged commit,
+a CI run); any other change builds anew.  The build taken is checked as any build is
+(`check_build`), and the cache keeps the newest `CACHE_KEEP` builds.
+
 Also runnable on its own: ``python -m streamtally.ops.native BUILD_DIR`` is
 the child (it writes the extensions to ``BUILD_DIR/lib``).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import os
 import shutil
@@ -41,13 +51,25 @@ from streamtally._native import (
 )
 from streamtally.errors import NativeBuildError
 
-__all__ = ["GROUP", "BuildResult", "NativeBuildError", "build", "fresh"]
+__all__ = [
+    "CACHE_KEEP",
+    "GROUP",
+    "BuildResult",
+    "NativeBuildError",
+    "build",
+    "cache_key",
+    "fresh",
+]
 
 #: The name of mypyc's shared library of the build (one module, at the top level).
 GROUP: Final = "streamtally_native"
 _LOG: Final = "build.log"
 #: Kept beside the package (the same file system, so the swap is a rename).
 _STAGING: Final = ".native-staging"
+#: The builds the cache keeps (the newest by the time they were stored or taken).
+CACHE_KEEP: Final = 4
+#: mypyc's optimisation level for the C compiler (part of the cache key).
+_OPT_LEVEL: Final = "3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +78,48 @@ class BuildResult:
     seconds: float
     modules: tuple[str, ...]
     build_dir: Path
+    cached: Path | None = None  # the cached build taken instead of compiling
+
+
+def cache_key(digest: str) -> str:
+    """The cache key of a build of the sources of `digest` here: everything it depends on."""
+    parts = [python_tag(), _mypy_version(), digest, _OPT_LEVEL, _compiler() or "", *MODULES]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _take_cached(entry: Path, staging: Path, package_dir: Path) -> bool:
+    """Copy the cached build `entry` to `staging` if it is a fresh build of `package_dir`."""
+    reason, _ = check_build(entry, package_dir)
+    if reason is not None:
+        return False
+    shutil.rmtree(staging, ignore_errors=True)
+    shutil.copytree(entry, staging, symlinks=True)
+    with contextlib.suppress(OSError):
+        os.utime(entry)  # (the newest are kept)
+    return True
+
+
+def _store(staging: Path, cache: Path, key: str) -> None:
+    """Keep the finished build in `staging` as `cache/key` (whole or not at all), and
+    only the newest `CACHE_KEEP` builds."""
+    entry = cache / key
+    if entry.exists():
+        return
+    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
+    scratch = cache / f".{key}-{os.getpid()}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.copytree(staging, scratch, symlinks=True)
+    try:
+        scratch.rename(entry)
+    except OSError:  # another process stored the same build meanwhile
+        shutil.rmtree(scratch, ignore_errors=True)
+    builds = sorted(
+        (p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    for old in builds[CACHE_KEEP:]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def fresh(build_dir: Path = BUILD_DIR, package_dir: Path = PACKAGE_DIR) -> bool:
@@ -69,9 +133,15 @@ def _compiler() -> str | None:
     return shutil.which(cc[0]) if cc else None
 
 
-def build(*, force: bool = False, progress: Callable[[str], None] = print) -> BuildResult:
+def build(
+    *,
+    force: bool = False,
+    progress: Callable[[str], None] = print,
+    cache: Path | None = None,
+) -> BuildResult:
     """Build the package's compiled modules into `BUILD_DIR` unless a fresh build is there
-    (or `force`)."""
+    (or `force`); take the build of the same sources from the folder `cache` when it holds
+    one (unless `force`), and keep a new build there (None: no cache)."""
     build_dir, package_dir = BUILD_DIR, PACKAGE_DIR
     started = time.perf_counter()
     if not force and fresh(build_dir, package_dir):
@@ -91,6 +161,10 @@ def build(*, force: bool = False, progress: Callable[[str], None] = print) -> Bu
         ) from None
     digest = source_digest(package_dir)
     staging = build_dir.parent / _STAGING
+    key = cache_key(digest)
+    if not force and cache is not None and _take_cached(cache / key, staging, package_dir):
+        _swap(staging, build_dir)
+        return BuildResult(True, time.perf_counter() - started, MODULES, build_dir, cache / key)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     log = staging / _LOG
@@ -126,6 +200,11 @@ def build(*, force: bool = False, progress: Callable[[str], None] = print) -> Bu
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     for scratch in ("c", "obj"):  # the generated C and the objects: not needed to run
         shutil.rmtree(staging / scratch, ignore_errors=True)
+    if cache is not None:
+        try:
+            _store(staging, cache, key)
+        except OSError as exc:  # a build that cannot be kept is still a build
+            progress(f"the build is not kept in the cache {cache}: {exc}")
     _swap(staging, build_dir)
     seconds = time.perf_counter() - started
     return BuildResult(True, seconds, MODULES, build_dir)
@@ -169,7 +248,9 @@ def _child(staging: Path) -> None:
 
     paths = [str(PACKAGE_DIR / (name.removeprefix("streamtally.").replace(".", "/") + ".py"))
              for name in MODULES]  # fmt: skip
-    extensions = mypycify(paths, target_dir=str(staging / "c"), group_name=GROUP, opt_level="3")
+    extensions = mypycify(
+        paths, target_dir=str(staging / "c"), group_name=GROUP, opt_level=_OPT_LEVEL
+    )
     dist = Distribution({"name": "streamtally-native", "ext_modules": extensions})
     command: Any = dist.get_command_obj("build_ext")  # setuptools' build_ext
     command.build_lib = str(staging / "lib")

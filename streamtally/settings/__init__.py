@@ -63,11 +63,13 @@ variable                            meaning                                     
 ``STREAMTALLY_REDIS_PORT``          the local stack's Redis                         ``6379``
 ``STREAMTALLY_REGISTRY_PORT``       the local stack's schema registry               ``8081``
 ``STREAMTALLY_REGISTRY_JAVA``       its JDK 17+ (``java`` or a Java home)           searched
+``STREAMTALLY_NATIVE_CACHE``        kept builds of the hot path (``off``: none)     see below
 ==================================  ==============================================  =========
 
 The state directory defaults to ``.stack`` in the clone when streamtally runs
 from one (an editable install), else ``$XDG_STATE_HOME/streamtally`` (or
-``~/.local/state/streamtally``).
+``~/.local/state/streamtally``).  Builds of the compiled hot path are kept in
+``$XDG_CACHE_HOME/streamtally/native`` (or ``~/.cache/streamtally/native``).
 """
 
 from __future__ import annotations

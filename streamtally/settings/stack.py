@@ -1,5 +1,6 @@
 """The local stack: its ports, its state directory and the Java of its registry
-(`streamtally.stack`; docs/operations.md)."""
+(`streamtally.stack`; docs/operations.md); and where this machine keeps builds of the
+compiled hot path (`streamtally.ops.native`)."""
 
 from __future__ import annotations
 
@@ -56,6 +57,14 @@ class StackSection(BaseModel):
         None, validation_alias=env("STREAMTALLY_REGISTRY_JAVA", "registry_java")
     )
 
+    #: Where finished builds of the compiled hot path are kept for reuse; ``off``: nowhere.
+    native_cache_setting: str = Field(
+        "", validation_alias=env("STREAMTALLY_NATIVE_CACHE", "native_cache_setting")
+    )
+    xdg_cache_home: Path | None = Field(
+        None, validation_alias=env("XDG_CACHE_HOME", "xdg_cache_home")
+    )
+
     @model_validator(mode="after")
     def _ports_differ(self) -> Self:
         ports = [self.kafka_port, self.controller_port, self.redis_port, self.registry_port]
@@ -75,6 +84,17 @@ class StackSection(BaseModel):
     @property
     def local_redis_url(self) -> str:
         return f"redis://{LOCAL_HOST}:{self.redis_port}/0"
+
+    @property
+    def native_cache(self) -> Path | None:
+        """The build cache's folder (``$XDG_CACHE_HOME/streamtally/native`` unless set), or
+        None when it is off."""
+        value = self.native_cache_setting.strip()
+        if value.lower() in ("off", "0", "no", "false"):
+            return None
+        if value:
+            return Path(value).expanduser()
+        return (self.xdg_cache_home or Path.home() / ".cache") / "streamtally" / "native"
 
     @property
     def state_dir(self) -> Path:

@@ -40,6 +40,7 @@ Tokens keys, the idempotency markers that make a replay of their records a no-op
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -60,6 +61,7 @@ from streamtally.errors import StackError
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from streamtally.stack import port_in_use, redis_cluster, registry
 from streamtally.stack.config import StackConfig
+from streamtally.topics import Topics
 from tests.integration.isolation import (
     FAULT_STACK_MODULES,
     leased_db,
@@ -74,6 +76,7 @@ from tests.integration.worker import (
     assert_stopped_cleanly,
     choose_stack_mode,
     docker_answers,
+    ensure_served_topics,
     forget_usage,
     local_stack_up,
     start_containers,
@@ -127,13 +130,13 @@ def stack_endpoints(_process_namespace: str) -> Iterator[Endpoints]:
     mode = choose_stack_mode(os.environ, docker_answers)
     if mode is StackMode.EXTERNAL:
         settings = Settings.load()
-        yield Endpoints(mode, settings.bootstrap_servers, settings.redis_url)
+        yield _served(Endpoints(mode, settings.bootstrap_servers, settings.redis_url))
     elif mode is StackMode.CONTAINERS:
         with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as env:
             endpoints = start_containers(stack)
             env.setenv(ENV_BOOTSTRAP_SERVERS, endpoints.bootstrap_servers)
             env.setenv(ENV_REDIS_URL, endpoints.redis_url)
-            yield endpoints
+            yield _served(endpoints)
     else:
         with machine_lock("local-stack-up"):  # parallel processes: one starts it, all wait
             up = local_stack_up()
@@ -142,7 +145,15 @@ def stack_endpoints(_process_namespace: str) -> Iterator[Endpoints]:
                 f"`streamtally stack up` failed ({up.returncode}):\n{up.stdout}{up.stderr}"
             )
         cfg = StackConfig.from_settings(Settings.load())
-        yield Endpoints(mode, cfg.local_bootstrap_servers(), cfg.local_redis_url())
+        yield _served(Endpoints(mode, cfg.local_bootstrap_servers(), cfg.local_redis_url()))
+
+
+def _served(endpoints: Endpoints) -> Endpoints:
+    """`endpoints`, once the broker serves the topics of this process's namespace (which
+    the module workers use: `ensure_served_topics`)."""
+    topics = Topics.in_namespace(Settings.load().namespace)
+    asyncio.run(ensure_served_topics(endpoints.bootstrap_servers, topics))
+    return endpoints
 
 
 @pytest.fixture(autouse=True)

@@ -348,6 +348,25 @@ def forget_usage(redis_url: str, tenants: Iterable[str]) -> None:
     asyncio.run(forget())
 
 
+async def ensure_served_topics(bootstrap_servers: str, topics: Topics) -> None:
+    """Create the namespace's topics that are missing, and return once the broker serves
+    every partition's offsets (its leader took over).  A worker that starts on topics
+    created a moment before logs ``NotLeaderForPartitionError`` at ERROR level while the
+    broker finishes the election, which the tests of a clean log would take for a fault."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    await ensure_topics(bootstrap_servers, topics.all)
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, request_timeout_ms=30000)
+    await consumer.start()
+    try:
+        partitions = [
+            TopicPartition(topic.name, p) for topic in topics.all for p in range(topic.partitions)
+        ]
+        await asyncio.wait_for(consumer.end_offsets(partitions), 60)
+    finally:
+        await consumer.stop()
+
+
 # --------------------------------------------------------------------------- isolated runs
 
 
@@ -384,7 +403,7 @@ def own_worker(
             }
         )
         flush_db(url)
-        asyncio.run(ensure_topics(bootstrap_servers, Topics.in_namespace(namespace).all))
+        asyncio.run(ensure_served_topics(bootstrap_servers, Topics.in_namespace(namespace)))
         env = dict(os.environ)
         env.update(
             KAFKA_BOOTSTRAP_SERVERS=bootstrap_servers,

@@ -1,7 +1,8 @@
 """Chaos: SIGKILLed workers, a restarted broker and re-sent records lose nothing and count
 nothing twice.  The run itself is `tests/integration/chaos.py` (see its docstring).
 
-The local stack only: the run stops and starts its broker and Redis (skipped when
+On the fault stack (`fault_stack`, tests/integration/heavy/conftest.py: a local stack of
+the process's own), whose broker and Redis the run stops and starts (skipped when
 ``KAFKA_BOOTSTRAP_SERVERS`` / ``REDIS_URL`` name another stack, as `test_outage` is)."""
 
 from __future__ import annotations

@@ -5,8 +5,9 @@ rows equal the sum of the folds, and no request was closed as timed out.
 (Before, an outage longer than the request timeout closed the open requests
 as `error` once the stack was back, and their usage went unbilled.)
 
-The local stack only: the test stops and starts its services.  Its own topic
-namespace and Redis database.
+On the fault stack (`fault_stack`, tests/integration/heavy/conftest.py: a local stack
+of the process's own, never the shared one), whose services the test stops and starts.
+Its own topic namespace and Redis database.
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ topic namespace, its sender in a process of its own as the proxy's default)
 sits in front.  A tenth of the calls *think*: after their
 first events the upstream waits, a few seconds, as a reasoning model may.
 Once they all wait and Kafka has every record so far, the broker is paused
-for `PAUSE_S` seconds (SIGSTOP of the local stack's Kafka processes, found by
-their pid files; SIGCONT after), so that records pile up in the spool while
-the clients keep being served; the thinking calls go on during the pause.  A
-worker of the namespace, with a request timeout well below the pause, bills
-them.
+for `PAUSE_S` seconds (SIGSTOP of the fault stack's Kafka processes, found by
+their pid files; SIGCONT after; `fault_stack`, tests/integration/heavy/conftest.py),
+so that records pile up in the spool while the clients keep being served; the thinking
+calls go on during the pause.  A worker of the namespace, with a request timeout well
+below the pause, bills them.
 
 The thinking calls are what makes a timeout likely: their first records
 reached the worker before the pause, their next ones wait in the spool, and
@@ -133,7 +133,8 @@ def _unavailable(message: str) -> None:
 
 @pytest.fixture
 def broker(stack_endpoints: Endpoints) -> Iterator[Broker]:
-    """The brokers of the local stack behind `stack_endpoints`; resumed after the test."""
+    """The brokers of the local stack behind `stack_endpoints` (the fault stack); resumed
+    after the test."""
     if stack_endpoints.mode is StackMode.CONTAINERS:
         pytest.skip(
             "pauses the broker: the containers mode does not expose its Kafka container "

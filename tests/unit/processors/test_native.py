@@ -235,3 +235,60 @@ def test_the_compiled_modules_and_the_sources_write_the_same_bytes(tmp_path: Pat
     assert compiled["completed"] > 50
     assert compiled["digest"] == plain["digest"]
     assert (compiled["chunks"], compiled["completed"]) == (plain["chunks"], plain["completed"])
+
+
+# --------------------------------------------------------------------------- the build cache
+
+
+def test_a_build_of_the_same_sources_is_taken_from_the_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    package = _package(tmp_path)
+    cache = tmp_path / "cache"
+    key = native.cache_key(_native.source_digest(package))
+    native._store(_build(tmp_path, package), cache, key)
+    monkeypatch.setattr(native, "PACKAGE_DIR", package)
+    monkeypatch.setattr(native, "BUILD_DIR", tmp_path / "clone" / ".native")
+    (tmp_path / "clone").mkdir()
+
+    def no_compiling(*args: object, **kwargs: object) -> None:
+        raise AssertionError("compiled although the cache held the build")
+
+    monkeypatch.setattr(native.subprocess, "run", no_compiling)
+    result = native.build(progress=lambda _: None, cache=cache)
+    assert result.cached is not None
+    assert result.cached.parent == cache
+    assert native.fresh(tmp_path / "clone" / ".native", package)
+    assert native.build(progress=lambda _: None, cache=cache).built is False  # fresh now
+
+
+def test_a_cached_build_of_other_sources_is_not_taken(tmp_path: Path) -> None:
+    package = _package(tmp_path)
+    key = native.cache_key(_native.source_digest(package))
+    entry = tmp_path / "cache" / key
+    native._store(_build(tmp_path, package), tmp_path / "cache", key)
+    (package / "core" / "fold.py").write_text("X = 2\n")  # the sources changed since
+    assert native.cache_key(_native.source_digest(package)) != key
+    assert not native._take_cached(entry, tmp_path / "staging", package)
+    assert not (tmp_path / "staging").exists()
+
+
+def test_the_cache_keeps_the_newest_builds(tmp_path: Path) -> None:
+    package = _package(tmp_path)
+    build = _build(tmp_path, package)
+    cache = tmp_path / "cache"
+    for i in range(native.CACHE_KEEP + 2):
+        native._store(build, cache, f"key{i}")
+        os.utime(cache / f"key{i}", (1000 + i, 1000 + i))
+    native._store(build, cache, "newest")
+    kept = sorted(p.name for p in cache.iterdir())
+    assert len(kept) == native.CACHE_KEEP
+    assert "newest" in kept
+    assert "key0" not in kept
+
+
+def test_the_cache_folder_is_set_or_off(tmp_path: Path) -> None:
+    assert Settings.load({"STREAMTALLY_NATIVE_CACHE": "off"}).native_cache is None
+    assert Settings.load({"STREAMTALLY_NATIVE_CACHE": str(tmp_path)}).native_cache == tmp_path
+    xdg = Settings.load({"XDG_CACHE_HOME": str(tmp_path)}).native_cache
+    assert xdg == tmp_path / "streamtally" / "native"
