@@ -4,7 +4,9 @@
     python -m tests.integration.tap_child resume SPOOL_DIR NAMESPACE SENDER
 
 ``stream`` taps `N` requests (ids ``RUN-0`` ...) of the SSE transcript `SAMPLE`
-(a path under samples/, OpenAI), started 0.15 s apart, one event every 3 ms,
+(a path under samples/, OpenAI), each begun once the one before has appended
+`NEXT_AFTER` events (so that at the first ``END`` some requests are mid-stream and
+some not begun, however busy the machine), one event every 3 ms,
 with a slow sender (one record in flight at a time, so that the spool holds
 records Kafka does not have yet).  It prints ``E <request id> <seq>`` once an
 event's append returned, ``END <request id> <seq>`` once the END marker's did.
@@ -31,6 +33,8 @@ from streamtally.core.normalize import read_events
 from streamtally.producers import Tap
 
 SAMPLES = Path(__file__).resolve().parents[2] / "samples"
+#: Events a request appends before the next one begins.
+NEXT_AFTER = 60
 
 
 def say(line: str) -> None:
@@ -44,14 +48,20 @@ async def stream(
     events = list(read_events(Source.OPENAI, (SAMPLES / sample).open("rb")))
     servers = os.environ["KAFKA_BOOTSTRAP_SERVERS"]
 
+    may_begin = [asyncio.Event() for _ in range(n + 1)]
+    may_begin[0].set()
+
     async def one(tap: Tap, index: int) -> None:
-        await asyncio.sleep(0.15 * index)
+        await may_begin[index].wait()
         rid = f"{run}-{index}"
         async with tap.request(Source.OPENAI, tenant=tenant, request_id=rid) as req:
             for seq, event in enumerate(events):
                 await req.event(event)
                 say(f"E {rid} {seq}")
+                if seq + 1 == NEXT_AFTER:
+                    may_begin[index + 1].set()
                 await asyncio.sleep(0.003)
+        may_begin[index + 1].set()  # (a transcript shorter than NEXT_AFTER)
         say(f"END {rid} {len(events)}")
 
     async with Tap(
