@@ -9,14 +9,16 @@ ST := $(BIN)/streamtally
 # The test tiers (tests/README.md), each printing its slowest tests: the unit and agent tiers
 # in parallel (pytest-xdist, TEST_WORKERS processes: 2, this 2-core machine's best), then the
 # integration tier in INTEGRATION_WORKERS processes (a module per process; its tests mostly
-# wait on the broker, workers and timeouts, so three beat two here), then the heavy tier in
-# one process: outages, kills and thousands of streams whose timing a loaded machine skews.
+# wait on the broker, workers and timeouts, so three beat two here) with the heavy tests
+# marked `beside` (stacks of their own), then the rest of the heavy tier in one process:
+# outages, kills and thousands of streams whose timing a loaded machine skews.
 TEST_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -q --durations=15
 UNIT_TIER := $(PYTEST) -n $(TEST_WORKERS) tests/unit tests/agents
-INTEGRATION_TIER := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration -m "not heavy"
-HEAVY_TIER := $(PYTEST) tests/integration/heavy
+INTEGRATION_TIER := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration \
+	-m "not heavy or beside"
+HEAVY_TIER := $(PYTEST) tests/integration/heavy -m "not beside"
 
 .PHONY: help install setup demo test check lint typecheck unit integration heavy bench stack-up stack-down clean
 
@@ -62,7 +64,7 @@ integration: setup stack-up
 	$(INTEGRATION_TIER)
 
 heavy: setup stack-up
-	$(HEAVY_TIER)
+	$(PYTEST) tests/integration/heavy
 
 check: lint typecheck unit
 
@@ -73,8 +75,9 @@ test:
 	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target setup lint typecheck stack-up
 	@status=0; \
 	echo "== unit and agent tiers ($(TEST_WORKERS) processes)"; $(UNIT_TIER) || status=1; \
-	echo "== integration tier ($(INTEGRATION_WORKERS) processes)"; $(INTEGRATION_TIER) || status=1; \
-	echo "== heavy tier"; $(HEAVY_TIER) || status=1; \
+	echo "== integration tier, with the heavy tests marked beside ($(INTEGRATION_WORKERS) processes)"; \
+	$(INTEGRATION_TIER) || status=1; \
+	echo "== heavy tier (but the tests marked beside)"; $(HEAVY_TIER) || status=1; \
 	exit $$status
 
 bench: setup stack-up

@@ -11,9 +11,10 @@ tests/unit/<concept>/       ``unit``                 in parallel (pytest-xdist),
 tests/agents/               ``agent``                in parallel, with the unit tier
 tests/integration/          ``integration``          in parallel on the stack, a module per
                                                      process, after the unit tier
-tests/integration/heavy/    ``integration heavy``    in one process, last: stacks of their own
-                                                     (the outage tests on a fault stack), or
-                                                     the stack under heavy load
+tests/integration/heavy/    ``integration heavy``    ``beside``: with the integration tier; the
+                                                     rest in one process, last (stacks of
+                                                     their own, the outage tests on a fault
+                                                     stack, or the stack under heavy load)
 ==========================  =======================  ==========================================
 
 Which concept folder of tests/unit holds what: tests/README.md.
