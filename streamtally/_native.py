@@ -39,6 +39,7 @@ __all__ = [
     "ENV_NATIVE",
     "MANIFEST",
     "MODULES",
+    "OFF_WORDS",
     "PACKAGE_DIR",
     "Status",
     "activate",
@@ -81,7 +82,9 @@ PACKAGE_DIR: Final = Path(__file__).resolve().parent
 #: Where ``streamtally native build`` puts the extensions and the manifest.
 BUILD_DIR: Final = PACKAGE_DIR / ".native"
 MANIFEST: Final = "manifest.json"
-_OFF: Final = frozenset({"off", "0", "no", "false"})
+#: The values that turn a switch of the compiled hot path off (``STREAMTALLY_NATIVE``, and
+#: ``STREAMTALLY_NATIVE_CACHE`` in `streamtally.settings`).
+OFF_WORDS: Final = frozenset({"off", "0", "no", "false"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,7 +190,7 @@ def activate(
 
 
 def _activate(build_dir: Path, package_dir: Path, environ: Mapping[str, str]) -> Status:
-    if environ.get(ENV_NATIVE, "").strip().lower() in _OFF:
+    if environ.get(ENV_NATIVE, "").strip().lower() in OFF_WORDS:
         return Status(False, f"{ENV_NATIVE}={environ[ENV_NATIVE]}")
     if any(isinstance(f, _CompiledFinder) for f in sys.meta_path):
         return _found[0]  # activated already

@@ -99,14 +99,14 @@ def _take_cached(entry: Path, staging: Path, package_dir: Path) -> bool:
     return True
 
 
-def _store(staging: Path, cache: Path, key: str) -> None:
-    """Keep the finished build in `staging` as `cache/key` (whole or not at all), and
-    only the newest `CACHE_KEEP` builds."""
-    entry = cache / key
+def _store(staging: Path, entry: Path) -> None:
+    """Keep the finished build in `staging` as the cache's `entry` (whole or not at all),
+    and only the newest `CACHE_KEEP` builds of the cache."""
     if entry.exists():
         return
+    cache = entry.parent
     cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-    scratch = cache / f".{key}-{os.getpid()}"
+    scratch = cache / f".{entry.name}-{os.getpid()}"
     shutil.rmtree(scratch, ignore_errors=True)
     shutil.copytree(staging, scratch, symlinks=True)
     try:
@@ -161,10 +161,10 @@ def build(
         ) from None
     digest = source_digest(package_dir)
     staging = build_dir.parent / _STAGING
-    key = cache_key(digest)
-    if not force and cache is not None and _take_cached(cache / key, staging, package_dir):
+    entry = None if cache is None else cache / cache_key(digest)
+    if not force and entry is not None and _take_cached(entry, staging, package_dir):
         _swap(staging, build_dir)
-        return BuildResult(True, time.perf_counter() - started, MODULES, build_dir, cache / key)
+        return BuildResult(True, time.perf_counter() - started, MODULES, build_dir, entry)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     log = staging / _LOG
@@ -200,9 +200,9 @@ def build(
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     for scratch in ("c", "obj"):  # the generated C and the objects: not needed to run
         shutil.rmtree(staging / scratch, ignore_errors=True)
-    if cache is not None:
+    if entry is not None:
         try:
-            _store(staging, cache, key)
+            _store(staging, entry)
         except OSError as exc:  # a build that cannot be kept is still a build
             progress(f"the build is not kept in the cache {cache}: {exc}")
     _swap(staging, build_dir)

@@ -9,6 +9,7 @@ from typing import Self
 
 from pydantic import BaseModel, Field, model_validator
 
+from streamtally._native import OFF_WORDS
 from streamtally.settings._base import LOCAL_HOST, env
 
 __all__ = ["StackSection", "project_root"]
@@ -90,7 +91,7 @@ class StackSection(BaseModel):
         """The build cache's folder (``$XDG_CACHE_HOME/streamtally/native`` unless set), or
         None when it is off."""
         value = self.native_cache_setting.strip()
-        if value.lower() in ("off", "0", "no", "false"):
+        if value.lower() in OFF_WORDS:
             return None
         if value:
             return Path(value).expanduser()

@@ -246,7 +246,7 @@ def test_a_build_of_the_same_sources_is_taken_from_the_cache(
     package = _package(tmp_path)
     cache = tmp_path / "cache"
     key = native.cache_key(_native.source_digest(package))
-    native._store(_build(tmp_path, package), cache, key)
+    native._store(_build(tmp_path, package), cache / key)
     monkeypatch.setattr(native, "PACKAGE_DIR", package)
     monkeypatch.setattr(native, "BUILD_DIR", tmp_path / "clone" / ".native")
     (tmp_path / "clone").mkdir()
@@ -266,7 +266,7 @@ def test_a_cached_build_of_other_sources_is_not_taken(tmp_path: Path) -> None:
     package = _package(tmp_path)
     key = native.cache_key(_native.source_digest(package))
     entry = tmp_path / "cache" / key
-    native._store(_build(tmp_path, package), tmp_path / "cache", key)
+    native._store(_build(tmp_path, package), entry)
     (package / "core" / "fold.py").write_text("X = 2\n")  # the sources changed since
     assert native.cache_key(_native.source_digest(package)) != key
     assert not native._take_cached(entry, tmp_path / "staging", package)
@@ -278,9 +278,9 @@ def test_the_cache_keeps_the_newest_builds(tmp_path: Path) -> None:
     build = _build(tmp_path, package)
     cache = tmp_path / "cache"
     for i in range(native.CACHE_KEEP + 2):
-        native._store(build, cache, f"key{i}")
+        native._store(build, cache / f"key{i}")
         os.utime(cache / f"key{i}", (1000 + i, 1000 + i))
-    native._store(build, cache, "newest")
+    native._store(build, cache / "newest")
     kept = sorted(p.name for p in cache.iterdir())
     assert len(kept) == native.CACHE_KEEP
     assert "newest" in kept
