@@ -59,7 +59,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from streamtally.errors import StackError
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
-from streamtally.stack import port_in_use, redis_cluster, registry
+from streamtally.stack import redis_cluster, registry
 from streamtally.stack.config import StackConfig
 from streamtally.topics import Topics
 from tests.integration.isolation import (
@@ -67,8 +67,8 @@ from tests.integration.isolation import (
     leased_db,
     machine_lock,
     process_namespace,
-    reserve_ports,
 )
+from tests.integration.spare_stack import claim_spare
 from tests.integration.worker import (
     Endpoints,
     StackMode,
@@ -127,16 +127,17 @@ def _process_namespace(worker_id: str) -> Iterator[str]:
 def stack_endpoints(_process_namespace: str) -> Iterator[Endpoints]:
     """The Kafka and Redis of this session (see the module docstring), after this process's
     topic namespace is exported (`_process_namespace`)."""
+    namespace = _process_namespace
     mode = choose_stack_mode(os.environ, docker_answers)
     if mode is StackMode.EXTERNAL:
         settings = Settings.load()
-        yield _served(Endpoints(mode, settings.bootstrap_servers, settings.redis_url))
+        yield _served(Endpoints(mode, settings.bootstrap_servers, settings.redis_url), namespace)
     elif mode is StackMode.CONTAINERS:
         with contextlib.ExitStack() as stack, pytest.MonkeyPatch.context() as env:
             endpoints = start_containers(stack)
             env.setenv(ENV_BOOTSTRAP_SERVERS, endpoints.bootstrap_servers)
             env.setenv(ENV_REDIS_URL, endpoints.redis_url)
-            yield _served(endpoints)
+            yield _served(endpoints, namespace)
     else:
         with machine_lock("local-stack-up"):  # parallel processes: one starts it, all wait
             up = local_stack_up()
@@ -145,14 +146,14 @@ def stack_endpoints(_process_namespace: str) -> Iterator[Endpoints]:
                 f"`streamtally stack up` failed ({up.returncode}):\n{up.stdout}{up.stderr}"
             )
         cfg = StackConfig.from_settings(Settings.load())
-        yield _served(Endpoints(mode, cfg.local_bootstrap_servers(), cfg.local_redis_url()))
+        local = Endpoints(mode, cfg.local_bootstrap_servers(), cfg.local_redis_url())
+        yield _served(local, namespace)
 
 
-def _served(endpoints: Endpoints) -> Endpoints:
-    """`endpoints`, once the broker serves the topics of this process's namespace (which
+def _served(endpoints: Endpoints, namespace: str) -> Endpoints:
+    """`endpoints`, once the broker serves the topics of this process's `namespace` (which
     the module workers use: `ensure_served_topics`)."""
-    topics = Topics.in_namespace(Settings.load().namespace)
-    asyncio.run(ensure_served_topics(endpoints.bootstrap_servers, topics))
+    asyncio.run(ensure_served_topics(endpoints.bootstrap_servers, Topics.in_namespace(namespace)))
     return endpoints
 
 
@@ -186,20 +187,21 @@ def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]
 
 
 def _spare_cluster_config(state: Path, held: contextlib.ExitStack) -> StackConfig:
-    for _ in range(50):
+    """A Redis Cluster config on spare ports (its nodes' and their bus ports), reserved
+    until `held` closes."""
+
+    def candidate() -> StackConfig:
         # Below Linux's ephemeral range (32768-60999), bus ports (+10000) included: an
-        # outgoing connection may take any port in it between this check and the start.
-        cfg = StackConfig(state, redis_port=random.randrange(13000, 15000, 10), redis_cluster=True)
-        ports = [port for name, port in cfg.named_ports() if name.startswith("redis")]
-        reserved = reserve_ports(ports)
-        if reserved is None:
-            continue
-        if any(port_in_use(cfg.host, port) for port in ports):
-            reserved.close()
-            continue
-        held.enter_context(reserved)
-        return cfg
-    pytest.fail("no spare ports for a Redis Cluster")
+        # outgoing connection may take any port in it between the check and the start.
+        port = random.randrange(13000, 15000, 10)
+        return StackConfig(state, redis_port=port, redis_cluster=True)
+
+    return claim_spare(
+        held,
+        candidate,
+        lambda cfg: [port for name, port in cfg.named_ports() if name.startswith("redis")],
+        what="a Redis Cluster",
+    )
 
 
 @pytest.fixture(scope="session")

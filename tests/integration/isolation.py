@@ -25,6 +25,7 @@ import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Final
+from urllib.parse import urlsplit
 
 #: The modules of the tests marked ``fault_stack`` (checked against the marks when the heavy
 #: tier is collected): in a parallel run they are one work unit, so one process, one fault
@@ -42,23 +43,35 @@ LEASE_WAIT_S: Final = 300.0
 
 
 def db_url(redis_url: str, db: int) -> str:
-    """`redis_url` naming database `db` instead of its own (query string dropped)."""
-    base = redis_url.split("?", 1)[0]
-    head, _, tail = base.rpartition("/")
-    if tail.isdigit() and head.count("/") >= 2:
-        return f"{head}/{db}"
-    return f"{base.rstrip('/')}/{db}"
+    """`redis_url` naming database `db` instead of its own."""
+    return urlsplit(redis_url)._replace(path=f"/{db}").geturl()
 
 
 def _server_tag(redis_url: str) -> str:
     """A file-name-safe tag of the Redis server `redis_url` names (host and port)."""
-    netloc = redis_url.split("://", 1)[-1].split("/", 1)[0].rsplit("@", 1)[-1]
+    netloc = urlsplit(redis_url).netloc.rsplit("@", 1)[-1]
     return re.sub(r"[^A-Za-z0-9.-]", "_", netloc)
 
 
 def _lock_file(name: str) -> int:
     LOCK_DIR.mkdir(mode=0o700, exist_ok=True)
     return os.open(LOCK_DIR / name, os.O_RDWR | os.O_CREAT, 0o600)
+
+
+def _try_lock(name: str) -> int | None:
+    """The descriptor of the lock file `name`, locked, or None when another holds it."""
+    fd = _lock_file(name)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+def _unlock(fd: int) -> None:
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    os.close(fd)
 
 
 @contextlib.contextmanager
@@ -72,17 +85,13 @@ def leased_db(redis_url: str, *, wait_s: float = LEASE_WAIT_S) -> Iterator[int]:
     deadline = time.monotonic() + wait_s
     while True:
         for db in LEASABLE_DBS:
-            fd = _lock_file(f"redis-{tag}-db{db}.lock")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
+            fd = _try_lock(f"redis-{tag}-db{db}.lock")
+            if fd is None:
                 continue
             try:
                 yield db
             finally:
-                fcntl.flock(fd, fcntl.LOCK_UN)
-                os.close(fd)
+                _unlock(fd)
             return
         if time.monotonic() > deadline:
             raise TimeoutError(
@@ -100,8 +109,7 @@ def machine_lock(name: str) -> Iterator[None]:
         fcntl.flock(fd, fcntl.LOCK_EX)
         yield
     finally:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        os.close(fd)
+        _unlock(fd)
 
 
 def reserve_ports(ports: Iterable[int]) -> contextlib.ExitStack | None:
@@ -111,15 +119,11 @@ def reserve_ports(ports: Iterable[int]) -> contextlib.ExitStack | None:
     waits for the other's start."""
     held = contextlib.ExitStack()
     for port in sorted(set(ports)):
-        fd = _lock_file(f"port-{port}.lock")
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = _try_lock(f"port-{port}.lock")
+        if fd is None:
             held.close()
             return None
-        held.callback(os.close, fd)
-        held.callback(fcntl.flock, fd, fcntl.LOCK_UN)
+        held.callback(_unlock, fd)
     return held
 
 

@@ -70,8 +70,9 @@ from tests.integration.chaos import (
     wait_all,
     worker_env,
 )
+from tests.integration.isolation import db_url
 
-#: This run's Redis database (the chaos run has 7; other tests 9, 11-14).
+#: This run's Redis database when `--db` is not given (the heavy test passes one it leased).
 DEFAULT_DB = 5
 #: Seconds the group may take to settle after a membership change (a SIGKILLed
 #: member is only given up after its session timeout, 10 s).
@@ -81,11 +82,6 @@ _LINE = re.compile(r"^\[(?P<ts>[^\]]+)\] \[(?P<pid>\d+)\] \[\w+\] [\w.]+: (?P<ms
 _JOINED = re.compile(r"Joined group '.*' \(generation (?P<generation>\d+)\)")
 _REVOKING = "Revoking previously assigned partitions "
 _ASSIGNED = "raw partitions assigned: "
-
-
-def with_db(url: str, db: int) -> str:
-    """The Redis URL `url` with database `db` instead of its own."""
-    return urlsplit(url)._replace(path=f"/{db}").geturl()
 
 
 # --------------------------------------------------------------------------- the workers' logs
@@ -571,7 +567,7 @@ def main() -> None:
     parser.add_argument("--db", type=int, default=DEFAULT_DB, help="this run's Redis database")
     parser.add_argument("--seed", type=int, default=11)
     args = parser.parse_args()
-    os.environ["REDIS_URL"] = with_db(Settings.load().redis_url, args.db)
+    os.environ["REDIS_URL"] = db_url(Settings.load().redis_url, args.db)
     os.environ.setdefault("STREAMTALLY_NAMESPACE", f"scaleout-{uuid.uuid4().hex[:8]}")
     try:
         report = asyncio.run(

@@ -20,7 +20,7 @@ import shutil
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Final
 
@@ -45,25 +45,18 @@ def require_tools() -> None:
         pytest.skip(message)
 
 
-def spare_config(
-    state_dir: Path, held: contextlib.ExitStack, *, brokers: int = 1, redis_cluster: bool = False
+def claim_spare(
+    held: contextlib.ExitStack,
+    candidate: Callable[[], StackConfig],
+    ports_of: Callable[[StackConfig], list[int]] = lambda cfg: [p for _, p in cfg.named_ports()],
+    *,
+    what: str,
 ) -> StackConfig:
-    """A config of the given shape on ports nothing listens on now, reserved
-    (`reserve_ports`) until `held` closes."""
+    """The first config `candidate` makes whose ports (`ports_of`) nothing listens on now,
+    with those ports reserved (`reserve_ports`) until `held` closes."""
     for _ in range(50):
-        kafka_port = random.randrange(25000, 29000, 10)
-        redis_port = random.randrange(11000, 13000, 10)
-        cfg = StackConfig(
-            state_dir,
-            kafka_port=kafka_port,
-            controller_port=kafka_port + 1,
-            redis_port=redis_port,
-            # Not the stack's registry port (8081), which a registry of the session may hold.
-            registry_port=kafka_port + 9,
-            brokers=brokers,
-            redis_cluster=redis_cluster,
-        )
-        ports = [port for _, port in cfg.named_ports()]
+        cfg = candidate()
+        ports = ports_of(cfg)
         reserved = reserve_ports(ports)
         if reserved is None:
             continue
@@ -72,7 +65,28 @@ def spare_config(
             continue
         held.enter_context(reserved)
         return cfg
-    pytest.fail(f"no spare ports for a stack of {brokers} broker(s)")
+    pytest.fail(f"no spare ports for {what}")
+
+
+def spare_config(
+    state_dir: Path, held: contextlib.ExitStack, *, brokers: int = 1, redis_cluster: bool = False
+) -> StackConfig:
+    """A config of the given shape on spare ports, reserved until `held` closes."""
+
+    def candidate() -> StackConfig:
+        kafka_port = random.randrange(25000, 29000, 10)
+        return StackConfig(
+            state_dir,
+            kafka_port=kafka_port,
+            controller_port=kafka_port + 1,
+            redis_port=random.randrange(11000, 13000, 10),
+            # Not the stack's registry port (8081), which a registry of the session may hold.
+            registry_port=kafka_port + 9,
+            brokers=brokers,
+            redis_cluster=redis_cluster,
+        )
+
+    return claim_spare(held, candidate, what=f"a stack of {brokers} broker(s)")
 
 
 def stack_variables(cfg: StackConfig) -> dict[str, str]:
