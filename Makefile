@@ -20,6 +20,10 @@ INTEGRATION_TIER := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/i
 	-m "not heavy or beside"
 HEAVY_TIER := $(PYTEST) tests/integration/heavy -m "not beside"
 
+# The stacks a test run starts (the shared one, and those of the heavy tests) start often and
+# carry little: their Kafka runs lean (docs/operations.md), at about half the CPU.
+test integration heavy: export STREAMTALLY_KAFKA_JVM_OPTS ?= lean
+
 .PHONY: help install setup demo test check lint typecheck unit integration heavy bench stack-up stack-down clean
 
 help:

@@ -63,12 +63,16 @@ variable                            meaning                                     
 ``STREAMTALLY_REDIS_PORT``          the local stack's Redis                         ``6379``
 ``STREAMTALLY_REGISTRY_PORT``       the local stack's schema registry               ``8081``
 ``STREAMTALLY_REGISTRY_JAVA``       its JDK 17+ (``java`` or a Java home)           searched
+``STREAMTALLY_KAFKA_JVM_OPTS``      its Kafka's JVM options (``lean``: less CPU)    see below
 ``STREAMTALLY_NATIVE_CACHE``        kept builds of the hot path (``off``: none)     see below
 ==================================  ==============================================  =========
 
 The state directory defaults to ``.stack`` in the clone when streamtally runs
 from one (an editable install), else ``$XDG_STATE_HOME/streamtally`` (or
-``~/.local/state/streamtally``).  Builds of the compiled hot path are kept in
+``~/.local/state/streamtally``).  The Kafka JVM runs with the G1 collector and
+both compilers unless ``STREAMTALLY_KAFKA_JVM_OPTS`` names other options; ``lean``
+names the client compiler and the serial collector, for a stack that starts often
+and carries little (a test run).  Builds of the compiled hot path are kept in
 ``$XDG_CACHE_HOME/streamtally/native`` (or ``~/.cache/streamtally/native``).
 """
 

@@ -4,15 +4,26 @@ compiled hot path (`streamtally.ops.native`)."""
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
-from typing import Self
+from typing import Final, Self
 
-from pydantic import BaseModel, Field, model_validator
+from pydantic import BaseModel, Field, field_validator, model_validator
 
 from streamtally._native import OFF_WORDS
 from streamtally.settings._base import LOCAL_HOST, env
 
-__all__ = ["StackSection", "project_root"]
+__all__ = ["LEAN_JVM_OPTS", "StackSection", "project_root"]
+
+#: ``STREAMTALLY_KAFKA_JVM_OPTS=lean``: for a stack that starts often and carries little (a
+#: test run, a laptop): the client compiler only and the serial collector, about half the
+#: CPU of the defaults to start a broker and to carry a load (docs/operations.md).
+LEAN_JVM_OPTS: Final = (
+    "-XX:TieredStopAtLevel=1",
+    "-XX:+UseSerialGC",
+    "-XX:+ExitOnOutOfMemoryError",
+    "-Djava.awt.headless=true",
+)
 
 
 def project_root() -> Path | None:
@@ -58,6 +69,13 @@ class StackSection(BaseModel):
         None, validation_alias=env("STREAMTALLY_REGISTRY_JAVA", "registry_java")
     )
 
+    #: The Kafka JVM's GC and compiler options (heap aside): empty for the defaults
+    #: (`streamtally.stack.kafka.JVM_OPTS`), ``lean`` for `LEAN_JVM_OPTS`, or the options
+    #: themselves, split as a shell would.
+    kafka_jvm_opts_setting: str = Field(
+        "", validation_alias=env("STREAMTALLY_KAFKA_JVM_OPTS", "kafka_jvm_opts_setting")
+    )
+
     #: Where finished builds of the compiled hot path are kept for reuse; ``off``: nowhere.
     native_cache_setting: str = Field(
         "", validation_alias=env("STREAMTALLY_NATIVE_CACHE", "native_cache_setting")
@@ -65,6 +83,15 @@ class StackSection(BaseModel):
     xdg_cache_home: Path | None = Field(
         None, validation_alias=env("XDG_CACHE_HOME", "xdg_cache_home")
     )
+
+    @field_validator("kafka_jvm_opts_setting")
+    @classmethod
+    def _splits(cls, value: str) -> str:
+        try:
+            shlex.split(value)
+        except ValueError as exc:  # an unclosed quote
+            raise ValueError(f"STREAMTALLY_KAFKA_JVM_OPTS: {exc} in {value!r}") from exc
+        return value
 
     @model_validator(mode="after")
     def _ports_differ(self) -> Self:
@@ -85,6 +112,16 @@ class StackSection(BaseModel):
     @property
     def local_redis_url(self) -> str:
         return f"redis://{LOCAL_HOST}:{self.redis_port}/0"
+
+    @property
+    def kafka_jvm_opts(self) -> tuple[str, ...] | None:
+        """The Kafka JVM options set (``lean`` expanded), or None for the defaults."""
+        value = self.kafka_jvm_opts_setting.strip()
+        if not value:
+            return None
+        if value.lower() == "lean":
+            return LEAN_JVM_OPTS
+        return tuple(shlex.split(value))
 
     @property
     def native_cache(self) -> Path | None:

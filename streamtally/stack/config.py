@@ -2,7 +2,7 @@
 
 Built from the `Settings` (``STREAMTALLY_STATE_DIR``, ``STREAMTALLY_KAFKA_PORT``,
 ``STREAMTALLY_CONTROLLER_PORT``, ``STREAMTALLY_REDIS_PORT``,
-``STREAMTALLY_REGISTRY_PORT``; see
+``STREAMTALLY_REGISTRY_PORT``, ``STREAMTALLY_KAFKA_JVM_OPTS``; see
 `streamtally.settings`), never from the environment directly, and from the
 stack's *shape*: how many Kafka brokers, and whether Redis is a 3-master Redis
 Cluster.  ``stack up --brokers N`` / ``--redis-cluster`` choose the shape;
@@ -164,6 +164,8 @@ class StackConfig:
     #: Kafka on SASL_SSL with SCRAM users, Redis on TLS with an ACL user
     #: (`streamtally.stack.secure`); one broker and one Redis only.
     secure: bool = False
+    #: The Kafka JVM's options (heap aside); None: `streamtally.stack.kafka.JVM_OPTS`.
+    kafka_jvm_opts: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if self.brokers not in BROKER_COUNTS:
@@ -216,6 +218,7 @@ class StackConfig:
             brokers=shape.brokers if brokers is None else brokers,
             redis_cluster=shape.redis_cluster if redis_cluster is None else redis_cluster,
             secure=shape.secure if secure is None else secure,
+            kafka_jvm_opts=settings.kafka_jvm_opts,
         )
 
     @property

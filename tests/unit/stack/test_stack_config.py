@@ -8,8 +8,10 @@ from typing import Any
 
 import pytest
 
-from streamtally.errors import StackError
+from streamtally.errors import InputError, StackError
 from streamtally.settings import Settings
+from streamtally.settings.stack import LEAN_JVM_OPTS
+from streamtally.stack import kafka
 from streamtally.stack.config import (
     KafkaNode,
     StackConfig,
@@ -17,7 +19,7 @@ from streamtally.stack.config import (
     read_shape,
     record_shape,
 )
-from streamtally.stack.kafka_node import node_paths, server_properties
+from streamtally.stack.kafka_node import KAFKA_MAIN, node_paths, server_properties
 from streamtally.stack.redis_cluster import cluster_conf, nodes
 
 
@@ -77,6 +79,49 @@ def test_ports_follow_the_settings(tmp_path: Path) -> None:
         (19096, 29097),
     ]
     assert cfg.redis_cluster_ports == (16379, 16380, 16381)
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("", None),
+        ("  ", None),
+        ("lean", LEAN_JVM_OPTS),
+        ("LEAN", LEAN_JVM_OPTS),
+        ("-XX:+UseZGC '-Dname=a b'", ("-XX:+UseZGC", "-Dname=a b")),
+    ],
+)
+def test_the_kafka_jvm_options_come_from_the_setting(
+    tmp_path: Path, value: str, expected: tuple[str, ...] | None
+) -> None:
+    env = {"STREAMTALLY_STATE_DIR": str(tmp_path), "STREAMTALLY_KAFKA_JVM_OPTS": value}
+    cfg = StackConfig.from_settings(Settings.load(env))
+    assert cfg.kafka_jvm_opts == expected
+    (np,) = node_paths(cfg)
+    argv = kafka.broker_argv(cfg, "java", kafka.home(cfg), np)
+    options = list(kafka.JVM_OPTS if expected is None else expected)
+    after_heap = 1 + len(kafka.HEAP_OPTS)
+    assert argv[:after_heap] == ["java", *kafka.HEAP_OPTS]
+    assert argv[after_heap : after_heap + len(options)] == options
+    assert argv[after_heap + len(options)].startswith("-Dlog4j2.configurationFile=")
+    assert argv[-2:] == [KAFKA_MAIN, str(np.server_properties)]
+
+
+def test_the_lean_broker_takes_one_compiler_and_the_serial_collector(tmp_path: Path) -> None:
+    cfg = StackConfig(tmp_path, kafka_jvm_opts=LEAN_JVM_OPTS)
+    (np,) = node_paths(cfg)
+    argv = kafka.broker_argv(cfg, "java", kafka.home(cfg), np)
+    assert "-XX:TieredStopAtLevel=1" in argv
+    assert "-XX:+UseSerialGC" in argv
+    assert "-XX:+UseG1GC" not in argv
+    default = kafka.broker_argv(StackConfig(tmp_path), "java", kafka.home(cfg), np)
+    assert "-XX:+UseG1GC" in default
+    assert "-XX:TieredStopAtLevel=1" not in default
+
+
+def test_jvm_options_that_do_not_split_are_refused_at_load(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="STREAMTALLY_KAFKA_JVM_OPTS: No closing quotation"):
+        Settings.load({"STREAMTALLY_KAFKA_JVM_OPTS": "-Dname='a b"})
 
 
 @pytest.mark.parametrize(
