@@ -145,7 +145,21 @@ def _stop_this_worker(exc: BaseException) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _stop_before_start(signum: int, frame: object) -> NoReturn:
+    """SIGTERM before faust handles it (topics, Redis and the app still being set up): a
+    clean stop, exit 0.  Nothing has been read or committed yet, so nothing is lost."""
+    del frame
+    logging.getLogger(STATUS_LOGGER).info(
+        "streamtally worker: %s while starting: stopped before reading anything",
+        signal.Signals(signum).name,
+    )
+    raise SystemExit(0)
+
+
 def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
+    # Until faust's worker takes SIGTERM over (once it starts), it stops the start-up: a
+    # supervisor's stop of a worker still starting is a clean one, not a death by signal.
+    signal.signal(signal.SIGTERM, _stop_before_start)
     import faust
 
     from streamtally.processors.app import create_app

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 import uuid
 from collections.abc import Callable
@@ -22,7 +23,7 @@ from streamtally.core.identity import RequestRef
 from streamtally.core.models import Source
 from streamtally.producers import RawProducer
 from streamtally.producers.raw import raw_records
-from streamtally.settings import Settings
+from streamtally.settings import ENV_REDIS_URL, Settings
 from streamtally.topics import Topics
 from tests.integration.worker import (
     PROBE_FILE,
@@ -60,6 +61,33 @@ def test_sigterm_stops_the_worker_cleanly(start_worker: Callable[..., WorkerProc
     assert "Traceback" not in worker.log_text(), worker.describe()
     assert "[ERROR]" not in worker.log_text(), worker.describe()
     assert took < 30
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_a_sigterm_while_the_worker_starts_is_a_clean_stop(
+    stack_endpoints: Endpoints, tmp_path: Path
+) -> None:
+    """Before faust takes SIGTERM over (here: the worker waits for a Redis that does not
+    answer), a SIGTERM stops the start-up: exit 0 and one line, not a death by signal."""
+    env = {**stack_endpoints.env(), ENV_REDIS_URL: f"redis://127.0.0.1:{_closed_port()}/0"}
+    worker = WorkerProcess(tmp_path / "starting.log", env).start()
+    try:
+        worker.wait_for_log("does not answer", timeout=60)
+        code, took = worker.stop(timeout=20)
+    finally:
+        if worker.running:
+            worker.kill()
+    assert code == 0, worker.describe()
+    assert took < 20
+    log = worker.log_text()
+    assert "streamtally worker: SIGTERM while starting: stopped before reading anything" in log
+    assert "Traceback" not in log, worker.describe()
+    assert READY_LINE not in log
 
 
 async def _partitions(servers: str, topic: str) -> list[int]:
