@@ -8,17 +8,14 @@ ST := $(BIN)/streamtally
 
 # The test tiers (tests/README.md), each printing its slowest tests: the unit and agent tiers
 # in parallel (pytest-xdist, TEST_WORKERS processes: 2, this 2-core machine's best), then the
-# integration tier in INTEGRATION_WORKERS processes (a module per process; its tests mostly
-# wait on the broker, workers and timeouts, so three beat two here) with the heavy tests
-# marked `beside` (stacks of their own), then the rest of the heavy tier in one process:
-# outages, kills and thousands of streams whose timing a loaded machine skews.
+# integration tier, heavy tests included, in INTEGRATION_WORKERS processes (a module per
+# process; its tests mostly wait on the broker, workers, timeouts and outages, so three beat
+# two here; the heavy ones run on stacks of their own or on a fault stack).
 TEST_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -q --durations=15
 UNIT_TIER := $(PYTEST) -n $(TEST_WORKERS) tests/unit tests/agents
-INTEGRATION_TIER := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration \
-	-m "not heavy or beside"
-HEAVY_TIER := $(PYTEST) tests/integration/heavy -m "not beside"
+INTEGRATION_TIER := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration
 
 # The stacks a test run starts (the shared one, and those of the heavy tests) start often and
 # carry little: their Kafka runs lean (docs/operations.md), at about half the CPU.
@@ -65,10 +62,10 @@ unit: setup
 	$(UNIT_TIER)
 
 integration: setup stack-up
-	$(INTEGRATION_TIER)
+	$(INTEGRATION_TIER) -m "not heavy"
 
 heavy: setup stack-up
-	$(PYTEST) tests/integration/heavy
+	$(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration/heavy
 
 check: lint typecheck unit
 
@@ -79,9 +76,8 @@ test:
 	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target setup lint typecheck stack-up
 	@status=0; \
 	echo "== unit and agent tiers ($(TEST_WORKERS) processes)"; $(UNIT_TIER) || status=1; \
-	echo "== integration tier, with the heavy tests marked beside ($(INTEGRATION_WORKERS) processes)"; \
+	echo "== integration tier, heavy tests included ($(INTEGRATION_WORKERS) processes)"; \
 	$(INTEGRATION_TIER) || status=1; \
-	echo "== heavy tier (but the tests marked beside)"; $(HEAVY_TIER) || status=1; \
 	exit $$status
 
 bench: setup stack-up

@@ -216,7 +216,7 @@ def _keys_per_master(cfg: StackConfig) -> dict[int, int]:
 
 
 def test_the_pipeline_is_exact_on_the_redis_cluster_through_a_broker_kill(
-    cluster: StackConfig, tmp_path: Path
+    cluster: StackConfig, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The worker on three brokers and the Redis Cluster: every Tokens equal to its fold,
     usage rows equal to the sum of the folds, one billing event per request, though a
@@ -262,10 +262,12 @@ def test_the_pipeline_is_exact_on_the_redis_cluster_through_a_broker_kill(
         fold = cli("fold", "--source", row["source"], "--request-id", row["request_id"],
                    *(["--model", row["model"]] if "model" in row else []), row["file"])  # fmt: skip
         assert fold.code == 0, fold.err
-        got = run_streamtally("tokens", "get", row["request_id"], "--tenant", row["tenant"],
-                              env=env)  # fmt: skip
-        assert got.returncode == 0, got.stderr.decode(errors="replace")
-        assert json.loads(got.stdout) == json.loads(fold.out), row["file"]
+        with monkeypatch.context() as patched:  # the command in this process, on the cluster
+            for name in ("KAFKA_BOOTSTRAP_SERVERS", "REDIS_URL", "REDIS_CLUSTER"):
+                patched.setenv(name, env[name])
+            got = cli("tokens", "get", row["request_id"], "--tenant", row["tenant"])
+        assert got.code == 0, got.err
+        assert json.loads(got.out) == json.loads(fold.out), row["file"]
         totals = expected_usage.setdefault(row["tenant"], Counter())
         totals.update(json.loads(fold.out)["usage"])
         totals["requests"] += 1
