@@ -6,22 +6,26 @@ VENV := .venv
 BIN := $(VENV)/bin
 ST := $(BIN)/streamtally
 
-# The test tiers (tests/README.md), each printing its slowest tests: the unit and agent tiers
-# in parallel (pytest-xdist, TEST_WORKERS processes: 2, this 2-core machine's best), then the
-# integration tier, heavy tests included, in INTEGRATION_WORKERS processes (a module per
-# process; its tests mostly wait on the broker, workers, timeouts and outages, so three beat
-# two here; the heavy ones run on stacks of their own or on a fault stack).
+# The test tiers (tests/README.md).  `make test` runs them all in one parallel run
+# (pytest-xdist, INTEGRATION_WORKERS processes, --dist loadscope: a module per process, the
+# longest first: the heavy tests, the integration tier, then the agent and unit tiers fill
+# the end; tests/conftest.py SCOPE_ORDER), beside the lint and the type check.  Integration
+# tests mostly wait on the broker, workers, timeouts and outages, so three processes beat two
+# on this 2-core machine.  `make unit` runs the unit and agent tiers alone (TEST_WORKERS
+# processes: 2, this machine's best for them), `make integration` the integration tier.
 TEST_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -q --durations=15
+PARALLEL := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope
 UNIT_TIER := $(PYTEST) -n $(TEST_WORKERS) tests/unit tests/agents
-INTEGRATION_TIER := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration
+INTEGRATION_TIER := $(PARALLEL) tests/integration
+ALL_TIERS := $(PARALLEL) tests/unit tests/agents tests/integration
 
 # The stacks a test run starts (the shared one, and those of the heavy tests) start often and
 # carry little: their Kafka runs lean (docs/operations.md), at about half the CPU.
-test integration heavy: export STREAMTALLY_KAFKA_JVM_OPTS ?= lean
+test test-tiers integration heavy: export STREAMTALLY_KAFKA_JVM_OPTS ?= lean
 
-.PHONY: help install setup demo test check lint typecheck unit integration heavy bench stack-up stack-down clean
+.PHONY: help install setup demo test test-tiers check lint typecheck unit integration heavy bench stack-up stack-down clean
 
 help:
 	@echo "make demo        set up, start Kafka + Redis + registry, run the pipeline on the samples"
@@ -65,20 +69,22 @@ integration: setup stack-up
 	$(INTEGRATION_TIER) -m "not heavy"
 
 heavy: setup stack-up
-	$(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope tests/integration/heavy
+	$(PARALLEL) tests/integration/heavy
 
 check: lint typecheck unit
 
-# Every tier runs, also after a failing one; the exit status says whether all passed.
-# The set-up steps that do not depend on each other run at once: the compiled hot path's
-# build beside the lint, the type check and the stack's start (each step's output together).
+# First the steps the tests need, at once: the install and the compiled hot path's build
+# beside the stack's start; then every tier beside the lint and the type check (each line
+# of output as it comes).  All of them run, also after a failing one; the exit status says
+# whether all passed.
 test:
-	@$(MAKE) --no-print-directory --jobs=3 --output-sync=target setup lint typecheck stack-up
-	@status=0; \
-	echo "== unit and agent tiers ($(TEST_WORKERS) processes)"; $(UNIT_TIER) || status=1; \
-	echo "== integration tier, heavy tests included ($(INTEGRATION_WORKERS) processes)"; \
-	$(INTEGRATION_TIER) || status=1; \
-	exit $$status
+	@$(MAKE) --no-print-directory --jobs=2 --output-sync=target setup stack-up
+	@$(MAKE) --no-print-directory --keep-going --jobs=3 --output-sync=line lint typecheck test-tiers
+
+# (make test's: the tiers, once the set-up and the stack are there.)
+test-tiers:
+	@echo "== every tier, in one run of $(INTEGRATION_WORKERS) processes"
+	$(ALL_TIERS)
 
 bench: setup stack-up
 	$(ST) bench fold

@@ -5,18 +5,19 @@ test the markers of its folder (`TIERS`), so a new file gets its tier from where
 and ``-m`` selects tiers (the markers are registered in pyproject.toml; ``--strict-markers``).
 
 ==========================  =======================  ==========================================
-folder                      markers                  `make test` runs it
+folder                      markers                  in `make test`'s one parallel run
 ==========================  =======================  ==========================================
-tests/unit/<concept>/       ``unit``                 in parallel (pytest-xdist), with the agents
-tests/agents/               ``agent``                in parallel, with the unit tier
-tests/integration/          ``integration``          in parallel on the stack, a module per
-                                                     process, after the unit tier
-tests/integration/heavy/    ``integration heavy``    ``beside``: with the integration tier; the
-                                                     rest in one process, last (stacks of
-                                                     their own, the outage tests on a fault
-                                                     stack, or the stack under heavy load)
+tests/unit/<concept>/       ``unit``                 last, filling the end of the run
+tests/agents/               ``agent``                with the unit tier
+tests/integration/          ``integration``          after the heavy tests, on the shared stack
+tests/integration/heavy/    ``integration heavy``    first (stacks of their own, the outage
+                                                     tests on a fault stack, or the stack
+                                                     under heavy load)
 ==========================  =======================  ==========================================
 
+The run is ``pytest -n 3 --dist loadscope``: a module per process (`scope_of`), handed
+out in `SCOPE_ORDER` (`pytest_xdist_make_scheduler`); tests/README.md says how the
+integration tests stay apart.
 Which concept folder of tests/unit holds what: tests/README.md.
 """
 
@@ -25,8 +26,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, Final
 
 import pytest
+
+from tests.integration.isolation import FAULT_STACK, FAULT_STACK_MODULES
 
 REPO = Path(__file__).resolve().parent.parent
 TESTS = REPO / "tests"
@@ -60,6 +64,53 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         for name in tier_markers(item.path):
             if item.get_closest_marker(name) is None:
                 item.add_marker(name)
+
+
+#: The order in which a parallel run (``--dist loadscope``) hands out its scopes: the
+#: longest first, so that the short ones fill the end of the run (its tests, then the
+#: number of tests, break ties).
+SCOPE_ORDER: Final = (
+    FAULT_STACK,
+    "tests/integration/heavy/",
+    "tests/integration/",
+    "tests/agents/",
+    "tests/unit/",
+)
+
+
+def scope_of(nodeid: str) -> str:
+    """A test's scope in a parallel run: its module, or `FAULT_STACK` for the modules of
+    the fault stack (one process starts that stack once for all of them)."""
+    module = nodeid.split("::", 1)[0]
+    return FAULT_STACK if module in FAULT_STACK_MODULES else module
+
+
+def scope_rank(scope: str) -> int:
+    """Where `scope` comes in `SCOPE_ORDER` (its first prefix that matches)."""
+    return next((i for i, p in enumerate(SCOPE_ORDER) if scope.startswith(p)), len(SCOPE_ORDER))
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``--dist loadscope``: a module's tests go to one process (its module fixtures, a
+    worker or a stack, start once), the fault-stack modules together to one, and the
+    scopes go out in `SCOPE_ORDER`."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByModule(LoadScopeScheduling):  # type: ignore[misc]
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            if not getattr(self, "_ranked", False):  # once, before the first unit goes out
+                ranked = sorted(self.workqueue.items(), key=lambda unit: scope_rank(unit[0]))
+                self.workqueue.clear()
+                self.workqueue.update(ranked)
+                self._ranked = True
+            super()._assign_work_unit(node)
+
+    return ByModule(config, log)
 
 
 def require_public_transcripts() -> Path:

@@ -50,7 +50,6 @@ import urllib.request
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -63,7 +62,6 @@ from streamtally.stack import redis_cluster, registry
 from streamtally.stack.config import StackConfig
 from streamtally.topics import Topics
 from tests.integration.isolation import (
-    FAULT_STACK_MODULES,
     leased_db,
     machine_lock,
     process_namespace,
@@ -81,22 +79,6 @@ from tests.integration.worker import (
     local_stack_up,
     start_containers,
 )
-
-
-def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
-    """``--dist loadscope``: a module's tests go to one process (its module fixtures, a
-    worker or a stack, start once), and the fault-stack modules together to one."""
-    if config.getvalue("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    class ByModule(LoadScopeScheduling):  # type: ignore[misc]
-        def _split_scope(self, nodeid: str) -> str:
-            module = nodeid.split("::", 1)[0]
-            return "fault-stack" if module in FAULT_STACK_MODULES else module
-
-    return ByModule(config, log)
-
 
 #: Seconds a new worker may take to join its group and put the probe through.
 WORKER_READY_TIMEOUT_S = 60.0

@@ -27,6 +27,8 @@ from pathlib import Path
 from typing import Final
 from urllib.parse import urlsplit
 
+#: The scope of the `FAULT_STACK_MODULES` in a parallel run (`tests.conftest.scope_of`).
+FAULT_STACK: Final = "fault-stack"
 #: The modules of the tests marked ``fault_stack`` (checked against the marks when the heavy
 #: tier is collected): in a parallel run they are one work unit, so one process, one fault
 #: stack, runs them one after the other (tests/integration/heavy/conftest.py).

@@ -24,7 +24,7 @@ import pytest
 
 from streamtally.billing.pricing import PriceTable
 
-pytestmark = [pytest.mark.integration, pytest.mark.beside]
+pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "samples" / "openai" / "text_usage.sse"

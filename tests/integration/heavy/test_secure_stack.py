@@ -48,7 +48,7 @@ from tests.integration.worker import (
     wait_for_tokens,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.beside]
+pytestmark = pytest.mark.integration
 
 SAMPLE = SAMPLES / "anthropic" / "text_end_turn.sse"
 #: Variables of the session's own stack that must not leak into the secured one's clients.

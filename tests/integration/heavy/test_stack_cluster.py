@@ -40,7 +40,7 @@ from streamtally.wire.kafka import ensure_topics, idempotent_producer, read_topi
 from tests.integration.spare_stack import own_stack, run_stack, stack_env
 from tests.integration.worker import SAMPLES, cli, run_streamtally, wait_for_tokens
 
-pytestmark = [pytest.mark.integration, pytest.mark.beside, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 
 #: Seconds one phase of the kill test may take to produce or consume its records.
 PHASE_TIMEOUT_S = 90.0
