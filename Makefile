@@ -6,26 +6,24 @@ VENV := .venv
 BIN := $(VENV)/bin
 ST := $(BIN)/streamtally
 
-# The test tiers (tests/README.md).  `make test` runs them all in one parallel run
-# (pytest-xdist, INTEGRATION_WORKERS processes, --dist loadscope: a module per process, the
-# longest first: the heavy tests, the integration tier, then the agent and unit tiers fill
-# the end; tests/conftest.py SCOPE_ORDER), beside the lint and the type check.  Integration
-# tests mostly wait on the broker, workers, timeouts and outages, so three processes beat two
-# on this 2-core machine.  `make unit` runs the unit and agent tiers alone (TEST_WORKERS
-# processes: 2, this machine's best for them), `make integration` the integration tier.
+# The test tiers (tests/README.md), each run printing its slowest tests: the unit and agent
+# tiers in parallel (pytest-xdist, TEST_WORKERS processes: 2, this 2-core machine's best),
+# then the integration tier, heavy tests included, in INTEGRATION_WORKERS processes
+# (--dist loadscope: a module per process, the longest first, tests/conftest.py
+# SCOPE_ORDER; its tests mostly wait on the broker, workers, timeouts and outages, so three
+# processes beat two here).
 TEST_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -q --durations=15
 PARALLEL := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope
 UNIT_TIER := $(PYTEST) -n $(TEST_WORKERS) tests/unit tests/agents
 INTEGRATION_TIER := $(PARALLEL) tests/integration
-ALL_TIERS := $(PARALLEL) tests/unit tests/agents tests/integration
 
 # The stacks a test run starts (the shared one, and those of the heavy tests) start often and
 # carry little: their Kafka runs lean (docs/operations.md), at about half the CPU.
-test test-tiers integration heavy: export STREAMTALLY_KAFKA_JVM_OPTS ?= lean
+test test-integration integration heavy: export STREAMTALLY_KAFKA_JVM_OPTS ?= lean
 
-.PHONY: help install setup demo test test-tiers check lint typecheck unit integration heavy bench stack-up stack-down clean
+.PHONY: help install setup demo test test-unit test-integration check lint typecheck unit integration heavy bench stack-up stack-down clean
 
 help:
 	@echo "make demo        set up, start Kafka + Redis + registry, run the pipeline on the samples"
@@ -73,18 +71,26 @@ heavy: setup stack-up
 
 check: lint typecheck unit
 
-# First the steps the tests need, at once: the install and the compiled hot path's build
-# beside the stack's start; then every tier beside the lint and the type check (each line
-# of output as it comes).  All of them run, also after a failing one; the exit status says
+# The install and the compiled hot path's build first; then at once the lint, the type
+# check, the stack's start and the unit and agent tiers (each one's output together); then
+# the integration tier.  All of them run, also after a failing one; the exit status says
 # whether all passed.
 test:
-	@$(MAKE) --no-print-directory --jobs=2 --output-sync=target setup stack-up
-	@$(MAKE) --no-print-directory --keep-going --jobs=3 --output-sync=line lint typecheck test-tiers
+	@$(MAKE) --no-print-directory setup
+	@status=0; \
+	$(MAKE) --no-print-directory --keep-going --jobs=4 --output-sync=target \
+		lint typecheck stack-up test-unit || status=1; \
+	$(MAKE) --no-print-directory test-integration || status=1; \
+	exit $$status
 
-# (make test's: the tiers, once the set-up and the stack are there.)
-test-tiers:
-	@echo "== every tier, in one run of $(INTEGRATION_WORKERS) processes"
-	$(ALL_TIERS)
+# (make test's steps: a tier each, with no set-up of their own.)
+test-unit:
+	@echo "== unit and agent tiers ($(TEST_WORKERS) processes)"
+	$(UNIT_TIER)
+
+test-integration:
+	@echo "== integration tier, heavy tests included ($(INTEGRATION_WORKERS) processes)"
+	$(INTEGRATION_TIER)
 
 bench: setup stack-up
 	$(ST) bench fold

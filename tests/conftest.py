@@ -5,19 +5,20 @@ test the markers of its folder (`TIERS`), so a new file gets its tier from where
 and ``-m`` selects tiers (the markers are registered in pyproject.toml; ``--strict-markers``).
 
 ==========================  =======================  ==========================================
-folder                      markers                  in `make test`'s one parallel run
+folder                      markers                  `make test` runs it
 ==========================  =======================  ==========================================
-tests/unit/<concept>/       ``unit``                 last, filling the end of the run
-tests/agents/               ``agent``                with the unit tier
-tests/integration/          ``integration``          after the heavy tests, on the shared stack
-tests/integration/heavy/    ``integration heavy``    first (stacks of their own, the outage
-                                                     tests on a fault stack, or the stack
-                                                     under heavy load)
+tests/unit/<concept>/       ``unit``                 in parallel (pytest-xdist), with the agents
+tests/agents/               ``agent``                in parallel, with the unit tier
+tests/integration/          ``integration``          in parallel on the stack, after the unit
+                                                     tier (``-n 3 --dist loadscope``: a module
+                                                     per process, `scope_of`, handed out in
+                                                     `SCOPE_ORDER`)
+tests/integration/heavy/    ``integration heavy``    with the integration tier, first (stacks
+                                                     of their own, the outage tests on a fault
+                                                     stack, or the stack under heavy load)
 ==========================  =======================  ==========================================
 
-The run is ``pytest -n 3 --dist loadscope``: a module per process (`scope_of`), handed
-out in `SCOPE_ORDER` (`pytest_xdist_make_scheduler`); tests/README.md says how the
-integration tests stay apart.
+tests/README.md says how the integration tests stay apart.
 Which concept folder of tests/unit holds what: tests/README.md.
 """
 

@@ -25,7 +25,6 @@ the child (it writes the extensions to ``BUILD_DIR/lib``).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import os
@@ -50,6 +49,7 @@ from streamtally._native import (
     source_digest,
 )
 from streamtally.errors import NativeBuildError
+from streamtally.ops.build_cache import BuildCache
 
 __all__ = [
     "CACHE_KEEP",
@@ -87,39 +87,13 @@ def cache_key(digest: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
-def _take_cached(entry: Path, staging: Path, package_dir: Path) -> bool:
-    """Copy the cached build `entry` to `staging` if it is a fresh build of `package_dir`."""
-    reason, _ = check_build(entry, package_dir)
+def _take_cached(cache: BuildCache, key: str, staging: Path, package_dir: Path) -> bool:
+    """Copy the cached build of `key` to `staging` if it is a fresh build of `package_dir`."""
+    reason, _ = check_build(cache.entry(key), package_dir)
     if reason is not None:
         return False
     shutil.rmtree(staging, ignore_errors=True)
-    shutil.copytree(entry, staging, symlinks=True)
-    with contextlib.suppress(OSError):
-        os.utime(entry)  # (the newest are kept)
-    return True
-
-
-def _store(staging: Path, entry: Path) -> None:
-    """Keep the finished build in `staging` as the cache's `entry` (whole or not at all),
-    and only the newest `CACHE_KEEP` builds of the cache."""
-    if entry.exists():
-        return
-    cache = entry.parent
-    cache.mkdir(parents=True, exist_ok=True, mode=0o700)
-    scratch = cache / f".{entry.name}-{os.getpid()}"
-    shutil.rmtree(scratch, ignore_errors=True)
-    shutil.copytree(staging, scratch, symlinks=True)
-    try:
-        scratch.rename(entry)
-    except OSError:  # another process stored the same build meanwhile
-        shutil.rmtree(scratch, ignore_errors=True)
-    builds = sorted(
-        (p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".")),
-        key=lambda p: p.stat().st_mtime,
-        reverse=True,
-    )
-    for old in builds[CACHE_KEEP:]:
-        shutil.rmtree(old, ignore_errors=True)
+    return cache.take(key, staging)
 
 
 def fresh(build_dir: Path = BUILD_DIR, package_dir: Path = PACKAGE_DIR) -> bool:
@@ -161,10 +135,12 @@ def build(
         ) from None
     digest = source_digest(package_dir)
     staging = build_dir.parent / _STAGING
-    entry = None if cache is None else cache / cache_key(digest)
-    if not force and entry is not None and _take_cached(entry, staging, package_dir):
+    kept = None if cache is None else BuildCache(cache, keep=CACHE_KEEP)
+    key = "" if kept is None else cache_key(digest)
+    if not force and kept is not None and _take_cached(kept, key, staging, package_dir):
         _swap(staging, build_dir)
-        return BuildResult(True, time.perf_counter() - started, MODULES, build_dir, entry)
+        seconds = time.perf_counter() - started
+        return BuildResult(True, seconds, MODULES, build_dir, kept.entry(key))
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     log = staging / _LOG
@@ -200,9 +176,9 @@ def build(
     (staging / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     for scratch in ("c", "obj"):  # the generated C and the objects: not needed to run
         shutil.rmtree(staging / scratch, ignore_errors=True)
-    if entry is not None:
+    if kept is not None:
         try:
-            _store(staging, entry)
+            kept.store(staging, key)
         except OSError as exc:  # a build that cannot be kept is still a build
             progress(f"the build is not kept in the cache {cache}: {exc}")
     _swap(staging, build_dir)

@@ -65,6 +65,7 @@ variable                            meaning                                     
 ``STREAMTALLY_REGISTRY_JAVA``       its JDK 17+ (``java`` or a Java home)           searched
 ``STREAMTALLY_KAFKA_JVM_OPTS``      its Kafka's JVM options (``lean``: less CPU)    see below
 ``STREAMTALLY_NATIVE_CACHE``        kept builds of the hot path (``off``: none)     see below
+``STREAMTALLY_STACK_CACHE``         kept Kafka jars, registry (``off``: none)       see below
 ==================================  ==============================================  =========
 
 The state directory defaults to ``.stack`` in the clone when streamtally runs
@@ -73,7 +74,8 @@ from one (an editable install), else ``$XDG_STATE_HOME/streamtally`` (or
 both compilers unless ``STREAMTALLY_KAFKA_JVM_OPTS`` names other options; ``lean``
 names the client compiler and the serial collector, for a stack that starts often
 and carries little (a test run).  Builds of the compiled hot path are kept in
-``$XDG_CACHE_HOME/streamtally/native`` (or ``~/.cache/streamtally/native``).
+``$XDG_CACHE_HOME/streamtally/native`` (or ``~/.cache/streamtally/native``), the local
+stack's Kafka jars and registry builds in ``$XDG_CACHE_HOME/streamtally/stack``.
 """
 
 from __future__ import annotations

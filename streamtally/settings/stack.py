@@ -80,6 +80,11 @@ class StackSection(BaseModel):
     native_cache_setting: str = Field(
         "", validation_alias=env("STREAMTALLY_NATIVE_CACHE", "native_cache_setting")
     )
+    #: Where the local stack keeps the Kafka jars and registry builds it assembled, for other
+    #: state dirs and clones; ``off``: nowhere.
+    stack_cache_setting: str = Field(
+        "", validation_alias=env("STREAMTALLY_STACK_CACHE", "stack_cache_setting")
+    )
     xdg_cache_home: Path | None = Field(
         None, validation_alias=env("XDG_CACHE_HOME", "xdg_cache_home")
     )
@@ -123,16 +128,25 @@ class StackSection(BaseModel):
             return LEAN_JVM_OPTS
         return tuple(shlex.split(value))
 
-    @property
-    def native_cache(self) -> Path | None:
-        """The build cache's folder (``$XDG_CACHE_HOME/streamtally/native`` unless set), or
-        None when it is off."""
-        value = self.native_cache_setting.strip()
+    def _cache_folder(self, setting: str, name: str) -> Path | None:
+        value = setting.strip()
         if value.lower() in OFF_WORDS:
             return None
         if value:
             return Path(value).expanduser()
-        return (self.xdg_cache_home or Path.home() / ".cache") / "streamtally" / "native"
+        return (self.xdg_cache_home or Path.home() / ".cache") / "streamtally" / name
+
+    @property
+    def native_cache(self) -> Path | None:
+        """The build cache's folder (``$XDG_CACHE_HOME/streamtally/native`` unless set), or
+        None when it is off."""
+        return self._cache_folder(self.native_cache_setting, "native")
+
+    @property
+    def stack_cache(self) -> Path | None:
+        """The local stack's cache of assembled jars and builds
+        (``$XDG_CACHE_HOME/streamtally/stack`` unless set), or None when it is off."""
+        return self._cache_folder(self.stack_cache_setting, "stack")
 
     @property
     def state_dir(self) -> Path:

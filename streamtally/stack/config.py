@@ -2,7 +2,7 @@
 
 Built from the `Settings` (``STREAMTALLY_STATE_DIR``, ``STREAMTALLY_KAFKA_PORT``,
 ``STREAMTALLY_CONTROLLER_PORT``, ``STREAMTALLY_REDIS_PORT``,
-``STREAMTALLY_REGISTRY_PORT``, ``STREAMTALLY_KAFKA_JVM_OPTS``; see
+``STREAMTALLY_REGISTRY_PORT``, ``STREAMTALLY_KAFKA_JVM_OPTS``, ``STREAMTALLY_STACK_CACHE``; see
 `streamtally.settings`), never from the environment directly, and from the
 stack's *shape*: how many Kafka brokers, and whether Redis is a 3-master Redis
 Cluster.  ``stack up --brokers N`` / ``--redis-cluster`` choose the shape;
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Final
 
 from streamtally.errors import StackError
+from streamtally.ops.build_cache import BuildCache
 from streamtally.settings import LOCAL_HOST, Settings
 
 __all__ = [
@@ -166,6 +167,9 @@ class StackConfig:
     secure: bool = False
     #: The Kafka JVM's options (heap aside); None: `streamtally.stack.kafka.JVM_OPTS`.
     kafka_jvm_opts: tuple[str, ...] | None = None
+    #: Where assembled Kafka jars and registry builds are kept for other state dirs
+    #: (`Settings.stack_cache`); None: nowhere.
+    cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.brokers not in BROKER_COUNTS:
@@ -219,6 +223,7 @@ class StackConfig:
             redis_cluster=shape.redis_cluster if redis_cluster is None else redis_cluster,
             secure=shape.secure if secure is None else secure,
             kafka_jvm_opts=settings.kafka_jvm_opts,
+            cache_dir=settings.stack_cache,
         )
 
     @property
@@ -234,6 +239,10 @@ class StackConfig:
     def secure_dir(self) -> Path:
         """The secured stack's CA, certificates and generated passwords (mode 0700)."""
         return self.state_dir / "secure"
+
+    def cache(self, kind: str) -> BuildCache | None:
+        """The kept builds of `kind` (``kafka-jars``, ``registry``), or None without a cache."""
+        return None if self.cache_dir is None else BuildCache(self.cache_dir / kind, keep=2)
 
     # -- Kafka -----------------------------------------------------------------------
 

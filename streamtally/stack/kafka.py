@@ -391,7 +391,7 @@ def up(cfg: StackConfig, say: Say, timeout: float = READY_TIMEOUT_S) -> None:
         return
     java = find_java()
     kh = home(cfg)
-    resolve_jars(kh, say)
+    resolve_jars(kh, say, cfg.cache("kafka-jars"))
     _check_ports_free(cfg, missing)
     if cfg.secure:
         secure.ensure_material(cfg, say)

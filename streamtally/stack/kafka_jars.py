@@ -3,7 +3,9 @@
 Under ``<state>/kafka`` (shared by every broker count)::
 
     pom.xml           copy of streamtally/stack/pom.xml used to resolve the jars
-    lib/              the broker's jars (mvn dependency:copy-dependencies), .resolved stamp
+    lib/              the broker's jars (mvn dependency:copy-dependencies), .resolved stamp;
+                      or a copy of the jars another state dir resolved for the same pom
+                      (the stack's cache, `StackConfig.cache`)
     logs/maven.log    Maven's output of the last resolution
 """
 
@@ -20,6 +22,7 @@ from pathlib import Path
 from typing import Final
 
 from streamtally.errors import StackError
+from streamtally.ops.build_cache import BuildCache
 from streamtally.stack import Say, indent, tail
 
 __all__ = [
@@ -112,20 +115,30 @@ def jars_resolved(home: KafkaHome) -> bool:
     return stamp == _pom_digest() and any(home.lib.glob("kafka_2.13-*.jar"))
 
 
-def resolve_jars(home: KafkaHome, say: Say) -> None:
-    """Copy Kafka and its runtime dependencies into ``lib/``; no-op when already there."""
+def resolve_jars(home: KafkaHome, say: Say, cache: BuildCache | None = None) -> None:
+    """Copy Kafka and its runtime dependencies into ``lib/``; no-op when already there.
+
+    With a `cache`, jars resolved for this pom in another state dir are taken from it, and
+    jars resolved here are kept in it."""
     version = kafka_version()
     if jars_resolved(home):
         say(f"kafka: jars for {version} already in {home.lib}")
         return
-    mvn = find_maven()
-    say(f"kafka: resolving jars for kafka_2.13:{version} with Maven into {home.lib} ...")
     home.root.mkdir(parents=True, exist_ok=True)
-    home.maven_log.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(POM, home.pom)
-    start = time.monotonic()
     staging = home.root / "lib.partial"
     shutil.rmtree(staging, ignore_errors=True)
+    digest = _pom_digest()
+    if cache is not None and cache.take(digest, staging):
+        _install(staging, home)
+        if jars_resolved(home):
+            say(f"kafka: jars for {version} taken from {cache.entry(digest)}")
+            return
+        shutil.rmtree(staging, ignore_errors=True)  # (not what the stamp says: resolve anew)
+    mvn = find_maven()
+    say(f"kafka: resolving jars for kafka_2.13:{version} with Maven into {home.lib} ...")
+    home.maven_log.parent.mkdir(parents=True, exist_ok=True)
+    start = time.monotonic()
     argv = [
         mvn, "-B", "-q", "-Dstyle.color=never", "-f", str(home.pom),
         "dependency:copy-dependencies", "-DincludeScope=runtime",
@@ -140,8 +153,18 @@ def resolve_jars(home: KafkaHome, say: Say) -> None:
             f"Maven could not resolve the Kafka jars (exit {result.returncode}); Maven Central "
             f"must be reachable. Full output: {home.maven_log}\n{indent(tail(home.maven_log))}"
         )
-    (staging / ".resolved").write_text(_pom_digest() + "\n", encoding="ascii")
-    shutil.rmtree(home.lib, ignore_errors=True)
-    staging.replace(home.lib)
+    (staging / ".resolved").write_text(digest + "\n", encoding="ascii")
+    if cache is not None:
+        try:
+            cache.store(staging, digest)
+        except OSError as exc:  # jars that cannot be kept are still jars
+            say(f"kafka: the jars are not kept in {cache.root}: {exc}")
+    _install(staging, home)
     jars = sum(1 for _ in home.lib.glob("*.jar"))
     say(f"kafka: {jars} jars resolved in {time.monotonic() - start:.1f} s")
+
+
+def _install(staging: Path, home: KafkaHome) -> None:
+    """Put the complete folder `staging` in place of ``lib/``."""
+    shutil.rmtree(home.lib, ignore_errors=True)
+    staging.replace(home.lib)

@@ -26,7 +26,9 @@ The project registers its schemas from the same text each time.
 
 Layout under ``<state>/registry``::
 
-    app/              the built application (quarkus-run.jar, lib/, ...), .built stamp
+    app/              the built application (quarkus-run.jar, lib/, ...), .built stamp;
+                      or a copy of the build another state dir made of the same project
+                      (the stack's cache, `StackConfig.cache`)
     build/            the Maven project while it builds (removed after)
     logs/maven.log    Maven's output of the last build
     data/             registry.mv.db: the H2 database (schemas, ids, rules)
@@ -53,6 +55,7 @@ from pathlib import Path
 from typing import Final
 
 from streamtally.errors import StackError
+from streamtally.ops.build_cache import BuildCache
 from streamtally.stack import (
     Say,
     ServiceStatus,
@@ -252,8 +255,11 @@ def _last_step(log: Path) -> str:
     return ""
 
 
-def ensure_built(home: RegistryHome, java: Java, say: Say) -> None:
-    """Build the application into ``app/`` with Maven under `java` (a JDK); no-op when built."""
+def ensure_built(home: RegistryHome, java: Java, say: Say, cache: BuildCache | None = None) -> None:
+    """Build the application into ``app/`` with Maven under `java` (a JDK); no-op when built.
+
+    With a `cache`, a build of this project made in another state dir is taken from it, and
+    a build made here is kept in it."""
     version = apicurio_version()
     if app_built(home):
         say(f"registry: Apicurio Registry {version} already built in {home.app_dir}")
@@ -265,6 +271,14 @@ def ensure_built(home: RegistryHome, java: Java, say: Say) -> None:
             f"the registry (pid {running.pid}) runs from the build in {home.app_dir}, which "
             "must be rebuilt for the changed registry_app project: `streamtally stack down` first"
         )
+    digest = project_digest()
+    taken = home.root / "app.partial"
+    shutil.rmtree(taken, ignore_errors=True)
+    if cache is not None and cache.take(digest, taken):
+        _install(taken, home)
+        if app_built(home):
+            say(f"registry: Apicurio Registry {version} taken from {cache.entry(digest)}")
+            return
     mvn = find_maven()
     say(
         f"registry: building Apicurio Registry {version} with Maven under Java {java.major} "
@@ -298,11 +312,21 @@ def ensure_built(home: RegistryHome, java: Java, say: Say) -> None:
             f"must be reachable. Full output: {home.maven_log}\n"
             f"{indent(tail(home.maven_log, 15))}"
         )
-    (built / _STAMP).write_text(project_digest() + "\n", encoding="ascii")
-    shutil.rmtree(home.app_dir, ignore_errors=True)
-    built.replace(home.app_dir)
+    (built / _STAMP).write_text(digest + "\n", encoding="ascii")
+    if cache is not None:
+        try:
+            cache.store(built, digest)
+        except OSError as exc:  # a build that cannot be kept is still a build
+            say(f"registry: the build is not kept in {cache.root}: {exc}")
+    _install(built, home)
     shutil.rmtree(home.build_dir, ignore_errors=True)
     say(f"registry: built in {time.monotonic() - start:.1f} s")
+
+
+def _install(built: Path, home: RegistryHome) -> None:
+    """Put the complete application folder `built` in place of ``app/``."""
+    shutil.rmtree(home.app_dir, ignore_errors=True)
+    built.replace(home.app_dir)
 
 
 def _wait_for_maven(
@@ -468,7 +492,7 @@ def up(
         return
     rh = home(cfg)
     java = find_registry_java(java_override, need_compiler=not app_built(rh))
-    ensure_built(rh, java, say)
+    ensure_built(rh, java, say, cfg.cache("registry"))
     pid, waited = start(java, rh, rp, (cfg.host, cfg.registry_port), say, timeout=timeout)
     say(f"registry: ready in {waited:.1f} s (pid {pid}, {cfg.local_registry_url()})")
 

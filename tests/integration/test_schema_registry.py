@@ -30,6 +30,7 @@ from streamtally.stack import port_in_use, registry
 from streamtally.stack.config import StackConfig
 from streamtally.stack.java import Java
 from streamtally.wire.avro import current, known_version
+from tests.integration.isolation import machine_lock
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -54,14 +55,17 @@ def _call(url: str, body: dict[str, Any] | None = None, method: str = "GET") -> 
 
 @pytest.fixture(scope="module")
 def built() -> tuple[registry.RegistryHome, Java]:
-    """The application built in the stack's state dir (built now if it is not), and a Java."""
+    """The application built in the stack's state dir (built now if it is not, or taken from
+    the machine's cache as `stack up --registry` would), and a Java."""
     settings = Settings.load()
-    home = registry.home(StackConfig.from_settings(settings))
+    cfg = StackConfig.from_settings(settings)
+    home = registry.home(cfg)
     java = registry.find_registry_java(
         settings.registry_java, need_compiler=not registry.app_built(home)
     )
     start = time.monotonic()
-    registry.ensure_built(home, java, print)
+    with machine_lock("schema-registry-up"):  # not while another process builds it
+        registry.ensure_built(home, java, print, cfg.cache("registry"))
     print(f"registry application ready in {time.monotonic() - start:.1f} s")
     return home, java
 

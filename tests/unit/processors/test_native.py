@@ -21,6 +21,7 @@ import streamtally.core.fold
 from benchmarks.pipeline_workload import RequestBuilder, bench_names, interleave
 from streamtally import _native
 from streamtally.ops import native
+from streamtally.ops.build_cache import BuildCache
 from streamtally.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -246,7 +247,7 @@ def test_a_build_of_the_same_sources_is_taken_from_the_cache(
     package = _package(tmp_path)
     cache = tmp_path / "cache"
     key = native.cache_key(_native.source_digest(package))
-    native._store(_build(tmp_path, package), cache / key)
+    BuildCache(cache).store(_build(tmp_path, package), key)
     monkeypatch.setattr(native, "PACKAGE_DIR", package)
     monkeypatch.setattr(native, "BUILD_DIR", tmp_path / "clone" / ".native")
     (tmp_path / "clone").mkdir()
@@ -265,26 +266,12 @@ def test_a_build_of_the_same_sources_is_taken_from_the_cache(
 def test_a_cached_build_of_other_sources_is_not_taken(tmp_path: Path) -> None:
     package = _package(tmp_path)
     key = native.cache_key(_native.source_digest(package))
-    entry = tmp_path / "cache" / key
-    native._store(_build(tmp_path, package), entry)
+    cache = BuildCache(tmp_path / "cache")
+    cache.store(_build(tmp_path, package), key)
     (package / "core" / "fold.py").write_text("X = 2\n")  # the sources changed since
     assert native.cache_key(_native.source_digest(package)) != key
-    assert not native._take_cached(entry, tmp_path / "staging", package)
+    assert not native._take_cached(cache, key, tmp_path / "staging", package)
     assert not (tmp_path / "staging").exists()
-
-
-def test_the_cache_keeps_the_newest_builds(tmp_path: Path) -> None:
-    package = _package(tmp_path)
-    build = _build(tmp_path, package)
-    cache = tmp_path / "cache"
-    for i in range(native.CACHE_KEEP + 2):
-        native._store(build, cache / f"key{i}")
-        os.utime(cache / f"key{i}", (1000 + i, 1000 + i))
-    native._store(build, cache / "newest")
-    kept = sorted(p.name for p in cache.iterdir())
-    assert len(kept) == native.CACHE_KEEP
-    assert "newest" in kept
-    assert "key0" not in kept
 
 
 def test_the_cache_folder_is_set_or_off(tmp_path: Path) -> None:
