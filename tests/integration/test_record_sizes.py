@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 import uuid
 
 import pytest
@@ -32,19 +31,34 @@ def namespace() -> str:
     return f"sizes-{uuid.uuid4().hex[:10]}"
 
 
+#: DescribeConfigs' error code for a topic the broker asked does not know yet.
+UNKNOWN_TOPIC_OR_PARTITION = 3
+
+
 async def configs_of(servers: str, names: list[str]) -> dict[str, dict[str, str]]:
+    """The topics' configs, once the broker asked knows every one of them (a topic created
+    a moment before may take a while on a loaded machine; `KNOWN_TIMEOUT_S`)."""
     admin = AIOKafkaAdminClient(bootstrap_servers=servers)
     await admin.start()
+    deadline = asyncio.get_running_loop().time() + KNOWN_TIMEOUT_S
     try:
-        found: dict[str, dict[str, str]] = {}
-        responses = await admin.describe_configs(
-            [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
-        )
-        for response in responses:
-            for resource in response.resources:
-                assert resource[0] == 0, resource[:4]
-                found[resource[3]] = {entry[0]: entry[1] for entry in resource[4]}
-        return found
+        while True:
+            found: dict[str, dict[str, str]] = {}
+            unknown = []
+            responses = await admin.describe_configs(
+                [ConfigResource(ConfigResourceType.TOPIC, name) for name in names]
+            )
+            for response in responses:
+                for resource in response.resources:
+                    if resource[0] == UNKNOWN_TOPIC_OR_PARTITION:
+                        unknown.append(resource[:4])
+                        continue
+                    assert resource[0] == 0, resource[:4]
+                    found[resource[3]] = {entry[0]: entry[1] for entry in resource[4]}
+            if not unknown:
+                return found
+            assert asyncio.get_running_loop().time() < deadline, unknown
+            await asyncio.sleep(0.2)
     finally:
         await admin.close()
 
@@ -73,20 +87,11 @@ async def create_as_before(servers: str, topics: Topics, max_message_bytes: int 
                 config["max.message.bytes"] = str(max_message_bytes)
             new.append(NewTopic(topic.name, topic.partitions, 1, topic_configs=config))
         await admin.create_topics(new)
-        # Until the broker knows them (its metadata follows the controller; on a broker busy
-        # with a parallel run's topics, seconds later).
-        deadline = time.monotonic() + KNOWN_TIMEOUT_S
-        while True:
-            responses = await admin.describe_configs(
-                [ConfigResource(ConfigResourceType.TOPIC, t.name) for t in topics.raw]
-            )
-            codes = [r[0] for response in responses for r in response.resources]
-            if not any(codes):
-                break
-            assert time.monotonic() < deadline, f"not known {KNOWN_TIMEOUT_S:.0f} s on: {codes}"
-            await asyncio.sleep(0.1)
     finally:
         await admin.close()
+    # Until the broker knows them (its metadata follows the controller; on a broker busy
+    # with a parallel run's topics, seconds later).
+    await configs_of(servers, [t.name for t in topics.raw])
 
 
 def test_ensure_topics_raises_the_raw_topics_limit_and_keeps_their_configs(
