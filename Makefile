@@ -10,10 +10,11 @@ ST := $(BIN)/streamtally
 # tiers in parallel (pytest-xdist, TEST_WORKERS processes: 2, this 2-core machine's best),
 # then the integration tier, heavy tests included, in INTEGRATION_WORKERS processes
 # (--dist loadscope: a module per process, the longest first, tests/conftest.py
-# SCOPE_ORDER; its tests mostly wait on the broker, workers, timeouts and outages, so four
-# processes beat three here: 288 s against 324 s).
+# SCOPE_ORDER; its tests mostly wait on the broker, workers, timeouts and outages, so three
+# processes beat two here; four took 288 s against 324, but the scale-out test's rebalance
+# checks failed in one of two runs of four: tests/README.md).
 TEST_WORKERS ?= 2
-INTEGRATION_WORKERS ?= 4
+INTEGRATION_WORKERS ?= 3
 PYTEST := $(BIN)/pytest -q --durations=15
 PARALLEL := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope
 UNIT_TIER := $(PYTEST) -n $(TEST_WORKERS) tests/unit tests/agents

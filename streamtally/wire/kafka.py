@@ -24,6 +24,7 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.errors import (
     KafkaConnectionError,
+    KafkaTimeoutError,
     NodeNotReadyError,
     NotControllerError,
     RequestTimedOutError,
@@ -49,6 +50,7 @@ __all__ = [
     "read_decoded",
     "read_decoded_at",
     "read_topic",
+    "wait_served",
 ]
 
 log = logging.getLogger(__name__)
@@ -81,6 +83,9 @@ _MISSING_HINT: Final = (
 
 #: How long `ensure_topics` retries while a broker of the cluster is down.
 BROKER_DOWN_WAIT_S: Final = 30.0
+#: Seconds `ensure_topics` waits for the topics it created to be served (their partitions'
+#: leaders elected and known to the broker asked).
+SERVED_WAIT_S: Final = 60.0
 #: What an admin request meets when the node it picked from the metadata is down.
 _NODE_DOWN: Final = (NodeNotReadyError, NotControllerError, RequestTimedOutError)
 
@@ -149,7 +154,10 @@ async def ensure_topics(
     deadline = time.monotonic() + BROKER_DOWN_WAIT_S
     while True:
         try:
-            return await _ensure_once(conn, wanted, brokers)
+            created = await _ensure_once(conn, wanted, brokers)
+            if created:
+                await wait_served(conn, [t for t in wanted if t.name in created])
+            return created
         except _NODE_DOWN as exc:
             # A broker of several just died: the metadata still names it until the
             # controller fences it (KRaft's broker session timeout, 9 s by default).
@@ -159,6 +167,33 @@ async def ensure_topics(
                     f"{BROKER_DOWN_WAIT_S:g} s: is a broker down?"
                 ) from exc
             await asyncio.sleep(0.5)
+
+
+async def wait_served(
+    kafka: KafkaConnection | str, topics: list[Topic], timeout: float = SERVED_WAIT_S
+) -> None:
+    """Return once the cluster answers the end offsets of every partition of `topics`.
+
+    A topic is created before its partitions have leaders that every broker knows; a
+    worker that starts on it in that moment gets ``NotLeaderForPartitionError`` (logged by
+    aiokafka at ERROR level) or finds it missing from its metadata, and on a loaded broker
+    that moment lasts seconds.  `StackError` after `timeout` seconds."""
+    from aiokafka import AIOKafkaConsumer, TopicPartition
+
+    conn = as_connection(kafka)
+    consumer = AIOKafkaConsumer(**client_options(conn), request_timeout_ms=int(timeout * 1000))
+    await consumer.start()
+    try:
+        partitions = [TopicPartition(t.name, p) for t in topics for p in range(t.partitions)]
+        await asyncio.wait_for(consumer.end_offsets(partitions), timeout)
+    except (TimeoutError, KafkaTimeoutError) as exc:
+        names = ", ".join(t.name for t in topics)
+        raise StackError(
+            f"Kafka at {conn} does not serve the topics just created ({names}) "
+            f"after {timeout:g} s: is the broker overloaded?"
+        ) from exc
+    finally:
+        await consumer.stop()
 
 
 async def _ensure_once(

@@ -32,7 +32,7 @@ from streamtally.ops import worker_process
 from streamtally.settings import ENV_BOOTSTRAP_SERVERS, ENV_REDIS_URL, Settings
 from streamtally.store import RedisStore
 from streamtally.topics import Topics
-from streamtally.wire.kafka import ensure_topics
+from streamtally.wire.kafka import ensure_topics, wait_served
 from tests.integration.isolation import db_url, leased_db
 
 REPO: Final = Path(__file__).resolve().parents[2]
@@ -350,21 +350,9 @@ def forget_usage(redis_url: str, tenants: Iterable[str]) -> None:
 
 async def ensure_served_topics(bootstrap_servers: str, topics: Topics) -> None:
     """Create the namespace's topics that are missing, and return once the broker serves
-    every partition's offsets (its leader took over).  A worker that starts on topics
-    created a moment before logs ``NotLeaderForPartitionError`` at ERROR level while the
-    broker finishes the election, which the tests of a clean log would take for a fault."""
-    from aiokafka import AIOKafkaConsumer, TopicPartition
-
+    every partition's offsets (its leader took over), those that existed already too."""
     await ensure_topics(bootstrap_servers, topics.all)
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap_servers, request_timeout_ms=30000)
-    await consumer.start()
-    try:
-        partitions = [
-            TopicPartition(topic.name, p) for topic in topics.all for p in range(topic.partitions)
-        ]
-        await asyncio.wait_for(consumer.end_offsets(partitions), 60)
-    finally:
-        await consumer.stop()
+    await wait_served(bootstrap_servers, list(topics.all))
 
 
 # --------------------------------------------------------------------------- isolated runs
