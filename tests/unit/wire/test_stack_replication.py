@@ -9,7 +9,7 @@ from aiokafka.admin import NewTopic
 from aiokafka.errors import NodeNotReadyError
 
 from streamtally.errors import StackError
-from streamtally.topics import Topics, min_insync_for, replication_factor_for
+from streamtally.topics import Topic, Topics, min_insync_for, replication_factor_for
 from streamtally.wire import kafka as wire_kafka
 
 T = Topics.in_namespace("repl")
@@ -85,6 +85,12 @@ def admin(monkeypatch: pytest.MonkeyPatch) -> type[FakeAdmin]:
     FakeAdmin.errors = []
     FakeAdmin.brokers = 3
     monkeypatch.setattr(wire_kafka, "AIOKafkaAdminClient", FakeAdmin)
+    served: list[list[str]] = []
+
+    async def wait_served(conn: object, topics: list[Topic], timeout: float = 0) -> None:
+        served.append([t.name for t in topics])  # (no broker: test_ensure_topics.py)
+
+    monkeypatch.setattr(wire_kafka, "wait_served", wait_served)
     return FakeAdmin
 
 
