@@ -72,17 +72,17 @@ heavy: setup stack-up
 
 check: lint typecheck unit
 
-# The install and the compiled hot path's build first; then the stack's start beside the
-# unit and agent tiers; then the integration tier beside the lint and the type check (their
-# output a line at a time, as it comes).  All of them run, also after a failing one; the
+# The install and the compiled hot path's build first; then at once the lint, the type
+# check, the stack's start and the unit and agent tiers (each one's output together); then
+# the integration tier (measured: 399 s in all; with the lint and the type check beside
+# the integration tier instead, 447 s).  All of them run, also after a failing one; the
 # exit status says whether all passed.
 test:
 	@$(MAKE) --no-print-directory setup
 	@status=0; \
-	$(MAKE) --no-print-directory --keep-going --jobs=2 --output-sync=target \
-		stack-up test-unit || status=1; \
-	$(MAKE) --no-print-directory --keep-going --jobs=3 --output-sync=line \
-		lint typecheck test-integration || status=1; \
+	$(MAKE) --no-print-directory --keep-going --jobs=4 --output-sync=target \
+		lint typecheck stack-up test-unit || status=1; \
+	$(MAKE) --no-print-directory test-integration || status=1; \
 	exit $$status
 
 # (make test's steps: a tier each, with no set-up of their own.)
