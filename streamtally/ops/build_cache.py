@@ -20,10 +20,21 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BuildCache"]
+__all__ = ["BuildCache", "install"]
+
+
+def install(staging: Path, target: Path) -> None:
+    """Put the complete build folder `staging` in place of `target` (renames only: the old
+    one is moved aside first, then removed; `staging` must be on `target`'s file system)."""
+    old = target.with_name(f"{target.name}-old-{os.getpid()}")
+    if target.exists():
+        target.rename(old)
+    staging.rename(target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def _link_or_copy(source: str, target: str) -> None:
@@ -71,6 +82,14 @@ class BuildCache:
         except OSError:  # another process stored the same build meanwhile
             shutil.rmtree(scratch, ignore_errors=True)
         self._trim()
+
+    def store_or_say(self, source: Path, key: str, say: Callable[[str], None], what: str) -> None:
+        """`store`, or say why `what` is not kept: a build that cannot be kept is still a
+        build, so the caller goes on with it."""
+        try:
+            self.store(source, key)
+        except OSError as exc:
+            say(f"{what} not kept in {self.root}: {exc}")
 
     def _trim(self) -> None:
         entries = sorted(

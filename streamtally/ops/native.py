@@ -49,7 +49,7 @@ from streamtally._native import (
     source_digest,
 )
 from streamtally.errors import NativeBuildError
-from streamtally.ops.build_cache import BuildCache
+from streamtally.ops.build_cache import BuildCache, install
 
 __all__ = [
     "CACHE_KEEP",
@@ -138,7 +138,7 @@ def build(
     kept = None if cache is None else BuildCache(cache, keep=CACHE_KEEP)
     key = "" if kept is None else cache_key(digest)
     if not force and kept is not None and _take_cached(kept, key, staging, package_dir):
-        _swap(staging, build_dir)
+        install(staging, build_dir)
         seconds = time.perf_counter() - started
         return BuildResult(True, seconds, MODULES, build_dir, kept.entry(key))
     shutil.rmtree(staging, ignore_errors=True)
@@ -177,11 +177,8 @@ def build(
     for scratch in ("c", "obj"):  # the generated C and the objects: not needed to run
         shutil.rmtree(staging / scratch, ignore_errors=True)
     if kept is not None:
-        try:
-            kept.store(staging, key)
-        except OSError as exc:  # a build that cannot be kept is still a build
-            progress(f"the build is not kept in the cache {cache}: {exc}")
-    _swap(staging, build_dir)
+        kept.store_or_say(staging, key, progress, "the build")
+    install(staging, build_dir)
     seconds = time.perf_counter() - started
     return BuildResult(True, seconds, MODULES, build_dir)
 
@@ -200,15 +197,6 @@ def _built_files(lib: Path) -> dict[str, str]:
         raise NativeBuildError(f"expected one mypyc library in {lib}, found {shared}")
     files[shared[0].removesuffix(suffix)] = shared[0]
     return files
-
-
-def _swap(staging: Path, build_dir: Path) -> None:
-    """Put the complete staging folder in place of the old build (renames only)."""
-    old = build_dir.with_name(f"{build_dir.name}-old-{os.getpid()}")
-    if build_dir.exists():
-        build_dir.rename(old)
-    staging.rename(build_dir)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def _mypy_version() -> str:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Final
 
 from streamtally.errors import StackError
-from streamtally.ops.build_cache import BuildCache
+from streamtally.ops.build_cache import BuildCache, install
 from streamtally.stack import Say, indent, tail
 
 __all__ = [
@@ -130,7 +130,7 @@ def resolve_jars(home: KafkaHome, say: Say, cache: BuildCache | None = None) -> 
     shutil.rmtree(staging, ignore_errors=True)
     digest = _pom_digest()
     if cache is not None and cache.take(digest, staging):
-        _install(staging, home)
+        install(staging, home.lib)
         if jars_resolved(home):
             say(f"kafka: jars for {version} taken from {cache.entry(digest)}")
             return
@@ -155,16 +155,7 @@ def resolve_jars(home: KafkaHome, say: Say, cache: BuildCache | None = None) -> 
         )
     (staging / ".resolved").write_text(digest + "\n", encoding="ascii")
     if cache is not None:
-        try:
-            cache.store(staging, digest)
-        except OSError as exc:  # jars that cannot be kept are still jars
-            say(f"kafka: the jars are not kept in {cache.root}: {exc}")
-    _install(staging, home)
+        cache.store_or_say(staging, digest, say, "kafka: the jars")
+    install(staging, home.lib)
     jars = sum(1 for _ in home.lib.glob("*.jar"))
     say(f"kafka: {jars} jars resolved in {time.monotonic() - start:.1f} s")
-
-
-def _install(staging: Path, home: KafkaHome) -> None:
-    """Put the complete folder `staging` in place of ``lib/``."""
-    shutil.rmtree(home.lib, ignore_errors=True)
-    staging.replace(home.lib)

@@ -55,7 +55,7 @@ from pathlib import Path
 from typing import Final
 
 from streamtally.errors import StackError
-from streamtally.ops.build_cache import BuildCache
+from streamtally.ops.build_cache import BuildCache, install
 from streamtally.stack import (
     Say,
     ServiceStatus,
@@ -275,7 +275,7 @@ def ensure_built(home: RegistryHome, java: Java, say: Say, cache: BuildCache | N
     taken = home.root / "app.partial"
     shutil.rmtree(taken, ignore_errors=True)
     if cache is not None and cache.take(digest, taken):
-        _install(taken, home)
+        install(taken, home.app_dir)
         if app_built(home):
             say(f"registry: Apicurio Registry {version} taken from {cache.entry(digest)}")
             return
@@ -314,19 +314,10 @@ def ensure_built(home: RegistryHome, java: Java, say: Say, cache: BuildCache | N
         )
     (built / _STAMP).write_text(digest + "\n", encoding="ascii")
     if cache is not None:
-        try:
-            cache.store(built, digest)
-        except OSError as exc:  # a build that cannot be kept is still a build
-            say(f"registry: the build is not kept in {cache.root}: {exc}")
-    _install(built, home)
+        cache.store_or_say(built, digest, say, "registry: the build")
+    install(built, home.app_dir)
     shutil.rmtree(home.build_dir, ignore_errors=True)
     say(f"registry: built in {time.monotonic() - start:.1f} s")
-
-
-def _install(built: Path, home: RegistryHome) -> None:
-    """Put the complete application folder `built` in place of ``app/``."""
-    shutil.rmtree(home.app_dir, ignore_errors=True)
-    built.replace(home.app_dir)
 
 
 def _wait_for_maven(

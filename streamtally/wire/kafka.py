@@ -149,15 +149,15 @@ async def ensure_topics(
     exist already are left as they are, but for their ``max.message.bytes``: one
     lower than declared (a raw topic created before the raw topics declared theirs
     has the broker's 1 MiB) is raised to it (`raise_limit_configs`), never lowered.
+    The topics it created are served when it returns (`wait_served`): a consumer started
+    at once finds their leaders.
     """
     conn = as_connection(kafka)
     deadline = time.monotonic() + BROKER_DOWN_WAIT_S
     while True:
         try:
             created = await _ensure_once(conn, wanted, brokers)
-            if created:
-                await wait_served(conn, [t for t in wanted if t.name in created])
-            return created
+            break
         except _NODE_DOWN as exc:
             # A broker of several just died: the metadata still names it until the
             # controller fences it (KRaft's broker session timeout, 9 s by default).
@@ -167,6 +167,9 @@ async def ensure_topics(
                     f"{BROKER_DOWN_WAIT_S:g} s: is a broker down?"
                 ) from exc
             await asyncio.sleep(0.5)
+    if created:
+        await wait_served(conn, [t for t in wanted if t.name in created])
+    return created
 
 
 async def wait_served(

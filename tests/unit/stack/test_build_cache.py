@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from streamtally.ops.build_cache import BuildCache
+from streamtally.ops.build_cache import BuildCache, install
 
 
 def _build(path: Path) -> Path:
@@ -57,3 +57,27 @@ def test_the_cache_keeps_the_newest_builds(tmp_path: Path) -> None:
     assert cache.take("key2", tmp_path / "taken")  # taken: the newest now
     cache.store(built, "newest")
     assert sorted(p.name for p in cache.root.iterdir()) == ["key2", "key4", "newest"]
+
+
+def test_install_puts_the_build_in_place_of_the_old_one_and_leaves_nothing_else(
+    tmp_path: Path,
+) -> None:
+    target = _build(tmp_path / "target")
+    (target / "stale").write_text("old\n")
+    staging = _build(tmp_path / "staging")
+    install(staging, target)
+    assert not staging.exists()
+    assert not (target / "stale").exists()
+    assert (target / "lib" / "a.jar").read_bytes() == b"jar bytes"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["target"]
+    install(_build(tmp_path / "first"), tmp_path / "new")  # no old one
+    assert (tmp_path / "new" / "stamp").read_text() == "digest\n"
+
+
+def test_a_build_that_cannot_be_kept_is_said_and_not_raised(tmp_path: Path) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the cache would be\n")
+    said: list[str] = []
+    BuildCache(blocker).store_or_say(_build(tmp_path / "built"), "k", said.append, "the jars")
+    assert len(said) == 1
+    assert said[0].startswith(f"the jars not kept in {blocker}: ")
