@@ -117,9 +117,18 @@ def group_events(log: str) -> list[GroupEvent]:
     return events
 
 
-def generations(histories: dict[str, list[GroupEvent]]) -> dict[int, dict[str, Any]]:
+def generations(
+    histories: dict[str, list[GroupEvent]], kills: dict[str, float] | None = None
+) -> dict[int, dict[str, Any]]:
     """Per completed group generation: its members, when the first of them stopped reading
-    (revoked the partitions it had), when each got its new partitions, and the pause."""
+    (revoked the partitions it had), when each got its new partitions, and the pause.
+
+    `kills` (worker name: when it was SIGKILLed) names the generation a kill cut short: a
+    member killed while the generation formed may die before it logs its join and its
+    partitions (its last lines are lost with it), so the generation's logs hold only a
+    share of the partitions; `cut_short_by` says which worker, and `partitions_twice`
+    whether any partition was held twice all the same.
+    """
     seen: dict[int, dict[str, Any]] = defaultdict(
         lambda: {"members": {}, "stopped": [], "joined": []}
     )
@@ -143,13 +152,28 @@ def generations(histories: dict[str, list[GroupEvent]]) -> dict[int, dict[str, A
             continue  # a member never got its partitions: the generation did not complete
         assigned = max(at for at, _ in gen["members"].values())
         stopped = min(gen["stopped"], default=None)
+        partitions = sorted(p for _, parts in gen["members"].values() for p in parts)
         out[number] = {
             "members": sorted(gen["members"]),
             "first_join": min(gen["joined"]),
             "assigned": assigned,
-            "partitions": sorted(p for _, parts in gen["members"].values() for p in parts),
+            "partitions": partitions,
+            "partitions_twice": len(partitions) != len(set(partitions)),
             "pause_s": None if stopped is None else round(assigned - stopped, 2),
         }
+    numbers = list(out)
+    for i, number in enumerate(numbers):
+        gen = out[number]
+        # the generation lasted from its first join until the next one's first join
+        ended = out[numbers[i + 1]]["first_join"] if i + 1 < len(numbers) else float("inf")
+        gen["cut_short_by"] = next(
+            (
+                name
+                for name, at in sorted((kills or {}).items())
+                if name not in gen["members"] and gen["first_join"] <= at < ended
+            ),
+            None,
+        )
     return out
 
 
@@ -497,7 +521,10 @@ async def _run(
     finally:
         changing.cancel()
         group.stop_all()
-    gens = generations({name: group_events(w.log_text()) for name, w in group.workers.items()})
+    kills = {c["worker"]: c["at"] for c in group.changes if c["kind"] == "sigkill"}
+    gens = generations(
+        {name: group_events(w.log_text()) for name, w in group.workers.items()}, kills
+    )
     for change in group.changes:
         # what it led to: the first generation whose members all joined after it
         after = [n for n, g in gens.items() if g["first_join"] > change["at"]]
@@ -526,6 +553,8 @@ async def _run(
             n: {
                 "members": g["members"],
                 "every_partition_once": g["partitions"] == partitions,
+                "partitions_twice": g["partitions_twice"],
+                "cut_short_by": g["cut_short_by"],
                 "pause_s": g["pause_s"],
             }
             for n, g in gens.items()

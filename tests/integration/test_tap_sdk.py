@@ -31,13 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import anthropic
 import httpx2
-import openai
 import pytest
 from aiohttp import web
-from google import genai
-from google.genai import types as genai_types
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS, Source
@@ -207,7 +203,13 @@ CALLS = [
 ]
 
 
+# Each SDK is imported where it is called: importing all three costs about 2 CPU-s, which
+# every test process of a parallel run would pay at collection for the one that runs them.
+
+
 async def openai_calls(base: str, calls: dict[str, Call]) -> None:
+    import openai
+
     client = openai.AsyncOpenAI(api_key="sk-test", base_url=f"{base}/v1", max_retries=0)
     messages: Any = [{"role": "user", "content": "hi"}]
     try:
@@ -236,6 +238,8 @@ async def openai_calls(base: str, calls: dict[str, Call]) -> None:
 
 
 async def anthropic_calls(base: str, calls: dict[str, Call], cut: Call) -> None:
+    import anthropic
+
     client = anthropic.AsyncAnthropic(api_key="sk-ant-test", base_url=base, max_retries=0)
     messages: Any = [{"role": "user", "content": "hi"}]
     try:
@@ -275,6 +279,9 @@ async def anthropic_calls(base: str, calls: dict[str, Call], cut: Call) -> None:
 
 
 async def gemini_calls(base: str, calls: dict[str, Call]) -> None:
+    from google import genai
+    from google.genai import types as genai_types
+
     def config(call: Call) -> genai_types.GenerateContentConfig:
         return genai_types.GenerateContentConfig(
             http_options=genai_types.HttpOptions(headers=call.headers())
