@@ -6,15 +6,18 @@ VENV := .venv
 BIN := $(VENV)/bin
 ST := $(BIN)/streamtally
 
-# The test tiers (tests/README.md), each run printing its slowest tests: the unit and agent
-# tiers in parallel (pytest-xdist, TEST_WORKERS processes: 2, this 2-core machine's best),
-# then the integration tier, heavy tests included, in INTEGRATION_WORKERS processes
-# (--dist loadscope: a module per process, the longest first, tests/conftest.py
-# SCOPE_ORDER; its tests mostly wait on the broker, workers, timeouts and outages, so three
-# processes beat two here; four took 288 s against 324, but the scale-out test's rebalance
-# checks failed in one of two runs of four: tests/README.md).
+# The test tiers (tests/README.md), each run printing its slowest tests.  `make unit` runs the
+# unit and agent tiers in TEST_WORKERS processes (pytest-xdist: 2, this 2-core machine's
+# best on its own); the integration tier, heavy tests included, runs in INTEGRATION_WORKERS
+# processes (--dist loadscope: a module per process, the longest first, tests/conftest.py
+# SCOPE_ORDER; its tests mostly wait on the broker, workers, timeouts and outages, so four
+# processes beat three here).  `make test` runs the lint, the type check and the unit and
+# agent tiers (BESIDE_WORKERS processes) beside the integration tier, not before it: they
+# fill the cores the integration tier leaves idle while it waits (tests/README.md has the
+# figures).
 TEST_WORKERS ?= 2
-INTEGRATION_WORKERS ?= 3
+INTEGRATION_WORKERS ?= 4
+BESIDE_WORKERS ?= 1
 PYTEST := $(BIN)/pytest -q --durations=15
 PARALLEL := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope
 UNIT_TIER := $(PYTEST) -n $(TEST_WORKERS) tests/unit tests/agents
@@ -72,26 +75,30 @@ heavy: setup stack-up
 
 check: lint typecheck unit
 
-# The install and the compiled hot path's build first; then at once the lint, the type
-# check, the stack's start and the unit and agent tiers (each one's output together); then
-# the integration tier (measured: 399 s in all; with the lint and the type check beside
-# the integration tier instead, 447 s).  All of them run, also after a failing one; the
-# exit status says whether all passed.
+# The install and the compiled hot path's build first; then the lint, the type check and
+# the unit and agent tiers in the background, beside the stack's start and the integration
+# tier.  The integration tier's progress shows as it goes; the others' output is kept and
+# shown after it.  All of them run, also after a failing one; the exit status says whether
+# all passed.
 test:
 	@$(MAKE) --no-print-directory setup
-	@status=0; \
-	$(MAKE) --no-print-directory --keep-going --jobs=4 --output-sync=target \
-		lint typecheck stack-up test-unit || status=1; \
-	$(MAKE) --no-print-directory test-integration || status=1; \
+	@log=$$(mktemp); trap 'rm -f "$$log"' EXIT; status=0; \
+	echo "== lint, type check, unit and agent tiers beside the integration tier: their output follows its"; \
+	$(MAKE) --no-print-directory --keep-going --jobs=3 --output-sync=target \
+		TEST_WORKERS=$(BESIDE_WORKERS) lint typecheck test-unit > "$$log" 2>&1 & checks=$$!; \
+	{ $(MAKE) --no-print-directory stack-up && \
+		$(MAKE) --no-print-directory test-integration; } || status=1; \
+	wait $$checks || status=1; \
+	cat "$$log"; \
 	exit $$status
 
 # (make test's steps: a tier each, with no set-up of their own.)
 test-unit:
-	@echo "== unit and agent tiers ($(TEST_WORKERS) processes)"
+	@echo "== unit and agent tiers (processes: $(TEST_WORKERS))"
 	$(UNIT_TIER)
 
 test-integration:
-	@echo "== integration tier, heavy tests included ($(INTEGRATION_WORKERS) processes)"
+	@echo "== integration tier, heavy tests included (processes: $(INTEGRATION_WORKERS))"
 	$(INTEGRATION_TIER)
 
 bench: setup stack-up

@@ -7,10 +7,11 @@ and ``-m`` selects tiers (the markers are registered in pyproject.toml; ``--stri
 ==========================  =======================  ==========================================
 folder                      markers                  `make test` runs it
 ==========================  =======================  ==========================================
-tests/unit/<concept>/       ``unit``                 in parallel (pytest-xdist), with the agents
-tests/agents/               ``agent``                in parallel, with the unit tier
-tests/integration/          ``integration``          in parallel on the stack, after the unit
-                                                     tier (``-n 3 --dist loadscope``: a module
+tests/unit/<concept>/       ``unit``                 with the agents, beside the integration
+                                                     tier (``make unit``: pytest-xdist, -n 2)
+tests/agents/               ``agent``                with the unit tier
+tests/integration/          ``integration``          in parallel on the stack
+                                                     (``-n 4 --dist loadscope``: a module
                                                      per process, `scope_of`, handed out in
                                                      `SCOPE_ORDER`)
 tests/integration/heavy/    ``integration heavy``    with the integration tier, first (stacks
