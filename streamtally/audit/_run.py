@@ -18,7 +18,7 @@ import dataclasses
 import sys
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -63,7 +63,7 @@ from streamtally.store import RedisStore
 from streamtally.store.layout import marker_revision
 from streamtally.topics import Topics
 from streamtally.wire.framing import SINGLE_OBJECT, framing_for
-from streamtally.wire.kafka import TopicRecord, read_topic
+from streamtally.wire.kafka import TopicRecord, read_topic_batches
 from streamtally.wire.records import BillingEvent
 from streamtally.wire.tenant_keys import TenantTrust
 
@@ -89,7 +89,8 @@ class AuditOptions:
     window: TimeRange = field(default_factory=TimeRange)
     #: None: every tenant.
     tenants: frozenset[str] | None = None
-    #: Raw records per replay step (one Redis look-up and one timeout check each).
+    #: Raw records per replay step at most (one Redis look-up and one timeout check each):
+    #: a step is what one fetch returned, up to this many.
     batch_size: int = 2000
     #: ``--prices``: re-rate the period at these prices too (see `_rerate`), named so.
     rerate: PriceTable | None = None
@@ -168,19 +169,6 @@ def replay_processor(settings: Settings, prices: PriceTable) -> RequestProcessor
 def _frozen() -> float:
     """The replay's wall clock: it never moves (the input's times alone do)."""
     return 0.0
-
-
-async def _batches(
-    records: AsyncIterator[TopicRecord], size: int
-) -> AsyncIterator[list[TopicRecord]]:
-    batch: list[TopicRecord] = []
-    async for record in records:
-        batch.append(record)
-        if len(batch) >= size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 async def take_plan(
@@ -325,10 +313,10 @@ async def run_share(
             continue
         start = {p: r[0] for p, r in ranges.items()}
         end = {p: r[1] for p, r in ranges.items()}
-        reading = read_topic(servers, name, start=start, end=end)
+        reading = read_topic_batches(servers, name, start=start, end=end, max_records=batch_size)
         told: set[int] = set()
-        async with contextlib.aclosing(reading) as records:
-            async for batch in _batches(records, batch_size):
+        async with contextlib.aclosing(reading) as batches:
+            async for batch in batches:
                 await replay.feed(batch)
                 meter(len(batch))
                 if partition_read is not None:

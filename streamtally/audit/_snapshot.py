@@ -175,6 +175,14 @@ async def take_snapshot(
         await consumer.start()
         # As `read_topic` does: `consumer.topics()` fetches this metadata but keeps the names.
         cluster = await consumer._client.fetch_all_metadata()
+        # The consumer tracks no topic yet: an offset request for one it does not know asks
+        # for its metadata and then sleeps the retry backoff (100 ms) before it asks again,
+        # once per topic.  Tracking the snapshot's topics (those that exist: tracking one
+        # that does not could create it) takes one metadata request for all of them.
+        await consumer._client.set_topics(
+            [t.name for t in (topics.billing, topics.corrections, *topics.raw)
+             if cluster.partitions_for_topic(t.name)]
+        )  # fmt: skip
         offsets = _Offsets(consumer, servers, cluster)
         billing_tps = await offsets.partitions(topics.billing.name)
         billing_begins, billing_ends = await offsets.bounds(billing_tps)

@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, NamedTuple, TypeVar
 
 from aiokafka import AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
@@ -50,6 +50,7 @@ __all__ = [
     "read_decoded",
     "read_decoded_at",
     "read_topic",
+    "read_topic_batches",
     "wait_served",
 ]
 
@@ -339,9 +340,12 @@ def _raise_creation_errors(servers: str, brokers: int, response: object) -> None
         )
 
 
-@dataclass(frozen=True, slots=True)
-class TopicRecord:
-    """One record as read from Kafka: where it is, its raw key and value, its time."""
+class TopicRecord(NamedTuple):
+    """One record as read from Kafka: where it is, its raw key and value, its time.
+
+    A named tuple, not a frozen dataclass: a read makes one per record, and a tuple is
+    made in a third of the time (0.6 against 1.8 µs, a second per 800,000 records).
+    """
 
     topic: str
     partition: int
@@ -388,13 +392,45 @@ async def read_topic(
     missing_ok: bool = False,
     stall_timeout: float = STALL_TIMEOUT_S,
 ) -> AsyncGenerator[TopicRecord, None]:
+    """Every record of `topic`, one by one: `read_topic_batches`, whose docstring says
+    what is read.  An async generator holding a consumer: close it when stopping early
+    (``async with contextlib.aclosing(read_topic(...)) as records``)."""
+    batches = read_topic_batches(
+        kafka,
+        topic,
+        start=start,
+        end=end,
+        missing_hint=missing_hint,
+        missing_ok=missing_ok,
+        stall_timeout=stall_timeout,
+    )
+    async with contextlib.aclosing(batches):
+        async for batch in batches:
+            for record in batch:
+                yield record
+
+
+async def read_topic_batches(
+    kafka: KafkaConnection | str,
+    topic: str,
+    *,
+    start: Mapping[int, int] | None = None,
+    end: Mapping[int, int] | None = None,
+    missing_hint: str = _MISSING_HINT,
+    missing_ok: bool = False,
+    stall_timeout: float = STALL_TIMEOUT_S,
+    max_records: int | None = None,
+) -> AsyncGenerator[list[TopicRecord], None]:
     """Every record of `topic`, from its beginning to its end offsets at the time of the call.
 
     The end offset of each partition is taken once, at start, so the read
     always terminates and never waits for new records; only committed
     records are read (isolation level read_committed).  No consumer group
     is used and no offsets are committed.  Records come in offset order
-    within a partition; partitions are interleaved.
+    within a partition; partitions are interleaved.  They come in batches of
+    at most `max_records` (None: `READ_MAX_RECORDS`), each what one fetch
+    returned (never empty), so a caller that works a batch at a time pays no
+    step per record.
 
     `start` and `end` (partition to offset) narrow the read to the offsets
     `[start, end)` of the partitions they name, the others being read from
@@ -402,7 +438,7 @@ async def read_topic(
     beyond a partition's current end waits for those records to be written.
 
     An async generator holding a consumer: close it when stopping early
-    (``async with contextlib.aclosing(read_topic(...)) as records``).
+    (``async with contextlib.aclosing(read_topic_batches(...)) as batches``).
 
     Raises `StackError` when Kafka cannot be reached (with the
     `streamtally stack up` hint), the topic does not exist (with
@@ -456,29 +492,33 @@ async def read_topic(
         remaining = {tp for tp in tps if tp.partition in ranges}
         positions = {tp: ranges[tp.partition][0] for tp in remaining}
         stops = {tp: ranges[tp.partition][1] for tp in remaining}
-        from_beginning = [tp for tp in remaining if positions[tp] == begins[tp]]
-        if from_beginning:
-            await consumer.seek_to_beginning(*from_beginning)
+        # Each partition from its position, the beginning included: `seek_to_beginning`
+        # would ask the broker again for offsets just read, and wait on its fetcher (about
+        # 0.1 s); a beginning deleted by retention meanwhile is reset to the earliest
+        # offset (auto_offset_reset), which is what the beginning is.
         for tp in remaining:
-            if positions[tp] != begins[tp]:
-                consumer.seek(tp, positions[tp])
+            consumer.seek(tp, positions[tp])
         last_progress = time.monotonic()
         while remaining:
-            batches = await consumer.getmany(
-                *remaining, timeout_ms=500, max_records=READ_MAX_RECORDS
+            fetched = await consumer.getmany(
+                *remaining, timeout_ms=500, max_records=max_records or READ_MAX_RECORDS
             )
-            for tp, records in batches.items():
-                for record in records:
-                    if record.offset < stops[tp]:
-                        yield TopicRecord(
-                            topic=topic,
-                            partition=tp.partition,
-                            offset=record.offset,
-                            key=record.key,
-                            value=record.value,
-                            timestamp_ms=record.timestamp,
-                            headers=tuple(record.headers or ()),
-                        )
+            batch = [
+                TopicRecord(
+                    topic,
+                    tp.partition,
+                    record.offset,
+                    record.key,
+                    record.value,
+                    record.timestamp,
+                    tuple(record.headers) if record.headers else (),
+                )
+                for tp, records in fetched.items()
+                for record in records
+                if record.offset < stops[tp]
+            ]
+            if batch:
+                yield batch
             for tp in list(remaining):
                 position = await consumer.position(tp)
                 if position != positions[tp]:

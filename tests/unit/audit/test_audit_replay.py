@@ -403,7 +403,7 @@ def test_with_a_trust_file_the_replay_refuses_what_the_worker_refused() -> None:
         auth = key.sign(
             tenant="acme", request_id="signed-1", seq=record.seq, value=rec.value or b""
         )
-        batch.append(dataclasses.replace(rec, headers=((HEADER, auth),)))
+        batch.append(rec._replace(headers=((HEADER, auth),)))
     batch += log.put(unsigned)
     outcomes, _ = replay(batch, trust=trust)
     assert [bill.request_id for bill in outcomes.bills] == ["signed-1"]
@@ -505,9 +505,7 @@ def test_keepalives_replay_as_the_worker_applied_them() -> None:
         for at, record in placed:
             out.setdefault(int(at.timestamp()), []).append(record)
         ordered = [record for batch in out.values() for record in batch]
-        renumbered = [
-            dataclasses.replace(record, offset=offset) for offset, record in enumerate(ordered)
-        ]
+        renumbered = [record._replace(offset=offset) for offset, record in enumerate(ordered)]
         by_offset = iter(renumbered)
         return [[next(by_offset) for _ in batch] for batch in out.values()]
 

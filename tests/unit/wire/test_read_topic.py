@@ -18,7 +18,13 @@ import pytest
 from streamtally.errors import StackError
 from streamtally.wire import kafka
 from streamtally.wire.avro import AvroDecodeError
-from streamtally.wire.kafka import TopicRecord, read_decoded, read_ranges, read_topic
+from streamtally.wire.kafka import (
+    TopicRecord,
+    read_decoded,
+    read_ranges,
+    read_topic,
+    read_topic_batches,
+)
 
 TOPIC = "t"
 
@@ -186,6 +192,26 @@ async def test_takes_a_bounded_number_of_records_at_a_time(
     assert sorted(_positions(records)) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
     assert consumer.last is not None
     assert max(consumer.last.returned) == 3
+
+
+async def test_batches_are_what_each_fetch_returned_never_empty_and_bounded(
+    consumer: type[FakeConsumer], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`read_topic_batches`: the records of `read_topic`, in its order, a list per fetch of
+    at most `max_records`; a fetch that returns nothing past the end makes no batch."""
+    monkeypatch.setattr(consumer, "logs", {0: [b"a0", b"a1", b"a2", b"a3"], 1: [b"b0", b"b1"]})
+    monkeypatch.setattr(consumer, "batch", 10)
+    consumer.ends = {0: 3}  # a3 comes after the end offsets were taken
+    reading = read_topic_batches("fake:9092", TOPIC, max_records=2)
+    async with contextlib.aclosing(reading) as batches:
+        got = [batch async for batch in batches]
+    # five records, at most two a fetch; a3, fetched past the end, is left out of its batch
+    assert sorted(len(batch) for batch in got) == [1, 2, 2]
+    assert consumer.last is not None
+    assert max(consumer.last.returned) == 2  # the fetches asked for two at most
+    flat = [record for batch in got for record in batch]
+    assert sorted(_positions(flat)) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1)]
+    assert sorted(flat) == sorted(await _read())  # what read_topic reads, one by one
 
 
 async def test_stops_at_the_end_offsets_taken_at_the_call(consumer: type[FakeConsumer]) -> None:
