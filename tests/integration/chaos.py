@@ -72,9 +72,17 @@ def build_requests(run: str, count: int, prefix: str = "chaos") -> list[dict[str
 
 
 async def produce_interleaved(
-    requests: list[dict[str, Any]], rng: random.Random, rate: float, progress: Any
+    requests: list[dict[str, Any]],
+    rng: random.Random,
+    rate: float,
+    progress: Any,
+    *,
+    running: asyncio.Event | None = None,
 ) -> tuple[int, int]:
-    """Send every request's records interleaved; returns (messages, duplicates sent)."""
+    """Send every request's records interleaved; returns (messages, duplicates sent).
+
+    `running` (when given) holds the production while it is clear: the requests in flight
+    stay open meanwhile, and the rate resumes from where it was, without a burst."""
     from streamtally.producers import RawProducer, raw_records
     from streamtally.settings import Settings
 
@@ -96,6 +104,10 @@ async def produce_interleaved(
     settings = Settings.load()
     async with RawProducer(settings.bootstrap_servers, namespace=settings.namespace) as producer:
         while pending or in_flight:
+            if running is not None and not running.is_set():
+                held = time.monotonic()
+                await running.wait()
+                start += time.monotonic() - held
             while pending and len(in_flight) < 60:
                 req, records = pending.pop(0)
                 in_flight.append((req, records, 0))

@@ -17,7 +17,13 @@ What happens:
    (SIGTERM), a join, a SIGKILL and, while the killed member still holds its
    session, another join: every membership change revokes partitions in the
    middle of open requests (their new owner re-reads from the committed
-   offset);
+   offset).  Each change waits for the group to settle from the one before;
+   past a share of the production (60, 70, 80 and 90 %), the production is
+   held until it has (the open requests stay open; `production_held_s` per
+   change says how long), so that on a loaded machine, whose workers take
+   long to start, the changes still come amid open requests and, but for
+   the join that follows the kill on purpose, in a settled group.  A held
+   production shows in the largest billing gap;
 4. once every request is in Redis the last workers get SIGTERM, and the run is
    checked as the chaos run is (`chaos.verify`: Tokens equal to the fold, usage
    per tenant exact, one distinct billing event per request, counts reconcile),
@@ -193,6 +199,12 @@ class Group:
     leaving: list[asyncio.Task[tuple[str, int | None, float]]] = field(default_factory=list)
     settle_timeouts: list[str] = field(default_factory=list)
     done: float = 0.0  # fraction of the records produced
+    #: Clear while the production is held (`until`), so that a change meets open requests.
+    producing: asyncio.Event = field(default_factory=asyncio.Event)
+    held_s: float = 0.0  # how long the production was held before the next change
+
+    def __post_init__(self) -> None:
+        self.producing.set()
 
     def note(self, kind: str, name: str, settled: bool) -> None:
         self.changes.append(
@@ -202,8 +214,10 @@ class Group:
                 "at": time.time(),
                 "produced": self.done,
                 "group_settled_before": settled,
+                "production_held_s": round(self.held_s, 2),
             }
         )
+        self.held_s = 0.0
         print(f"{kind} {name} at {self.done:.0%} produced", file=sys.stderr)
 
     def join(self, name: str) -> None:
@@ -258,14 +272,28 @@ class Group:
         self, earliest: float, latest: float, after: float, *, settled: bool = True
     ) -> None:
         """Wait until `earliest` of the records are produced, `after` seconds have passed since
-        the last change and (if `settled`) the group has settled; or, whatever the group
-        does, until `latest` are produced (so that on a slow machine too every change
-        meets open requests)."""
-        while self.done < latest:
+        the last change and (if `settled`) the group has settled.  Once `latest` are
+        produced the production is held meanwhile (its open requests stay open), so that
+        on a slow machine too, whose workers take long to start, every change meets open
+        requests and a settled group; held past `SETTLE_TIMEOUT_S`, the change comes
+        anyway and the wait is a settle timeout.  The caller makes its change at once: the
+        production resumes when the caller next waits."""
+        held_since: float | None = None
+        while True:
             quiet = time.time() - self.changes[-1]["at"] if self.changes else after
             if self.done >= earliest and quiet >= after and (not settled or self.settled()):
-                return
+                break
+            if self.done >= latest:
+                if held_since is None:
+                    held_since = time.monotonic()
+                    self.producing.clear()
+                elif time.monotonic() - held_since > SETTLE_TIMEOUT_S:
+                    self.settle_timeouts.append(f"held at {latest:.0%} produced")
+                    break
             await asyncio.sleep(0.1)
+        if held_since is not None:
+            self.held_s = time.monotonic() - held_since
+        self.producing.set()
 
     def stop_all(self) -> None:
         for worker in self.workers.values():
@@ -279,7 +307,7 @@ async def schedule(group: Group, workers_at: float, gap: float, kill_join_after:
     Each change waits for the group to settle from the previous one (so that its pause
     is its own), but not beyond a share of the production: all of them meet open requests.
     """
-    await group.until(workers_at, workers_at, 0.0)
+    await group.until(workers_at, workers_at, 0.0, settled=False)
     for name in ("w1", "w2", "w3"):
         group.join(name)
     await group.until(workers_at, 0.6, gap)
@@ -502,7 +530,9 @@ async def _run(
         asyncio.get_running_loop().add_signal_handler(signum, main_task.cancel)
     started = time.time()
     producing = asyncio.create_task(
-        produce_interleaved(requests, random.Random(seed), records / seconds, progress)
+        produce_interleaved(
+            requests, random.Random(seed), records / seconds, progress, running=group.producing
+        )
     )
     changing = asyncio.create_task(schedule(group, workers_at, gap, kill_join_after))
     try:
