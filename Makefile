@@ -12,12 +12,13 @@ ST := $(BIN)/streamtally
 # processes (--dist loadscope: a module per process, the longest first, tests/conftest.py
 # SCOPE_ORDER; its tests mostly wait on the broker, workers, timeouts and outages, so four
 # processes beat three here).  `make test` runs the lint, the type check and the unit and
-# agent tiers (BESIDE_WORKERS processes) beside the integration tier, not before it: they
-# fill the cores the integration tier leaves idle while it waits (tests/README.md has the
-# figures).
+# agent tiers beside the integration tier, not before it: they fill the cores the
+# integration tier leaves idle while it waits.  There they run in pytest's own process
+# (BESIDE_WORKERS=0): with the cores full, xdist's processes only add CPU (-n 1 took 61
+# CPU-s for them, -n 0 50; tests/README.md has the figures).
 TEST_WORKERS ?= 2
 INTEGRATION_WORKERS ?= 4
-BESIDE_WORKERS ?= 1
+BESIDE_WORKERS ?= 0
 PYTEST := $(BIN)/pytest -q --durations=15
 PARALLEL := $(PYTEST) -n $(INTEGRATION_WORKERS) --dist loadscope
 UNIT_TIER := $(PYTEST) -n $(TEST_WORKERS) tests/unit tests/agents
@@ -94,11 +95,11 @@ test:
 
 # (make test's steps: a tier each, with no set-up of their own.)
 test-unit:
-	@echo "== unit and agent tiers (processes: $(TEST_WORKERS))"
+	@echo "== unit and agent tiers (-n $(TEST_WORKERS))"
 	$(UNIT_TIER)
 
 test-integration:
-	@echo "== integration tier, heavy tests included (processes: $(INTEGRATION_WORKERS))"
+	@echo "== integration tier, heavy tests included (-n $(INTEGRATION_WORKERS))"
 	$(INTEGRATION_TIER)
 
 bench: setup stack-up
