@@ -498,11 +498,10 @@ async def read_topic_batches(
         # offset (auto_offset_reset), which is what the beginning is.
         for tp in remaining:
             consumer.seek(tp, positions[tp])
+        limit = READ_MAX_RECORDS if max_records is None else max_records
         last_progress = time.monotonic()
         while remaining:
-            fetched = await consumer.getmany(
-                *remaining, timeout_ms=500, max_records=max_records or READ_MAX_RECORDS
-            )
+            fetched = await consumer.getmany(*remaining, timeout_ms=500, max_records=limit)
             batch = [
                 TopicRecord(
                     topic,

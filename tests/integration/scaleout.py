@@ -305,7 +305,8 @@ async def schedule(group: Group, workers_at: float, gap: float, kill_join_after:
     """Start three workers, then leave, join, kill and join while records are produced.
 
     Each change waits for the group to settle from the previous one (so that its pause
-    is its own), but not beyond a share of the production: all of them meet open requests.
+    is its own); past a share of the production, the production is held until it has
+    (`Group.until`), so that all of them meet open requests.
     """
     await group.until(workers_at, workers_at, 0.0, settled=False)
     for name in ("w1", "w2", "w3"):
