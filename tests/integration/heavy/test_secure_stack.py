@@ -1,7 +1,7 @@
 """The secured stack (``stack up --secure``): refused without the right credentials, whole with.
 
-A stack of the module's own (its state dir, spare ports in 39394-39399 and
-36680-36689, never the default stack's) is started with ``streamtally stack up
+A stack of the module's own (its state dir, spare ports reserved as every stack of a
+test's own gets them, `tests.integration.spare_stack`) is started with ``streamtally stack up
 --secure``: the broker on SASL_SSL with SCRAM-SHA-512 users made at format,
 Redis on TLS only with the worker's ACL user.  The client environment comes
 from ``streamtally stack env``, as a user gets it.  Then:
@@ -18,6 +18,7 @@ from ``streamtally stack env``, as a user gets it.  Then:
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -33,9 +34,9 @@ import redis.exceptions
 
 from streamtally.core.identity import RequestRef
 from streamtally.settings import Settings
-from streamtally.stack import port_in_use
 from streamtally.stack.client_env import SECURITY_VARIABLES
 from streamtally.store import tokens_key
+from tests.integration.spare_stack import spare_config, stack_variables
 from tests.integration.worker import (
     REPO,
     SAMPLES,
@@ -85,13 +86,6 @@ def _run(
     )
 
 
-def _spare(first: int, last: int, taken: set[int]) -> int:
-    for port in range(first, last + 1):
-        if port not in taken and not port_in_use("127.0.0.1", port):
-            return port
-    pytest.fail(f"no spare port in {first}-{last} for the secured stack")
-
-
 def _exports(text: str) -> dict[str, str]:
     """The ``export NAME=value`` lines of ``stack env``, as a shell would read them."""
     env = {}
@@ -106,32 +100,26 @@ def _exports(text: str) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     base = {k: v for k, v in os.environ.items() if k not in _SESSION_VARIABLES}
-    kafka = _spare(39394, 39398, set())
-    controller = _spare(kafka + 1, 39399, {kafka})
-    redis_port = _spare(36680, 36689, set())
-    stack_env = {
-        **base,
-        "STREAMTALLY_STATE_DIR": str(tmp_path_factory.mktemp("secured-stack")),
-        "STREAMTALLY_KAFKA_PORT": str(kafka),
-        "STREAMTALLY_CONTROLLER_PORT": str(controller),
-        "STREAMTALLY_REDIS_PORT": str(redis_port),
-        "STREAMTALLY_WEB_PORT": "0",
-    }
-    outputs: dict[str, str] = {}
-    up = _run(streamtally("stack", "up", "--secure"), stack_env, timeout=600)
-    outputs["stack up"] = up.stdout + up.stderr
-    try:
-        assert up.returncode == 0, outputs["stack up"]
-        printed = _run(streamtally("stack", "env"), stack_env)
-        assert printed.returncode == 0, printed.stderr
-        client_env = {**stack_env, **_exports(printed.stdout)}
-        status = _run(streamtally("stack", "status"), stack_env)
-        assert status.returncode == 0, status.stdout + status.stderr
-        outputs["stack status"] = status.stdout + status.stderr
-        yield Secured(stack_env, client_env, outputs)
-    finally:
-        down = _run(streamtally("stack", "down"), stack_env)
-        assert down.returncode == 0, down.stdout + down.stderr
+    # Below Linux's ephemeral range, and reserved: ports picked in it (this test's were
+    # 39394-39399) can be taken by any outgoing connection before the broker binds them.
+    with contextlib.ExitStack() as held:  # the ports stay reserved until the stack is down
+        cfg = spare_config(tmp_path_factory.mktemp("secured-stack"), held)
+        stack_env = {**base, **stack_variables(cfg), "STREAMTALLY_WEB_PORT": "0"}
+        outputs: dict[str, str] = {}
+        up = _run(streamtally("stack", "up", "--secure"), stack_env, timeout=600)
+        outputs["stack up"] = up.stdout + up.stderr
+        try:
+            assert up.returncode == 0, outputs["stack up"]
+            printed = _run(streamtally("stack", "env"), stack_env)
+            assert printed.returncode == 0, printed.stderr
+            client_env = {**stack_env, **_exports(printed.stdout)}
+            status = _run(streamtally("stack", "status"), stack_env)
+            assert status.returncode == 0, status.stdout + status.stderr
+            outputs["stack status"] = status.stdout + status.stderr
+            yield Secured(stack_env, client_env, outputs)
+        finally:
+            down = _run(streamtally("stack", "down"), stack_env)
+            assert down.returncode == 0, down.stdout + down.stderr
 
 
 def test_stack_env_describes_a_secured_stack(secured: Secured) -> None:
