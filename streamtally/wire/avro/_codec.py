@@ -75,10 +75,19 @@ def _compiled(version: SchemaVersion, record_names: bool) -> Reader | None:
         return None
 
 
+#: The single-object headers of the `COMPILED` records written with their current schema,
+#: found once: (header, name, record names) → (reader, the writer's label).  A raw message
+#: of the hot path is then read from its header alone.
+_HOT: Final[dict[tuple[bytes, str, bool], tuple[Reader, str]]] = {}
+
+
 def read(name: str, data: bytes, *, record_names: bool = False) -> dict[str, Any]:
     """The datum of a value of record `name` in either framing, resolved from its writer
     schema to the current: the first byte tells them apart (``00`` Confluent, its schema
     id looked up in the process's table, `_ids`; else single-object)."""
+    hot = _HOT.get((data[:HEADER_SIZE], name, record_names))
+    if hot is not None:
+        return _run(name, hot[0], hot[1], data, HEADER_SIZE)
     if data and data[0] == 0:
         writer = confluent_writer(name, data)
         return read_body(name, writer, data, CONFLUENT_HEADER_SIZE, record_names)
@@ -86,7 +95,32 @@ def read(name: str, data: bytes, *, record_names: bool = False) -> dict[str, Any
         writer = writer_of(data)
     except AvroDecodeError as exc:
         raise AvroDecodeError(f"{name}: {exc}") from None
+    if writer is current(name) and name in COMPILED:
+        fast = _compiled(writer, record_names)
+        if fast is not None:
+            _HOT[writer.header, name, record_names] = (fast, writer.label)
     return read_body(name, writer, data, HEADER_SIZE, record_names)
+
+
+def _run(name: str, fast: Reader, label: str, data: bytes, start: int) -> dict[str, Any]:
+    """The datum `fast` (a compiled reader) reads in `data` from `start` to the end."""
+    try:
+        record, end = fast(data, start)
+    except DECODE_ERRORS as exc:
+        raise AvroDecodeError(
+            f"{name}: cannot decode the body written with {label} "
+            f"({type(exc).__name__}: {exc or 'truncated'})"
+        ) from exc
+    return _whole(name, record, end, data)
+
+
+def _whole(name: str, record: object, end: int, data: bytes) -> dict[str, Any]:
+    rest = len(data) - end
+    if rest:
+        raise AvroDecodeError(f"{name}: {rest} trailing bytes after the record")
+    if not isinstance(record, dict):
+        raise AvroDecodeError(f"{name}: decoded a {type(record).__name__}, not a record")
+    return record
 
 
 def read_body(
@@ -100,31 +134,25 @@ def read_body(
     if writer.name != name:
         raise AvroDecodeError(f"expected a {name} message, got a {writer.label} one")
     fast = _compiled(writer, record_names) if writer is reader and name in COMPILED else None
+    if fast is not None:
+        return _run(name, fast, writer.label, data, start)
     try:
-        if fast is not None:
-            record, end = fast(data, start)
-        else:
-            body = io.BytesIO(data)
-            body.seek(start)
-            record = fastavro.schemaless_reader(
-                body,
-                writer.parsed,
-                None if writer is reader else reader.parsed,
-                return_record_name=record_names,
-                return_record_name_override=record_names,
-            )
-            end = body.tell()
+        body = io.BytesIO(data)
+        body.seek(start)
+        record = fastavro.schemaless_reader(
+            body,
+            writer.parsed,
+            None if writer is reader else reader.parsed,
+            return_record_name=record_names,
+            return_record_name_override=record_names,
+        )
+        end = body.tell()
     except DECODE_ERRORS as exc:
         raise AvroDecodeError(
             f"{name}: cannot decode the body written with {writer.label} "
             f"({type(exc).__name__}: {exc or 'truncated'})"
         ) from exc
-    rest = len(data) - end
-    if rest:
-        raise AvroDecodeError(f"{name}: {rest} trailing bytes after the record")
-    if not isinstance(record, dict):
-        raise AvroDecodeError(f"{name}: decoded a {type(record).__name__}, not a record")
-    return record
+    return _whole(name, record, end, data)
 
 
 def _engine_variant(record: Mapping[str, Any]) -> dict[str, Any]:

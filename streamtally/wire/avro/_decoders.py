@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any, Final, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -187,15 +188,53 @@ def _record(cls: Callable[..., _R], fields: dict[str, Any]) -> _R:
         ) from exc
 
 
+# One raw record per message is the hot path: a record the dataclass would accept is made
+# without its generated `__init__` (keyword arguments, one interpreted `object.__setattr__`
+# per field of a frozen class, an interpreted `__post_init__`): a bare instance, its
+# slots set from here.  Only what passes checks at least as strict as `__post_init__`'s
+# is made so (its time in the codec's own UTC; a valid source, id and seq, of the right
+# types); anything else goes through the constructor, which refuses it with its reason.
+# `tests/unit/wire/test_raw_record_fast_path.py` holds both ways to the same records.
+_new: Final = object.__new__
+_set: Final = object.__setattr__
+_SSE_SOURCES: Final = frozenset(s for s in Source if s.is_sse)
+_ENGINE_SOURCES: Final = frozenset(ENGINE_PAYLOAD_TYPES)
+
+
+def _plain(request_id: object, seq: object, received_at: object) -> bool:
+    """Whether `_check_common` would pass these, and they are the codec's own types."""
+    return (
+        type(request_id) is str
+        and request_id != ""
+        and type(seq) is int
+        and seq >= 0
+        and type(received_at) is datetime
+        and received_at.tzinfo is UTC
+    )
+
+
 def decode_raw_sse_event(data: bytes) -> RawSseEvent:
     return raw_sse_event_of(read("RawSseEvent", data))
 
 
 def raw_sse_event_of(r: dict[str, Any]) -> RawSseEvent:
     # The enums in place, in the datum itself: it is ours (one raw event, the hot path).
-    r["source"] = _source(r["source"])
-    r["kind"] = _kind(r["kind"])
-    return _record(RawSseEvent, r)
+    source = r["source"] = _source(r["source"])
+    kind = r["kind"] = _kind(r["kind"])
+    request_id, seq, received_at = r["request_id"], r["seq"], r["received_at"]
+    if not (source in _SSE_SOURCES and _plain(request_id, seq, received_at)):
+        return _record(RawSseEvent, r)  # refused there, with the reason
+    event: RawSseEvent = _new(RawSseEvent)
+    _set(event, "request_id", request_id)
+    _set(event, "seq", seq)
+    _set(event, "source", source)
+    _set(event, "tenant", r["tenant"])
+    _set(event, "received_at", received_at)
+    _set(event, "kind", kind)
+    _set(event, "event", r["event"])
+    _set(event, "data", r["data"])
+    _set(event, "sse_id", r["sse_id"])
+    return event
 
 
 def _payload_in(source: Source, payload: dict[str, Any]) -> dict[str, Any]:
@@ -230,8 +269,32 @@ def raw_engine_output_of(r: dict[str, Any]) -> RawEngineOutput:
                 f"RawEngineOutput: a {source.value} output carries a {branch.rpartition('.')[2]}"
             )
         payload = _payload_in(source, body)
-    r["source"], r["kind"], r["payload"] = source, _kind(r["kind"]), payload
-    return _record(RawEngineOutput, r)
+    kind = _kind(r["kind"])
+    r["source"], r["kind"], r["payload"] = source, kind, payload
+    request_id, seq, received_at, cancelled = (
+        r["request_id"],
+        r["seq"],
+        r["received_at"],
+        r["cancelled"],
+    )
+    if not (
+        source in _ENGINE_SOURCES
+        and _plain(request_id, seq, received_at)
+        and (payload is None or kind is not EventKind.END)
+        and (cancelled is False or (cancelled is True and kind is EventKind.END))
+    ):
+        return _record(RawEngineOutput, r)  # refused there, with the reason
+    output: RawEngineOutput = _new(RawEngineOutput)
+    _set(output, "request_id", request_id)
+    _set(output, "seq", seq)
+    _set(output, "source", source)
+    _set(output, "tenant", r["tenant"])
+    _set(output, "received_at", received_at)
+    _set(output, "kind", kind)
+    _set(output, "payload", payload)
+    _set(output, "model", r["model"])
+    _set(output, "cancelled", cancelled)
+    return output
 
 
 def billing_event_of(r: dict[str, Any]) -> BillingEvent:
