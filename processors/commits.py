@@ -37,15 +37,9 @@ from collections.abc import Hashable, Iterable, Mapping
 from itertools import islice
 
 from streamtally.core.identity import RequestRef
+from streamtally.errors import CommitOrderError
 
 __all__ = ["CommitGate", "CommitOrderError"]
-
-
-class CommitOrderError(RuntimeError):
-    """A record was held out of its partition's order: the gate would commit past records
-    it never held.  Raised, never worked around: a stalled partition loses no money, a
-    commit past an open request does (its start is never read again, it is never billed).
-    """
 
 
 class _Held:
@@ -105,6 +99,14 @@ class CommitGate:
             self._open[request].append(held)
             if span is not None and span < 0:
                 self._spans[request] = held
+
+    def hold_all(
+        self, holds: Iterable[tuple[Hashable, int, RequestRef | None, int | None]]
+    ) -> None:
+        """`hold` each record of a batch, in order: (partition, offset, request, span), as
+        `RequestProcessor.apply_batch` lists them."""
+        for tp, offset, request, span in holds:
+            self.hold(tp, offset, request, span)
 
     def finished(
         self, requests: Iterable[RequestRef], closed_at: Mapping[RequestRef, int] | None = None

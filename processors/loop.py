@@ -350,8 +350,7 @@ class BatchLoop:
         written = await self.sinks().write(outputs, times)
         self.metrics.written(written.outputs)
         # Only now, with the batch's outputs durable, may its records be released.
-        for tp, offset, ref, span in holds:
-            gate.hold(tp, offset, ref, span)
+        gate.hold_all(holds)
         completed = written.outputs.completed
         gate.finished(
             [done.ref for done in completed], {done.ref: done.closed.offset for done in completed}

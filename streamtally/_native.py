@@ -64,6 +64,7 @@ MODULES: Final = (
     "streamtally.processors._records",
     "streamtally.processors.clock",
     "streamtally.processors.closing",
+    "streamtally.processors.commits",
     "streamtally.processors.folding",
     "streamtally.processors.refusals",
     "streamtally.processors.requests",

@@ -36,8 +36,9 @@ name (``streamtally.producers.spool.SpoolLocked`` is this `SpoolLocked`).
 Not in the tree, on purpose, because they never leave their module's caller:
 `streamtally.api.query.BadQuery` and ``Forbidden`` (answered 400 and 403), the proxy tee's
 ``UndecodableEncoding`` and ``DecodeError`` (a response left untapped, counted),
-`streamtally.processors.source.MembershipLost` (a rebalance), and
-`streamtally.processors.commits.CommitOrderError` (a bug: committing out of order).
+`streamtally.processors.source.MembershipLost` (a rebalance), and `CommitOrderError` (a
+bug: committing out of order), defined here beside the tree for
+`streamtally.processors.commits`, which is compiled and whose name it keeps.
 """
 
 from __future__ import annotations
@@ -169,3 +170,11 @@ class StackError(StreamtallyError):
 
 class WorkerError(StackError):
     """The worker exited, or did not get ready in time; the message carries its log."""
+
+
+class CommitOrderError(RuntimeError):
+    """A record was held out of its partition's order: the gate would commit past records
+    it never held.  Raised, never worked around: a stalled partition loses no money, a
+    commit past an open request does (its start is never read again, it is never billed).
+    Not a `StreamtallyError`: a bug, not bad input (`streamtally.processors.commits`).
+    """
