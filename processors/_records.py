@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, Final, NamedTuple, cast
 
 from streamtally.core.fold import Fold
 from streamtally.core.identity import RequestRef
@@ -31,6 +31,25 @@ class _Raw(NamedTuple):
     value: bytes
     #: The request the record belongs to: (tenant, request id).
     ref: RequestRef
+
+
+# The named tuples made once per raw record (a `Position`, a `_Raw`, its `RequestRef`, a
+# `KeptRecord`) are made here with `tuple.__new__` from compiled code: calling the class
+# runs its generated `__new__`, an interpreted frame, for each.  The same tuples.
+_tuple_new: Final[Any] = tuple.__new__
+
+
+def position_of(topic: str, partition: int, offset: int, timestamp: float | None) -> Position:
+    """`Position(topic, partition, offset, timestamp)`."""
+    return cast(Position, _tuple_new(Position, (topic, partition, offset, timestamp)))
+
+
+def raw_of(
+    record: RawRecord, position: Position, key: bytes | None, value: bytes, tenant: str
+) -> _Raw:
+    """`_Raw(record, position, key, value, RequestRef(tenant, record.request_id))`."""
+    ref = _tuple_new(RequestRef, (tenant, record.request_id))
+    return cast(_Raw, _tuple_new(_Raw, (record, position, key, value, ref)))
 
 
 @dataclass(slots=True)
@@ -84,8 +103,8 @@ class _Open:
     def applied(self, raw: _Raw) -> None:
         """Count `raw` (just applied) into the request's provenance."""
         self.digest.add(raw.value)
-        self.kept.append(KeptRecord(raw.position.offset, raw.record.seq, raw.value))
         offset = raw.position.offset
+        self.kept.append(_tuple_new(KeptRecord, (offset, raw.record.seq, raw.value)))
         first = self.first_offset
         if first is None:
             self.first_offset = self.last_offset = offset

@@ -17,7 +17,7 @@ record of their event, which is their sum.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Final
 
 from streamtally.core.content import FULL, ContentPolicy, capped_chunk
 from streamtally.core.identity import RequestRef
@@ -32,6 +32,13 @@ from streamtally.wire import avro
 from streamtally.wire.records import PART_EVENT, EventKind, RawSseEvent
 
 __all__ = ["RecordFolder"]
+
+# An `SseEvent` per SSE record, made as `core.sse`'s decoder makes it: a bare instance, its
+# three slots set directly (the frozen dataclass's `__init__` is interpreted).
+_new: Final[Any] = object.__new__
+_set_data: Final[Any] = SseEvent.__dict__["data"].__set__
+_set_event: Final[Any] = SseEvent.__dict__["event"].__set__
+_set_id: Final[Any] = SseEvent.__dict__["id"].__set__
 
 
 class RecordFolder:
@@ -108,7 +115,10 @@ class RecordFolder:
                 data = "".join(state.parts)
                 state.parts = []
                 state.part_bytes = 0
-            event = SseEvent(data, record.event, record.sse_id)
+            event = _new(SseEvent)  # `SseEvent(data, record.event, record.sse_id)`
+            _set_data(event, data)
+            _set_event(event, record.event)
+            _set_id(event, record.sse_id)
         else:
             event = record.payload
         try:

@@ -16,9 +16,8 @@ from datetime import UTC, datetime
 from typing import cast
 
 from streamtally.core.content import FULL, ContentPolicy
-from streamtally.core.identity import RequestRef
 from streamtally.errors import InputError
-from streamtally.processors._records import RawRecord, _Raw
+from streamtally.processors._records import RawRecord, _Raw, raw_of
 from streamtally.processors.clock import InputClock
 from streamtally.processors.limits import (
     PERMANENT_ERRORS,
@@ -111,9 +110,7 @@ class Refusals:
             )
             return None
         record = cast(RawRecord, examined)
-        return _Raw(
-            record, position, key, value or b"", RequestRef(record.tenant, record.request_id)
-        )
+        return raw_of(record, position, key, value or b"", record.tenant)
 
     def refused_by_limits(self, tenant: str) -> InputError | None:
         """Why one more request of `tenant` may not open (None: it may)."""

@@ -93,7 +93,7 @@ from typing import Protocol
 from streamtally.billing.pricing import PriceTable
 from streamtally.core.content import FULL, ContentPolicy
 from streamtally.core.identity import RequestRef
-from streamtally.processors._records import RawRecord, _Raw
+from streamtally.processors._records import RawRecord, _Raw, position_of
 from streamtally.processors.amendable import Amendable
 from streamtally.processors.clock import InputClock
 from streamtally.processors.closing import Closer
@@ -401,7 +401,9 @@ class RequestProcessor:
         """`admit` every message of a batch (in order) with what `examine_*` made of it."""
         admit = self.refusals.admit
         return [
-            admit(seen, m.key, m.value, Position(m.topic, m.partition, m.offset, m.timestamp), out)
+            admit(
+                seen, m.key, m.value, position_of(m.topic, m.partition, m.offset, m.timestamp), out
+            )
             for m, seen in zip(messages, examined, strict=True)
         ]
 

@@ -13,8 +13,11 @@ closes a request at its record limit and where an earlier run closed it
 
 from __future__ import annotations
 
+from typing import Final
+
 from streamtally.core.fold import Fold
 from streamtally.core.identity import RequestRef
+from streamtally.core.models import Source
 from streamtally.core.normalize import Normalizer
 from streamtally.errors import InputError
 from streamtally.processors._records import _Open, _Raw
@@ -30,6 +33,9 @@ from streamtally.wire import avro
 from streamtally.wire.records import EventKind, RawEngineOutput
 
 __all__ = ["Sequencer"]
+
+#: Each source's value (`.value` of an enum member is an interpreted property; one per record).
+_VALUE_OF: Final = {source: source.value for source in Source}
 
 
 class Sequencer:
@@ -59,7 +65,7 @@ class Sequencer:
         adding its outputs to `out`."""
         record, key, value, position = raw.record, raw.key, raw.value, raw.position
         request_id = record.request_id
-        source = record.source.value
+        source = _VALUE_OF[record.source]
         table = self.table
         dead = self.refusals.dead
         tp = (position.topic, position.partition)

@@ -38,7 +38,7 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Final, NamedTuple
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import CommitFailedError, KafkaError
@@ -100,6 +100,9 @@ def member_id(consumer: Any) -> str | None:
     coordinator = getattr(consumer, "_coordinator", None)
     found = getattr(coordinator, "member_id", None)
     return found if isinstance(found, str) else None
+
+
+_tuple_new: Final[Any] = tuple.__new__
 
 
 class RawMessage(NamedTuple):
@@ -312,15 +315,20 @@ class RawSource:
             # skipped their open requests (never billed).
             generation = self._revocations.generation
             times = BatchTimes(fetched=time.perf_counter(), fetched_wall=time.time())
+            # `RawMessage(...)` without its generated `__new__` (an interpreted frame per
+            # record): the same tuple, made by `tuple.__new__` at once.
             batch = tuple(
-                RawMessage(
-                    tp.topic,
-                    tp.partition,
-                    record.offset,
-                    record.timestamp / 1000 if record.timestamp is not None else None,
-                    record.key,
-                    record.value,
-                    record.headers,
+                _tuple_new(
+                    RawMessage,
+                    (
+                        tp.topic,
+                        tp.partition,
+                        record.offset,
+                        record.timestamp / 1000 if record.timestamp is not None else None,
+                        record.key,
+                        record.value,
+                        record.headers,
+                    ),
                 )
                 for tp, records in fetched.items()
                 for record in records

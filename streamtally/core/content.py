@@ -193,7 +193,9 @@ def capped_chunk(chunk: Chunk, limit: int) -> Chunk:
     (`STREAMTALLY_MAX_TEXT_BYTES`), and its usage counts in full.
     """
     text, reasoning = chunk.text_delta, chunk.reasoning_delta
-    chars = len(text) + len(reasoning) + sum(len(d.arguments_delta) for d in chunk.tool_call_deltas)
+    chars = len(text) + len(reasoning)
+    if chunk.tool_call_deltas:
+        chars += sum(len(d.arguments_delta) for d in chunk.tool_call_deltas)
     if chars * 4 <= limit:  # at most 4 UTF-8 bytes a character: it fits
         return chunk
     budget = limit
