@@ -101,8 +101,8 @@ class KafkaSink:
         self._started = False
         self._partitioner = DefaultPartitioner()
         self._partitions = {t.name: list(range(t.partitions)) for t in topics.all}
-        #: (topic, key, what to partition by, value) of every record to send.
-        self._pending: list[tuple[str, bytes | None, bytes | None, bytes]] = []
+        #: What to send, per (topic, partition): (key, value), in the order added.
+        self._pending: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
 
     async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
         del outputs  # nothing to record before sending
@@ -111,26 +111,55 @@ class KafkaSink:
     def add(self, outputs: Outputs) -> None:
         # Values were encoded by the processor as each output was made (a record that
         # cannot be encoded is dead-lettered there), so nothing here can fail on content.
-        pending, topics, frame = self._pending, self._topics, self.framing.frame
-        keys: dict[RequestRef, tuple[bytes, bytes]] = {}  # built once per request
+        # Each record goes straight to its partition's list; a request's key and partition
+        # are found once per topic (murmur2 in pure Python costs more than the rest of a
+        # record's routing), and once per run of its chunks.
+        pending, topics = self._pending, self._topics
+        frame = None if self.framing.headers is None else self.framing.frame
+        routes: dict[tuple[RequestRef, str], tuple[bytes, list[tuple[bytes | None, bytes]]]] = {}
+        numbers: dict[tuple[RequestRef, int], int] = {}  # by partition count
 
-        def keyed(ref: RequestRef) -> tuple[bytes, bytes]:
-            """The request's output key and what it is partitioned by (its request id)."""
-            found = keys.get(ref)
+        def route(ref: RequestRef, topic: str) -> tuple[bytes, list[tuple[bytes | None, bytes]]]:
+            """The request's output key on `topic`, and the list of its partition there."""
+            found = routes.get((ref, topic))
             if found is None:
-                found = keys[ref] = (output_key(ref), encode_key(ref.request_id))
+                partitions = self._partitions[topic]
+                number = numbers.get((ref, len(partitions)))
+                if number is None:
+                    by = encode_key(ref.request_id)
+                    number = numbers[ref, len(partitions)] = self._partitioner(
+                        by, partitions, partitions
+                    )
+                found = routes[ref, topic] = (
+                    output_key(ref),
+                    pending.setdefault((topic, number), []),
+                )
             return found
 
-        chunks = zip(outputs.chunks, outputs.chunk_values, outputs.chunk_refs, strict=True)
-        for _, value, ref in chunks:
-            pending.append((topics.chunks.name, *keyed(ref), frame(value)))
+        chunks = topics.chunks.name
+        last: RequestRef | None = None
+        key = b""
+        target: list[tuple[bytes | None, bytes]] = []
+        for value, ref in zip(outputs.chunk_values, outputs.chunk_refs, strict=True):
+            if ref != last:
+                key, target = route(ref, chunks)
+                last = ref
+            target.append((key, value if frame is None else frame(value)))
         for done in outputs.completed:
-            key, by = keyed(done.ref)
-            pending.append((topics.tokens.name, key, by, frame(done.tokens_value)))
-            pending.append((topics.billing.name, key, by, frame(done.billing_value)))
+            for topic, value in (
+                (topics.tokens.name, done.tokens_value),
+                (topics.billing.name, done.billing_value),
+            ):
+                key, target = route(done.ref, topic)
+                target.append((key, value if frame is None else frame(value)))
         for letter in outputs.dead_letters:
-            value = frame(avro.encode_dead_letter(letter))
-            pending.append((topics.deadletter.name, letter.key, letter.key, value))
+            value = avro.encode_dead_letter(letter)
+            partitions = self._partitions[topics.deadletter.name]
+            # Without a key, any partition, as the client does.
+            number = self._partitioner(letter.key, partitions, partitions)
+            pending.setdefault((topics.deadletter.name, number), []).append(
+                (letter.key, value if frame is None else frame(value))
+            )
 
     async def flush(self) -> None:
         """Send everything added and wait for the broker; on failure nothing is dropped."""
@@ -139,21 +168,10 @@ class KafkaSink:
         if not self._started:
             await self._producer.start()
             self._started = True
-        by_partition: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
-        # murmur2 in pure Python costs more than the rest of a record's routing: once per
-        # request (its chunks share the key) and partition count, not once per record.
-        chosen: dict[tuple[bytes, int], int] = {}
-        for topic, key, by, value in self._pending:
-            partitions = self._partitions[topic]
-            if by is None:  # a dead letter without key: any partition, as the client does
-                partition = self._partitioner(by, partitions, partitions)
-            elif (partition := chosen.get((by, len(partitions)), -1)) < 0:
-                partition = chosen[by, len(partitions)] = self._partitioner(
-                    by, partitions, partitions
-                )
-            by_partition.setdefault((topic, partition), []).append((key, value))
         futures = []
-        for (topic, partition), messages in by_partition.items():
+        for (topic, partition), messages in self._pending.items():
+            if not messages:
+                continue
             batch = self._producer.create_batch()
             for key, value in messages:
                 if batch.append(key=key, value=value, timestamp=None) is None:
@@ -165,7 +183,7 @@ class KafkaSink:
                         raise ValueError(f"a {topic} record of {len(value)} bytes fits no batch")
             futures.append(await self._producer.send_batch(batch, topic, partition=partition))
         await asyncio.gather(*futures)
-        self._pending = []
+        self._pending = {}
 
     async def stop(self) -> None:
         # Also when it never started (an idle worker): an unclosed producer is reported as

@@ -138,15 +138,15 @@ def test_the_kafka_sink_frames_every_value() -> None:
     run.send_all(s)
     run.feed(Source.OPENAI, b"\xc3\x01garbage", 99, key=b"x")  # a dead letter too
 
-    async def pending() -> list[tuple[str, bytes | None, bytes | None, bytes]]:
+    async def pending() -> dict[tuple[str, int], list[tuple[bytes | None, bytes]]]:
         sink = KafkaSink("127.0.0.1:1", TOPICS, framing)
         sink.add(run.out)
         await sink.stop()
         return sink._pending
 
     by_topic: dict[str, list[bytes]] = {}
-    for topic, _, _, value in asyncio.run(pending()):
-        by_topic.setdefault(topic, []).append(value)
+    for (topic, _), messages in asyncio.run(pending()).items():
+        by_topic.setdefault(topic, []).extend(value for _, value in messages)
     assert set(by_topic) == {t.name for t in TOPICS.outputs}
     for topic, values in by_topic.items():
         record = TOPICS.by_name(topic).value_schema
