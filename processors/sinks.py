@@ -77,6 +77,10 @@ class Sink(Protocol):
     async def flush(self) -> None: ...
 
 
+#: How many requests' output keys and partitions `KafkaSink` keeps between batches.
+_KEYED_REQUESTS: Final = 4096
+
+
 class KafkaSink:
     """Chunks, completed Tokens, billing events and dead letters onto their topics.
 
@@ -103,6 +107,9 @@ class KafkaSink:
         self._partitions = {t.name: list(range(t.partitions)) for t in topics.all}
         #: What to send, per (topic, partition): (key, value), in the order added.
         self._pending: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
+        #: Recent requests' output key and partition number, by partition count: a request
+        #: writes in many batches (forgotten all at once past `_KEYED_REQUESTS`).
+        self._keyed: dict[tuple[RequestRef, int], tuple[bytes, int]] = {}
 
     async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
         del outputs  # nothing to record before sending
@@ -117,22 +124,22 @@ class KafkaSink:
         pending, topics = self._pending, self._topics
         frame = None if self.framing.headers is None else self.framing.frame
         routes: dict[tuple[RequestRef, str], tuple[bytes, list[tuple[bytes | None, bytes]]]] = {}
-        numbers: dict[tuple[RequestRef, int], int] = {}  # by partition count
+        known = self._keyed
 
         def route(ref: RequestRef, topic: str) -> tuple[bytes, list[tuple[bytes | None, bytes]]]:
             """The request's output key on `topic`, and the list of its partition there."""
             found = routes.get((ref, topic))
             if found is None:
                 partitions = self._partitions[topic]
-                number = numbers.get((ref, len(partitions)))
-                if number is None:
-                    by = encode_key(ref.request_id)
-                    number = numbers[ref, len(partitions)] = self._partitioner(
-                        by, partitions, partitions
-                    )
+                keyed = known.get((ref, len(partitions)))
+                if keyed is None:
+                    if len(known) >= _KEYED_REQUESTS:
+                        known.clear()
+                    number = self._partitioner(encode_key(ref.request_id), partitions, partitions)
+                    keyed = known[ref, len(partitions)] = (output_key(ref), number)
                 found = routes[ref, topic] = (
-                    output_key(ref),
-                    pending.setdefault((topic, number), []),
+                    keyed[0],
+                    pending.setdefault((topic, keyed[1]), []),
                 )
             return found
 
