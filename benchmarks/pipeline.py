@@ -88,6 +88,7 @@ from benchmarks.pipeline_report import (
     Workload,
     describe_machine,
     format_report,
+    target_p99_ms,
 )
 from benchmarks.pipeline_worker import BenchWorkers
 from benchmarks.pipeline_workload import (
@@ -115,6 +116,7 @@ __all__ = [
     "PipelineSettings",
     "format_report",
     "run",
+    "target_p99_ms",
 ]
 
 #: Request timeout given to the worker: nothing of the benchmark may time out.
