@@ -35,7 +35,6 @@ from typing import Any, Final, Protocol
 
 import redis.asyncio as aioredis
 from aiokafka.errors import KafkaError, ProducerClosed
-from aiokafka.partitioner import DefaultPartitioner
 from redis.exceptions import RedisError
 
 from streamtally.connection import KafkaConnection
@@ -48,7 +47,7 @@ from streamtally.store import RedisBatch, RedisStore, amended_request
 from streamtally.topics import Topics, encode_key, output_key
 from streamtally.wire import avro
 from streamtally.wire.framing import SINGLE_OBJECT, Framing
-from streamtally.wire.kafka import idempotent_producer
+from streamtally.wire.kafka import KeyPartitioner, idempotent_producer
 
 __all__ = ["KafkaSink", "RedisSink", "Sink", "Sinks", "Written", "retry"]
 
@@ -77,10 +76,6 @@ class Sink(Protocol):
     async def flush(self) -> None: ...
 
 
-#: How many requests' output keys and partitions `KafkaSink` keeps between batches.
-_KEYED_REQUESTS: Final = 4096
-
-
 class KafkaSink:
     """Chunks, completed Tokens, billing events and dead letters onto their topics.
 
@@ -103,13 +98,12 @@ class KafkaSink:
         #: single-object messages (Redis keeps those), framed here as they are sent.
         self.framing = framing
         self._started = False
-        self._partitioner = DefaultPartitioner()
+        #: murmur2 of the request id, as the default partitioner, kept per request: one
+        #: request writes in many batches (`KeyPartitioner`).
+        self._partitioner = KeyPartitioner()
         self._partitions = {t.name: list(range(t.partitions)) for t in topics.all}
         #: What to send, per (topic, partition): (key, value), in the order added.
         self._pending: dict[tuple[str, int], list[tuple[bytes | None, bytes]]] = {}
-        #: Recent requests' output key and partition number, by partition count: a request
-        #: writes in many batches (forgotten all at once past `_KEYED_REQUESTS`).
-        self._keyed: dict[tuple[RequestRef, int], tuple[bytes, int]] = {}
 
     async def begin(self, outputs: Outputs) -> set[RequestRef] | None:
         del outputs  # nothing to record before sending
@@ -119,27 +113,20 @@ class KafkaSink:
         # Values were encoded by the processor as each output was made (a record that
         # cannot be encoded is dead-lettered there), so nothing here can fail on content.
         # Each record goes straight to its partition's list; a request's key and partition
-        # are found once per topic (murmur2 in pure Python costs more than the rest of a
-        # record's routing), and once per run of its chunks.
+        # are found once per batch and topic, and once per run of its chunks.
         pending, topics = self._pending, self._topics
         frame = None if self.framing.headers is None else self.framing.frame
         routes: dict[tuple[RequestRef, str], tuple[bytes, list[tuple[bytes | None, bytes]]]] = {}
-        known = self._keyed
 
         def route(ref: RequestRef, topic: str) -> tuple[bytes, list[tuple[bytes | None, bytes]]]:
             """The request's output key on `topic`, and the list of its partition there."""
             found = routes.get((ref, topic))
             if found is None:
                 partitions = self._partitions[topic]
-                keyed = known.get((ref, len(partitions)))
-                if keyed is None:
-                    if len(known) >= _KEYED_REQUESTS:
-                        known.clear()
-                    number = self._partitioner(encode_key(ref.request_id), partitions, partitions)
-                    keyed = known[ref, len(partitions)] = (output_key(ref), number)
+                number = self._partitioner(encode_key(ref.request_id), partitions, partitions)
                 found = routes[ref, topic] = (
-                    keyed[0],
-                    pending.setdefault((topic, keyed[1]), []),
+                    output_key(ref),
+                    pending.setdefault((topic, number), []),
                 )
             return found
 
