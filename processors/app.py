@@ -147,8 +147,11 @@ def create_app(
         agents={},
         metrics=WorkerMetrics(lambda: processor.counters, lambda: processor.open_requests),
     )
-    # At most two fetched batches wait for the agent: the consumer cannot run ahead.
-    batches = app.channel(maxsize=2)
+    # At most one decoded batch waits for the agent: decoding ahead overlaps the agent's
+    # work; a second one waiting only queued records longer (with two, the p99 from END
+    # to Redis at 20,000 raw events/s was 102-421 ms, median 279, over six runs; with
+    # one 115-255 ms, median 158: docs/scaling.md).  The consumer cannot run ahead.
+    batches = app.channel(maxsize=1)
     loop = BatchLoop(
         pipeline, settings, topics, batches, make_sinks=make_sinks, on_failure=on_failure
     )

@@ -5,8 +5,8 @@ stage is a method, in the order a batch passes them (the stages' timings are
 `processors.stages`'s):
 
 - `fetch`, the raw-topic task: `RawSource` reads the raw topics in bulk, each
-  batch is decoded (`decode`) and sent to an in-memory channel (at most two
-  batches wait there: the consumer cannot run ahead);
+  batch is decoded (`decode`) and sent to an in-memory channel (at most one
+  batch waits there: the consumer cannot run ahead);
 - `decode`: each message decoded and checked at the edge
   (`RequestProcessor.examine_batch`: pure, so done here, while the agent waits
   for the writes of the batch before);
