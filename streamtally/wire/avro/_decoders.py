@@ -10,6 +10,7 @@ validation rejects).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -197,6 +198,9 @@ def _record(cls: Callable[..., _R], fields: dict[str, Any]) -> _R:
 # `tests/unit/wire/test_raw_record_fast_path.py` holds both ways to the same records.
 _new: Final = object.__new__
 _set: Final = object.__setattr__
+#: The fields of each record, in its order: a bare instance gets every one from the datum.
+_RAW_SSE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RawSseEvent))
+_RAW_ENGINE_FIELDS: Final = tuple(f.name for f in dataclasses.fields(RawEngineOutput))
 _SSE_SOURCES: Final = frozenset(s for s in Source if s.is_sse)
 _ENGINE_SOURCES: Final = frozenset(ENGINE_PAYLOAD_TYPES)
 
@@ -213,6 +217,14 @@ def _plain(request_id: object, seq: object, received_at: object) -> bool:
     )
 
 
+def _bare(cls: type[_R], names: tuple[str, ...], r: dict[str, Any]) -> _R:
+    """An instance of `cls` with each field of `names` set to the datum's value, unchecked."""
+    record: _R = _new(cls)
+    for name in names:
+        _set(record, name, r[name])
+    return record
+
+
 def decode_raw_sse_event(data: bytes) -> RawSseEvent:
     return raw_sse_event_of(read("RawSseEvent", data))
 
@@ -220,21 +232,10 @@ def decode_raw_sse_event(data: bytes) -> RawSseEvent:
 def raw_sse_event_of(r: dict[str, Any]) -> RawSseEvent:
     # The enums in place, in the datum itself: it is ours (one raw event, the hot path).
     source = r["source"] = _source(r["source"])
-    kind = r["kind"] = _kind(r["kind"])
-    request_id, seq, received_at = r["request_id"], r["seq"], r["received_at"]
-    if not (source in _SSE_SOURCES and _plain(request_id, seq, received_at)):
+    r["kind"] = _kind(r["kind"])
+    if not (source in _SSE_SOURCES and _plain(r["request_id"], r["seq"], r["received_at"])):
         return _record(RawSseEvent, r)  # refused there, with the reason
-    event: RawSseEvent = _new(RawSseEvent)
-    _set(event, "request_id", request_id)
-    _set(event, "seq", seq)
-    _set(event, "source", source)
-    _set(event, "tenant", r["tenant"])
-    _set(event, "received_at", received_at)
-    _set(event, "kind", kind)
-    _set(event, "event", r["event"])
-    _set(event, "data", r["data"])
-    _set(event, "sse_id", r["sse_id"])
-    return event
+    return _bare(RawSseEvent, _RAW_SSE_FIELDS, r)
 
 
 def _payload_in(source: Source, payload: dict[str, Any]) -> dict[str, Any]:
@@ -271,30 +272,15 @@ def raw_engine_output_of(r: dict[str, Any]) -> RawEngineOutput:
         payload = _payload_in(source, body)
     kind = _kind(r["kind"])
     r["source"], r["kind"], r["payload"] = source, kind, payload
-    request_id, seq, received_at, cancelled = (
-        r["request_id"],
-        r["seq"],
-        r["received_at"],
-        r["cancelled"],
-    )
+    cancelled = r["cancelled"]
     if not (
         source in _ENGINE_SOURCES
-        and _plain(request_id, seq, received_at)
+        and _plain(r["request_id"], r["seq"], r["received_at"])
         and (payload is None or kind is not EventKind.END)
         and (cancelled is False or (cancelled is True and kind is EventKind.END))
     ):
         return _record(RawEngineOutput, r)  # refused there, with the reason
-    output: RawEngineOutput = _new(RawEngineOutput)
-    _set(output, "request_id", request_id)
-    _set(output, "seq", seq)
-    _set(output, "source", source)
-    _set(output, "tenant", r["tenant"])
-    _set(output, "received_at", received_at)
-    _set(output, "kind", kind)
-    _set(output, "payload", payload)
-    _set(output, "model", r["model"])
-    _set(output, "cancelled", cancelled)
-    return output
+    return _bare(RawEngineOutput, _RAW_ENGINE_FIELDS, r)
 
 
 def billing_event_of(r: dict[str, Any]) -> BillingEvent:
