@@ -107,11 +107,16 @@ def _run(name: str, fast: Reader, label: str, data: bytes, start: int) -> dict[s
     try:
         record, end = fast(data, start)
     except DECODE_ERRORS as exc:
-        raise AvroDecodeError(
-            f"{name}: cannot decode the body written with {label} "
-            f"({type(exc).__name__}: {exc or 'truncated'})"
-        ) from exc
+        raise _undecodable(name, label, exc) from exc
     return _whole(name, record, end, data)
+
+
+def _undecodable(name: str, label: str, exc: BaseException) -> AvroDecodeError:
+    """Why a body written with the schema `label` could not be read (`exc`: the reader's)."""
+    return AvroDecodeError(
+        f"{name}: cannot decode the body written with {label} "
+        f"({type(exc).__name__}: {exc or 'truncated'})"
+    )
 
 
 def _whole(name: str, record: object, end: int, data: bytes) -> dict[str, Any]:
@@ -148,10 +153,7 @@ def read_body(
         )
         end = body.tell()
     except DECODE_ERRORS as exc:
-        raise AvroDecodeError(
-            f"{name}: cannot decode the body written with {writer.label} "
-            f"({type(exc).__name__}: {exc or 'truncated'})"
-        ) from exc
+        raise _undecodable(name, writer.label, exc) from exc
     return _whole(name, record, end, data)
 
 
