@@ -17,12 +17,12 @@ record of their event, which is their sum.
 
 from __future__ import annotations
 
-from typing import Any, Final
+from typing import Any
 
 from streamtally.core.content import FULL, ContentPolicy, capped_chunk
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import Chunk
-from streamtally.core.sse import SseEvent
+from streamtally.core.sse import SseEvent, _new, _set_data, _set_event, _set_id
 from streamtally.errors import InputError
 from streamtally.processors._records import _Open, _Raw
 from streamtally.processors.limits import CHUNK_CONTENT_BYTES, PERMANENT_ERRORS, Limits
@@ -32,13 +32,6 @@ from streamtally.wire import avro
 from streamtally.wire.records import PART_EVENT, EventKind, RawSseEvent
 
 __all__ = ["RecordFolder"]
-
-# An `SseEvent` per SSE record, made as `core.sse`'s decoder makes it: a bare instance, its
-# three slots set directly (the frozen dataclass's `__init__` is interpreted).
-_new: Final[Any] = object.__new__
-_set_data: Final[Any] = SseEvent.__dict__["data"].__set__
-_set_event: Final[Any] = SseEvent.__dict__["event"].__set__
-_set_id: Final[Any] = SseEvent.__dict__["id"].__set__
 
 
 class RecordFolder:
@@ -115,7 +108,9 @@ class RecordFolder:
                 data = "".join(state.parts)
                 state.parts = []
                 state.part_bytes = 0
-            event = _new(SseEvent)  # `SseEvent(data, record.event, record.sse_id)`
+            # `SseEvent(data, record.event, record.sse_id)`, made as `core.sse`'s decoder
+            # makes it, with its setters (the dataclass's `__init__` is interpreted).
+            event = _new(SseEvent)
             _set_data(event, data)
             _set_event(event, record.event)
             _set_id(event, record.sse_id)
