@@ -302,8 +302,8 @@ class RawProducer:
     def send_soon(
         self, source: Source, request_id: str, value: bytes, *, auth: bytes | None = None
     ) -> asyncio.Future[Any]:
-        """`send` without waiting: the record joins this event-loop turn's batch of its
-        partition (`Batches`: one ``send_batch`` per partition per turn, in order).  For
+        """`send` without waiting: the record joins its partition's next batch (`Batches`:
+        the records queued while the partition's previous batch waited, in order).  For
         callers that hand Kafka many records at once, the tap's spool sender."""
         topic, headers = self._topic_and_headers(source, value, auth)
         return self._batches.queue(topic, encode_key(request_id), value, headers)

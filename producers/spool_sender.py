@@ -11,8 +11,8 @@ restart or while Kafka is behind; or, in a sender process of its own,
 `SpoolReader.take` from the files the writer published:
 `streamtally.producers.sender_process`) and hands them to a `Sender` (in
 production `KafkaSender`: `RawProducer.send_soon`, the idempotent producer
-with ``acks=all``, the records of one loop turn in one batch per partition:
-`streamtally.producers.batches`), up to `max_in_flight` records
+with ``acks=all``, each partition's records in one batch while its previous
+one waits: `streamtally.producers.batches`), up to `max_in_flight` records
 unacknowledged at once.  The producer keeps their order (one request's
 records share a key, so a partition; the batches of a partition go in
 order, and the idempotent producer never reorders a partition).  As

@@ -1,4 +1,5 @@
-"""`Batches`: one ``send_batch`` per partition per loop turn, in order, each record settled.
+"""`Batches`: per partition, the records queued while its last batch waited, in order,
+each record settled.
 
 The producer here is a stand-in with aiokafka's batch API (`partitions_for`,
 `create_batch`, `send_batch`) that records what it is given; the real one is
@@ -25,6 +26,8 @@ class Builder:
     def append(self, *, timestamp: Any, key: bytes, value: bytes, headers: Any) -> Any:
         assert timestamp is None
         assert type(headers) is list  # aiokafka's C builder refuses a tuple
+        if not isinstance(value, bytes):
+            raise TypeError("value must be bytes")  # as aiokafka's builder refuses it
         if len(self.records) >= self.capacity:
             return None
         self.records.append((key, value, headers))
@@ -39,6 +42,8 @@ class Producer:
         self.batches: list[asyncio.Future[Any]] = []
         #: When set, the first `send_batch` waits for it (an accumulator without room).
         self.gate: asyncio.Event | None = None
+        #: Per partition: every `send_batch` to it waits for its event (room per partition).
+        self.rooms: dict[int, asyncio.Event] = {}
         self.calls = 0
         self.fail_metadata: BaseException | None = None
 
@@ -54,6 +59,9 @@ class Producer:
         self.calls += 1
         if self.gate is not None and self.calls == 1:
             await self.gate.wait()
+        room = self.rooms.get(partition)
+        if room is not None:
+            await room.wait()
         self.sent.append((topic, partition, [value for _, value, _ in builder.records]))
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
         self.batches.append(future)
@@ -153,3 +161,69 @@ async def test_drain_submits_what_is_queued_without_a_turn() -> None:
     assert [values for _, _, values in producer.sent] == [[b"1"]]
     await turn()
     assert len(producer.sent) == 1  # the turn's own submit found nothing left
+
+
+async def test_records_queued_while_a_batch_waits_go_in_the_next_one_together() -> None:
+    """Batch size follows the load: a turn's records do not make a batch of their own
+    while their partition's previous batch still waits for room in the accumulator."""
+    producer = Producer(partitions=1)
+    producer.gate = asyncio.Event()
+    batches = Batches(producer, max_request_bytes=1 << 20)  # type: ignore[arg-type]
+    futures = [batches.queue("raw", b"k", b"first")]
+    await turn()
+    for n in range(4):  # four turns, one record each, while the first batch waits
+        futures.append(batches.queue("raw", b"k", b"%d" % n))
+        await turn()
+    assert producer.sent == []
+    producer.gate.set()
+    await turn()
+    assert [values for _, _, values in producer.sent] == [[b"first"], [b"0", b"1", b"2", b"3"]]
+    assert (batches.batches, batches.records) == (2, 5)
+    for batch in producer.batches:
+        batch.set_result("acked")
+    assert await asyncio.gather(*futures) == ["acked"] * 5
+
+
+async def test_a_waiting_partition_holds_up_no_other() -> None:
+    producer = Producer(partitions=2)
+    blocked = asyncio.Event()
+    keys = {partition_of(b"k%d" % n, 2): b"k%d" % n for n in range(20)}
+    producer.rooms[0] = blocked
+    batches = Batches(producer, max_request_bytes=1 << 20)  # type: ignore[arg-type]
+    batches.queue("raw", keys[0], b"p0")
+    batches.queue("raw", keys[1], b"p1-a")
+    await turn()
+    batches.queue("raw", keys[1], b"p1-b")
+    await turn()
+    assert producer.sent == [("raw", 1, [b"p1-a"]), ("raw", 1, [b"p1-b"])]
+    blocked.set()
+    await turn()
+    assert producer.sent[-1] == ("raw", 0, [b"p0"])
+
+
+async def test_drain_waits_until_every_lane_has_submitted() -> None:
+    producer = Producer(partitions=1)
+    producer.gate = asyncio.Event()
+    batches = Batches(producer, max_request_bytes=1 << 20)  # type: ignore[arg-type]
+    batches.queue("raw", b"k", b"first")
+    await turn()
+    batches.queue("raw", b"k", b"second")
+    draining = asyncio.ensure_future(batches.drain())
+    await turn()
+    assert not draining.done()  # the first batch still waits for room
+    producer.gate.set()
+    await asyncio.wait_for(draining, 1)
+    assert [values for _, _, values in producer.sent] == [[b"first"], [b"second"]]
+
+
+async def test_a_record_the_builder_cannot_take_fails_with_those_behind_it() -> None:
+    producer = Producer(partitions=1)
+    batches = Batches(producer, max_request_bytes=1 << 20)  # type: ignore[arg-type]
+    bad = batches.queue("raw", b"k", "not bytes")  # type: ignore[arg-type]
+    await turn()
+    with pytest.raises(TypeError):
+        await bad
+    ok = batches.queue("raw", b"k", b"fine")
+    await turn()
+    producer.batches[-1].set_result("acked")
+    assert await ok == "acked"
