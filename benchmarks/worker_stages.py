@@ -34,9 +34,9 @@ from typing import Final
 from aiokafka import TopicPartition
 
 from benchmarks.pipeline_workload import RequestBuilder, interleave, scratch_names
+from streamtally._gc import GC_YOUNG_THRESHOLD
 from streamtally._native import status
 from streamtally.billing.pricing import PriceTable
-from streamtally.cli.worker import GC_YOUNG_THRESHOLD
 from streamtally.processors.commits import CommitGate
 from streamtally.processors.outputs import Outputs
 from streamtally.processors.requests import RequestProcessor

@@ -73,6 +73,7 @@ from typing import Any, Final
 
 from aiokafka.errors import KafkaError
 
+from streamtally._gc import tune_gc
 from streamtally.connection import KafkaConnection
 from streamtally.errors import StackError, StreamtallyError
 from streamtally.producers.spool import Spool, SpoolReader
@@ -466,4 +467,5 @@ def main() -> None:
         format="%(asctime)s spool-sender[%(process)d] %(levelname)s %(message)s",
     )
     logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
+    tune_gc()  # up to `max_in_flight` records and their futures live at once
     raise SystemExit(asyncio.run(_child()))

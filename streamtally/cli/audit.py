@@ -20,6 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
+from streamtally._gc import tune_gc
 from streamtally.audit import (
     CSV_COLUMNS,
     AuditOptions,
@@ -43,7 +44,6 @@ from streamtally.cli import _audit_extra, _output
 from streamtally.cli._args import add_kafka_to_read, file_or_stdin, kafka_of
 from streamtally.cli._output import escape, json_text, write_stdout
 from streamtally.cli.tokens import add_redis_url, run_redis
-from streamtally.cli.worker import tune_gc
 from streamtally.errors import InputError
 from streamtally.settings import Settings
 

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import os
 import signal
 from typing import Any, Final, NoReturn
 
 from streamtally import _native
+from streamtally._gc import tune_gc
 from streamtally.cli._logging import STATUS_LOGGER, dict_config
 from streamtally.errors import InputError, StackError
 from streamtally.redact import redact_text, redact_url, scrub, url_secrets
@@ -72,30 +72,6 @@ async def _check_layout(url: str, *, cluster: bool) -> None:
                 await asyncio.sleep(1.0)
     finally:
         await store.aclose()
-
-
-#: First-generation threshold of the cyclic garbage collector in a worker (CPython's
-#: default is 700 allocations).  See `tune_gc`.
-GC_YOUNG_THRESHOLD: Final = 50_000
-
-
-def tune_gc() -> None:
-    """Make the cyclic garbage collector cheap for a worker's allocation pattern.
-
-    A worker decodes a batch of records, keeps them alive while it folds them, and
-    holds every open request's state for as long as the request runs: with the
-    default thresholds most young objects survive a first-generation pass, are
-    promoted, and are scanned again and again (a seventh of the worker's CPU in a
-    profile under the pipeline benchmark).  Everything allocated while starting
-    (modules, the app, schemas, prices) is moved out of the collector's sight with
-    `gc.freeze`, and the first generation is collected every `GC_YOUNG_THRESHOLD`
-    allocations instead of 700.  Reference counting still frees almost everything
-    at once; only cyclic garbage waits a little longer.
-    """
-    gc.collect()
-    gc.freeze()
-    _young, middle, old = gc.get_threshold()
-    gc.set_threshold(GC_YOUNG_THRESHOLD, middle, old)
 
 
 def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -13,11 +13,11 @@ from typing import Any
 
 import pytest
 
+from streamtally._gc import GC_YOUNG_THRESHOLD
 from streamtally.audit import Discrepancy, Kind, Report, RequestCounts, RowComparison
 from streamtally.cli import audit as cli_audit
 from streamtally.cli import main
 from streamtally.cli.audit import SHOWN, format_report, rerate_prices
-from streamtally.cli.worker import GC_YOUNG_THRESHOLD
 from streamtally.errors import InputError
 from streamtally.settings import Settings
 
