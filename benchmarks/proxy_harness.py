@@ -66,6 +66,12 @@ def rss_bytes(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for process {pid}")
 
 
+def cpu_seconds(pid: int) -> float:
+    """User and system CPU seconds process `pid` has used (Linux: /proc/PID/stat)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def children(pid: int) -> list[int]:
     """The pids of process `pid`'s children (Linux: /proc/PID/task/*/children)."""
     out: list[int] = []
@@ -170,6 +176,14 @@ class ProxyProcess:
     def rss(self) -> int:
         """The proxy's RSS with its sender process's (its children's), if any."""
         return rss_bytes(self.proc.pid) + sum(rss_bytes(pid) for pid in children(self.proc.pid))
+
+    def cpu(self) -> tuple[float, float]:
+        """CPU seconds so far of the proxy, and of its sender process (0 when inline)."""
+        sender = 0.0
+        for pid in children(self.proc.pid):
+            with contextlib.suppress(FileNotFoundError):
+                sender += cpu_seconds(pid)
+        return cpu_seconds(self.proc.pid), sender
 
     def stop(self) -> ProxyStats | None:
         """SIGTERM, wait for the exit; the tap's counts from its last line."""

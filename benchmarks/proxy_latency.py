@@ -14,7 +14,11 @@ Kafka).
   behind other streams; more: the cost under that load).  The proxy's cost
   is the difference with ``direct``.
 - Throughput: `--concurrency` clients call at full speed until
-  `--throughput-streams` streams are done; streams/s and events/s per mode.
+  `--throughput-streams` streams are done; streams/s and events/s per mode,
+  and the CPU per event of the proxy and of its sender process (over the
+  phase and, for the sender, until it has caught up: it may still be sending
+  when the last client is served).  On a machine shared with the clients, the
+  upstream and the broker, CPU per event is the steadier figure.
 
 The tap's counts (records appended to its spool, sent to Kafka, failed) are
 the proxy's own, printed when it stops.
@@ -51,6 +55,9 @@ from streamtally.settings import Settings
 __all__ = ["Latency", "ProxyFigures", "Throughput", "main", "measure"]
 
 MODES: Final = ("direct", "plain", "tapped")
+#: The sender has caught up once it used less than `_IDLE_CPU_S` in `_SETTLE_S`.
+_SETTLE_S: Final = 0.3
+_IDLE_CPU_S: Final = 0.02
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +75,12 @@ class Throughput:
     seconds: float
     streams_per_second: float
     events_per_second: float
+    #: CPU per event (µs) of the proxy over the phase, and of its sender process over the
+    #: phase and until it caught up.
+    proxy_cpu_us: float = 0.0
+    sender_cpu_us: float = 0.0
+    #: Seconds the sender took after the last client was served to catch up.
+    sender_behind_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,8 +156,29 @@ async def _latency(
     )
 
 
+async def _sender_settled(proxy: ProxyProcess, timeout: float = 60.0) -> tuple[float, float]:
+    """Wait until the sender process stops using CPU (it has sent what was spooled); its
+    CPU seconds then, and the seconds waited for it."""
+    start = time.perf_counter()
+    last = proxy.cpu()[1]
+    while time.perf_counter() - start < timeout:
+        await asyncio.sleep(_SETTLE_S)
+        now = proxy.cpu()[1]
+        if now - last < _IDLE_CPU_S:
+            return now, max(0.0, time.perf_counter() - start - _SETTLE_S)
+        last = now
+    return last, time.perf_counter() - start
+
+
 async def _throughput(
-    session: ClientSession, url: str, *, mode: str, streams: int, concurrency: int, want: bytes
+    session: ClientSession,
+    url: str,
+    *,
+    mode: str,
+    streams: int,
+    concurrency: int,
+    want: bytes,
+    proxy: ProxyProcess,
 ) -> Throughput:
     left = streams
 
@@ -154,11 +188,23 @@ async def _throughput(
             left -= 1
             await _read(session, url, want, None)
 
+    proxy_before, sender_before = proxy.cpu()
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     seconds = time.perf_counter() - start
-    events = want.count(b"\n\n")
-    return Throughput(mode, streams, seconds, streams / seconds, streams * events / seconds)
+    proxy_cpu = proxy.cpu()[0] - proxy_before
+    sender_after, behind = await _sender_settled(proxy)
+    events = streams * want.count(b"\n\n")
+    return Throughput(
+        mode,
+        streams,
+        seconds,
+        streams / seconds,
+        events / seconds,
+        proxy_cpu_us=round(1e6 * proxy_cpu / events, 2),
+        sender_cpu_us=round(1e6 * (sender_after - sender_before) / events, 2),
+        sender_behind_s=round(behind, 2),
+    )
 
 
 async def _run(args: argparse.Namespace, servers: str, log: Path) -> ProxyFigures:
@@ -202,6 +248,7 @@ async def _run(args: argparse.Namespace, servers: str, log: Path) -> ProxyFigure
                         streams=args.throughput_streams,
                         concurrency=args.concurrency,
                         want=want,
+                        proxy=proxy,
                     )
                 )
     finally:
@@ -246,7 +293,10 @@ def main() -> None:
     for run in figures.throughput:
         print(
             f"throughput {run.mode:>6}: {run.streams_per_second:,.0f} streams/s, "
-            f"{run.events_per_second:,.0f} events/s ({run.streams} streams in {run.seconds:.2f} s)"
+            f"{run.events_per_second:,.0f} events/s "
+            f"({run.streams} streams in {run.seconds:.2f} s); "
+            f"CPU per event: proxy {run.proxy_cpu_us:.1f} µs, sender {run.sender_cpu_us:.1f} µs"
+            + (f" (caught up {run.sender_behind_s:.1f} s later)" if run.sender_behind_s else "")
         )
     tap = figures.tap
     print(
