@@ -8,7 +8,7 @@ already converted to the five-field meaning of `Usage`.
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any, Final
 
@@ -245,6 +245,4 @@ class Tokens(_Frozen):
 
 
 def utc_now() -> datetime:
-    from datetime import UTC
-
     return datetime.now(UTC)
