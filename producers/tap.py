@@ -527,6 +527,8 @@ class TapRequest:
         self._held: list[tuple[Any, datetime]] = []
         self._seq = 0
         self._decoder: SseDecoder | None = None
+        #: Writes its SSE events' records (`avro.raw_sse_writer`), once its id is known.
+        self._writer: avro.RawSseWriter | None = None
         self._lines = bytearray()
         #: The bytes `feed` had while the request id is unknown (for the fallback id);
         #: None once it is known, or once an event came through `event` (no bytes).
@@ -564,18 +566,19 @@ class TapRequest:
             else:
                 self._raw = None
         self._chunk_records = []  # one spool write for every record of this chunk
+        received = self.tap.clock()  # the chunk's events all arrived now
         try:
             if self.source.is_sse:
                 if self._decoder is None:
                     self._decoder = SseDecoder()
                 for event in self._decoder.feed(data):
-                    await self._event(event)
+                    await self._event(event, received)
                 return
             self._lines += data
             *lines, rest = self._lines.split(b"\n")
             self._lines = bytearray(rest)
             for line in lines:
-                await self._engine_line(bytes(line))
+                await self._engine_line(bytes(line), received)
         finally:  # in the spool before `feed` returns: before the client has them
             self.tap._append_chunk(self)
             self._chunk_records = None
@@ -614,7 +617,7 @@ class TapRequest:
         await self.tap._wait_for_room(self)
         self._send([event], received, seq)
 
-    async def _engine_line(self, line: bytes) -> None:
+    async def _engine_line(self, line: bytes, received: datetime) -> None:
         if not line.strip():
             return
         try:
@@ -627,12 +630,14 @@ class TapRequest:
                 exc,
             )
             return
-        await self._event(value)
+        await self._event(value, received)
 
-    async def _event(self, event: Any) -> None:
+    async def _event(self, event: Any, received: datetime | None = None) -> None:
+        """One event, received at `received` (default: now)."""
         if self._ended:
             raise RuntimeError("the request has ended")
-        received = self.tap.clock()
+        if received is None:
+            received = self.tap.clock()
         if self._request_id is None:
             self._held.append((event, received))
             self._find_id(event)
@@ -771,18 +776,12 @@ class TapRequest:
 
     def _encode(self, event: Any, request_id: str, seq: int, received: datetime) -> bytes:
         if self.source.is_sse:
-            return avro.encode_raw_sse_event(
-                RawSseEvent(
-                    request_id=request_id,
-                    seq=seq,
-                    source=self.source,
-                    tenant=self.tenant,
-                    received_at=received,
-                    event=event.event,
-                    data=event.data,
-                    sse_id=event.id,
-                )
-            )
+            # The bytes `encode_raw_sse_event` writes for the RawSseEvent of these fields,
+            # without making the record: the request's own fields are written once.
+            writer = self._writer
+            if writer is None or writer.request_id != request_id:
+                writer = self._writer = avro.raw_sse_writer(request_id, self.source, self.tenant)
+            return writer.value(seq, avro.micros_of(received), event.event, event.data, event.id)
         return avro.encode_raw_engine_output(
             RawEngineOutput(
                 request_id=request_id,

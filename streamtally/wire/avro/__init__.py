@@ -78,6 +78,7 @@ from streamtally.wire.avro._encoders import (
     encode_raw_engine_output,
     encode_raw_sse_event,
     encode_tokens,
+    raw_sse_writer,
 )
 from streamtally.wire.avro._framing import HEADER_SIZE, MARKER
 from streamtally.wire.avro._ids import (
@@ -94,6 +95,7 @@ from streamtally.wire.avro._ids import (
     unknown_ids,
     writer_by_id,
 )
+from streamtally.wire.avro._raw_writer import RawSseWriter, micros_of
 from streamtally.wire.avro._schemas import (
     NAMESPACE,
     RECORD_NAMES,
@@ -122,6 +124,7 @@ __all__ = [
     "AvroError",
     "AvroSchemaError",
     "FramingDecoders",
+    "RawSseWriter",
     "Resolver",
     "SchemaIds",
     "SchemaVersion",
@@ -155,6 +158,8 @@ __all__ = [
     "known_ids",
     "known_version",
     "learn_id",
+    "micros_of",
+    "raw_sse_writer",
     "schema_fingerprint",
     "schema_id_in",
     "set_resolver",

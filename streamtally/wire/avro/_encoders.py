@@ -25,8 +25,8 @@ from streamtally.core.models import (
 from streamtally.errors import AvroEncodeError
 from streamtally.wire.avro._chunk_writer import check_schema, chunk_body
 from streamtally.wire.avro._codec import write
+from streamtally.wire.avro._raw_writer import RawSseWriter, raw_sse_body
 from streamtally.wire.avro._raw_writer import check_schema as check_raw_sse_schema
-from streamtally.wire.avro._raw_writer import raw_sse_body
 from streamtally.wire.avro._schemas import CURRENT, NAMESPACE
 from streamtally.wire.records import (
     BillingCorrection,
@@ -47,6 +47,7 @@ __all__ = [
     "encode_raw_engine_output",
     "encode_raw_sse_event",
     "encode_tokens",
+    "raw_sse_writer",
 ]
 
 #: The models that are Avro records of their own.
@@ -166,6 +167,13 @@ def encode_raw_sse_event(event: RawSseEvent) -> bytes:
     Written by `_raw_writer` (the same bytes as fastavro's writer, faster).
     """
     return _RAW_SSE_HEADER + raw_sse_body(event)
+
+
+def raw_sse_writer(request_id: str, source: Source, tenant: str) -> RawSseWriter:
+    """The single-object messages of one request's SSE events, each as
+    `encode_raw_sse_event` writes the `RawSseEvent` of the same fields
+    (`RawSseWriter.value`), without making the record: the tap's path."""
+    return RawSseWriter(request_id, source, tenant, _RAW_SSE_HEADER)
 
 
 def _raw_sse_out(event: RawSseEvent) -> dict[str, Any]:

@@ -17,6 +17,7 @@ spelled out here (a schema change must change this module too).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import datetime
 from typing import Any, Final
 
 from streamtally.core.models import Source
@@ -34,7 +35,7 @@ from streamtally.wire.avro._chunk_writer import (
 )
 from streamtally.wire.records import EventKind, RawSseEvent
 
-__all__ = ["RAW_SSE_FIELDS", "check_schema", "raw_sse_body"]
+__all__ = ["RAW_SSE_FIELDS", "RawSseWriter", "check_schema", "micros_of", "raw_sse_body"]
 
 #: The fields of the RawSseEvent schema this module writes, with their Avro types.
 RAW_SSE_FIELDS: Final = (
@@ -55,6 +56,7 @@ _KIND_OF: Final = {member: _SMALL[_KIND_SYMBOLS.index(member.name)] for member i
 _RAW_SSE: Final = "RawSseEvent"
 #: The event name nearly every record carries, encoded once.
 _MESSAGE: Final = b"\x0emessage"
+_EVENT: Final = _KIND_OF[EventKind.EVENT]
 
 
 def raw_sse_body(event: RawSseEvent) -> bytes:
@@ -79,6 +81,55 @@ def raw_sse_body(event: RawSseEvent) -> bytes:
             _NULL if sse_id is None else _SOME + _string(sse_id, _RAW_SSE),
         )
     )
+
+
+class RawSseWriter:
+    """One request's events (kind EVENT), each after `header`: the request's id, source and
+    tenant written once, so that each event writes only its own fields.
+
+    The tap writes one per event, on the client's path; building a `RawSseEvent` for each
+    (its constructor and its checks) cost more than writing it.  The checks that concern
+    the request are made here, once, as the record's constructor makes them; each event's
+    `seq` is checked as there.  `value(...)` is, byte for byte, `header` and then
+    `raw_sse_body` of the `RawSseEvent` with the same fields
+    (`tests/unit/wire/test_raw_writer.py`).
+    """
+
+    def __init__(self, request_id: str, source: Source, tenant: str, header: bytes = b"") -> None:
+        if not request_id:
+            raise ValueError("request_id must not be empty")
+        if not source.is_sse:
+            raise ValueError(f"source {source.value!r} is not an SSE source")
+        self.request_id = request_id
+        self._head = header + _string(request_id, _RAW_SSE)
+        self._middle = _SOURCE_OF[source] + _string(tenant, _RAW_SSE)
+
+    def value(
+        self, seq: int, received_micros: int, name: str, data: str, sse_id: str | None
+    ) -> bytes:
+        """`header` and the body of the event numbered `seq`, received at
+        `received_micros` (microseconds since the epoch, UTC: `micros_of`)."""
+        if seq < 0:
+            raise ValueError(f"seq must be >= 0, got {seq}")
+        return b"".join(
+            (
+                self._head,
+                _SMALL[seq] if seq < _SMALL_LIMIT else _long(seq, _RAW_SSE),
+                self._middle,
+                _long(received_micros, _RAW_SSE),
+                _EVENT,
+                _MESSAGE if name == "message" else _string(name, _RAW_SSE),
+                _string(data, _RAW_SSE),
+                _NULL if sse_id is None else _SOME + _string(sse_id, _RAW_SSE),
+            )
+        )
+
+
+def micros_of(moment: datetime) -> int:
+    """An aware `moment` as microseconds since the epoch (Avro's timestamp-micros)."""
+    if moment.tzinfo is None or moment.utcoffset() is None:
+        raise ValueError(f"received_at must be a timezone-aware datetime, got {moment!r}")
+    return _micros(moment)
 
 
 def check_schema(parsed: Mapping[str, Any]) -> None:

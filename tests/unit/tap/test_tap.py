@@ -162,6 +162,34 @@ async def test_feeding_bytes_in_small_pieces_sends_the_same_events() -> None:
     assert tokens == fold_stream(Source.OPENAI, events_of(TEXT))
 
 
+async def test_the_events_of_one_chunk_carry_the_time_the_chunk_arrived(
+    tmp_path: Path,
+) -> None:
+    """One clock reading per chunk fed, not per event: the events arrived together."""
+    readings: list[datetime] = []
+
+    def clock() -> datetime:
+        readings.append(datetime(2026, 3, 1, tzinfo=UTC) + timedelta(seconds=len(readings)))
+        return readings[-1]
+
+    data = TEXT.read_bytes()
+    events = events_of(TEXT)
+    cut = data.index(b"\n\n", len(data) // 2) + 2  # two chunks, each of whole events
+    sender = FakeSender()
+    tap = Tap(sender=sender, spool_dir=tmp_path / "spool", clock=clock)
+    async with tap, tap.request(Source.OPENAI, tenant="acme", request_id="gw-1") as req:
+        await req.feed(data[:cut])
+        await req.feed(data[cut:])
+    records = [r for r in sender.decoded() if r.kind is EventKind.EVENT]
+    assert len(records) == len(events) > 4
+    first = data[:cut].count(b"\n\n")
+    assert {r.received_at for r in records[:first]} == {readings[0]}
+    assert {r.received_at for r in records[first:]} == {readings[1]}
+    assert [(r.event, r.data, r.sse_id) for r in records] == [
+        (e.event, e.data, e.id) for e in events
+    ]
+
+
 async def test_a_stream_without_an_id_gets_the_fallback_of_produce() -> None:
     data = b'data: {"choices":[{"index":0,"delta":{"content":"hi"},"finish_reason":"stop"}]}\n\n'
     sender = FakeSender()

@@ -158,3 +158,53 @@ def test_the_schema_it_writes_is_checked() -> None:
     kinds["fields"][5]["type"]["symbols"] = ["UNKNOWN", "END", "EVENT"]
     with pytest.raises(RuntimeError, match="EventKind symbols changed"):
         check_schema(kinds)
+
+
+def by_writer(event: RawSseEvent) -> bytes:
+    """`event` through the tap's per-request writer (`avro.raw_sse_writer`)."""
+    writer = avro.raw_sse_writer(event.request_id, event.source, event.tenant)
+    return writer.value(
+        event.seq, avro.micros_of(event.received_at), event.event, event.data, event.sse_id
+    )
+
+
+def test_the_per_request_writer_writes_what_fastavro_writes() -> None:
+    """Every EVENT record of the edge values, random events and the samples: the same
+    bytes as `encode_raw_sse_event` and as fastavro, without making the record."""
+    events = [
+        e
+        for e in (*edge_events(), *random_events(500, seed=28), *sample_events())
+        if e.kind is EventKind.EVENT
+    ]
+    assert len(events) > 800
+    assert [by_writer(e) for e in events] == [reference(e) for e in events]
+
+
+def test_one_writer_serves_every_event_of_its_request() -> None:
+    writer = avro.raw_sse_writer("chatcmpl-9", Source.ANTHROPIC, "acme")
+    for seq, event in enumerate(
+        raw(
+            request_id="chatcmpl-9",
+            source=Source.ANTHROPIC,
+            seq=n,
+            data="x" * (n % 300),
+            sse_id=None,
+        )
+        for n in (0, 1, 63, 64, 200, 2**40)
+    ):
+        micros = avro.micros_of(event.received_at)
+        assert writer.value(event.seq, micros, "message", event.data, None) == reference(event), seq
+
+
+def test_the_per_request_writer_refuses_what_the_record_refuses() -> None:
+    with pytest.raises(ValueError, match="request_id must not be empty"):
+        avro.raw_sse_writer("", Source.OPENAI, "acme")
+    with pytest.raises(ValueError, match="not an SSE source"):
+        avro.raw_sse_writer("r", Source.VLLM, "acme")
+    writer = avro.raw_sse_writer("r", Source.OPENAI, "acme")
+    with pytest.raises(ValueError, match="seq must be >= 0"):
+        writer.value(-1, 0, "message", "", None)
+    with pytest.raises(AvroEncodeError, match=r"RawSseEvent: .*surrogate"):
+        writer.value(0, 0, "message", "half \ud800 a pair", None)
+    with pytest.raises(ValueError, match="timezone-aware"):
+        avro.micros_of(datetime(2026, 1, 1))  # noqa: DTZ001 - the naive time it refuses
