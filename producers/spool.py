@@ -185,13 +185,17 @@ def segment_name(base: int) -> str:
     return f"{base:020d}{SEGMENT_SUFFIX}"
 
 
+#: Each source's name as the frame writes it.
+_SOURCE_NAMES: Final = {source: source.value.encode("ascii") for source in Source}
+
+
 def encode_frame(
     source: Source, key: str, value: bytes, auth: bytes | None, appended_at: float
 ) -> bytes:
     """One record framed: ``[u32 length][u32 crc32][payload]``, the payload being
     `HEAD` (version 1, flags, source length, appended at, key length, auth length),
     then the source's name, the key (UTF-8), the auth bytes and the value."""
-    src = source.value.encode("ascii")
+    src = _SOURCE_NAMES[source]
     k = key.encode("utf-8", "surrogatepass")
     flags = 0 if auth is None else FLAG_AUTH
     a = b"" if auth is None else auth

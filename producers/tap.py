@@ -656,7 +656,8 @@ class TapRequest:
             self._send_held(held)
             return
         pieces = self._pieces(event)
-        await self.tap._wait_for_room(self)
+        if self.tap.spool.at_limit:  # else no coroutine: nothing to wait for
+            await self.tap._wait_for_room(self)
         self._send(pieces, received)
 
     def _expand_held(self) -> list[tuple[list[Any], datetime]]:
