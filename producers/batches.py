@@ -21,7 +21,11 @@ once it returns, the next batch takes all of them.  (Submitting each
 event-loop turn's records as a batch of its own, as this module once did,
 made batches of a few records under load, each waiting a produce request of
 its own: Kafka then took a few thousand records a second, and the records
-waited behind each other.)
+waited behind each other.)  The price: a batch handed over takes no more
+records while it waits in the accumulator, where ``send`` would still add
+to it, so a record can wait one produce request longer than with ``send``.
+That suits the spool's sender, whose records no client waits for; a caller
+that times each record (the pipeline benchmark's latency phase) uses ``send``.
 
 Order.  Records keep the order they were queued in, per partition: they are
 routed to their lanes in queue order (one turn's routing waits for the turn
