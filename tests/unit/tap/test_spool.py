@@ -70,6 +70,17 @@ def test_a_frame_is_length_crc_payload_and_decodes_to_its_record() -> None:
     assert decode_frames(unsigned, 0).records[0].auth is None
 
 
+def test_every_source_reads_back_and_an_unknown_source_name_does_not_decode() -> None:
+    for source in Source:
+        (record,) = decode_frames(encode_frame(source, "k", b"v", None, 1.0), 0).records
+        assert record.source is source
+    good = encode_frame(Source.OPENAI, "k", b"v", None, 1.0)
+    payload = good[FRAME.size :].replace(b"openai", b"opemai", 1)  # a valid CRC, no source
+    scan = decode_frames(FRAME.pack(len(payload), zlib.crc32(payload)) + payload, 0)
+    assert scan.records == []
+    assert scan.problem == "a record that does not decode (b'opemai' is not a source)"
+
+
 def test_a_flipped_bit_fails_the_crc() -> None:
     frame = bytearray(encode_frame(Source.OPENAI, "k", b"value", None, 1.0))
     frame[-2] ^= 0x01
