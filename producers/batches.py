@@ -105,8 +105,11 @@ class Batches:
         has it (or fails with its batch's error)."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
-        headers = [] if headers is None else headers  # a list: aiokafka's builder takes no other
-        size = len(key) + len(value) + sum(len(k) + len(v) for k, v in headers) + _OVERHEAD
+        size = len(key) + len(value) + _OVERHEAD
+        if headers is None:
+            headers = []  # a list: aiokafka's builder takes no other
+        else:
+            size += sum(len(k) + len(v) for k, v in headers)
         if size > self._max_request_bytes:
             future.set_exception(
                 MessageSizeTooLargeError(
