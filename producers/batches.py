@@ -90,6 +90,8 @@ class Batches:
         self._queued: list[_Queued] = []
         self._routing: asyncio.Task[None] | None = None
         self._lanes: dict[tuple[str, int], _Lane] = {}
+        #: The running loop, looked up once: each lookup asks the kernel for the pid.
+        self._loop: asyncio.AbstractEventLoop | None = None
         #: Batches submitted, and records in them (for the benchmarks and tests).
         self.batches = 0
         self.records = 0
@@ -103,7 +105,9 @@ class Batches:
     ) -> asyncio.Future[Any]:
         """Queue one record for its partition's next batch; its future resolves when Kafka
         has it (or fails with its batch's error)."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop
+        if loop is None or loop.is_closed():  # one lookup per loop, not per record
+            loop = self._loop = asyncio.get_running_loop()
         future: asyncio.Future[Any] = loop.create_future()
         size = len(key) + len(value) + _OVERHEAD
         if headers is None:

@@ -191,6 +191,8 @@ class SpoolSender:
         self.resent = 0
         self._in_flight: deque[tuple[SpoolRecord, asyncio.Future[Any]]] = deque()
         self._wake = asyncio.Event()
+        #: The in-flight future `_run` waits for (`_watch`).
+        self._watched: asyncio.Future[Any] | None = None
         self._task: asyncio.Task[None] | None = None
         self._outage_since: float | None = None
         self._started = False
@@ -250,7 +252,6 @@ class SpoolSender:
         except Exception as exc:  # noqa: BLE001 - settled as a failed send, like Kafka's
             future = asyncio.get_running_loop().create_future()
             future.set_exception(exc)
-        future.add_done_callback(self._settled)
         return future
 
     def _settled(self, _future: asyncio.Future[Any]) -> None:
@@ -301,8 +302,19 @@ class SpoolSender:
                 await self._outage(record, failure, backoff)
                 backoff = min(backoff * 2, self.retry_max_s)
                 continue
-            if (in_flight and not in_flight[0][1].done()) or not spool.unread():
+            if in_flight and not in_flight[0][1].done():
+                self._watch(in_flight[0][1])
                 await self._wake.wait()
+            elif not spool.unread():
+                await self._wake.wait()
+
+    def _watch(self, head: asyncio.Future[Any]) -> None:
+        """Wake `_run` when `head`, the oldest record in flight, settles.  Only the oldest:
+        the cursor moves over a prefix of acknowledged records, so a record behind it
+        settling changes nothing until it does (one callback per wait, not per record)."""
+        if self._watched is not head:
+            self._watched = head
+            head.add_done_callback(self._settled)
 
     async def _outage(self, record: SpoolRecord, failure: BaseException, backoff: float) -> None:
         """The send of `record` (at the cursor) failed: let what is in flight settle, then
