@@ -823,10 +823,18 @@ class Spool(_Cursor):
             self._write(frames[first] if last == first + 1 else b"".join(frames[first:last]),
                         records[first][1])  # fmt: skip
             position = self._end
-            for n in range(first, last):
-                end = position + len(frames[n])
-                self._appended(position, end, now, records[n])
-                position = end
+            if self._elsewhere:  # nothing cached: the counts and one checkpoint, at once
+                size = sum(len(frames[n]) for n in range(first, last))
+                self._end = position + size
+                self._segment_size += size
+                self._unsent_records += last - first
+                self.appended += last - first
+                self._checkpoint(position, now)  # one time: the first record's is the only one
+            else:
+                for n in range(first, last):
+                    end = position + len(frames[n])
+                    self._appended(position, end, now, records[n])
+                    position = end
             first = last
         for listener in self._listeners:
             listener()

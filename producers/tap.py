@@ -517,6 +517,8 @@ class TapRequest:
     ) -> None:
         self.tap = tap
         self.source = source
+        #: `source.is_sse`, looked up once (an enum property costs a call per event).
+        self._sse = source.is_sse
         self.tenant = tenant
         self.model = model
         self._request_id = request_id or None
@@ -529,6 +531,9 @@ class TapRequest:
         self._decoder: SseDecoder | None = None
         #: Writes its SSE events' records (`avro.raw_sse_writer`), once its id is known.
         self._writer: avro.RawSseWriter | None = None
+        #: The last receive time written, and it in microseconds (`_encode`).
+        self._received: datetime | None = None
+        self._received_micros = 0
         self._lines = bytearray()
         #: The bytes `feed` had while the request id is unknown (for the fallback id);
         #: None once it is known, or once an event came through `event` (no bytes).
@@ -568,7 +573,7 @@ class TapRequest:
         self._chunk_records = []  # one spool write for every record of this chunk
         received = self.tap.clock()  # the chunk's events all arrived now
         try:
-            if self.source.is_sse:
+            if self._sse:
                 if self._decoder is None:
                     self._decoder = SseDecoder()
                 for event in self._decoder.feed(data):
@@ -679,7 +684,7 @@ class TapRequest:
     def _pieces(self, event: Any) -> list[Any]:
         """The records one event is sent as: itself, or (an SSE event whose data is over
         `PART_BYTES` of UTF-8) its part events, then its last slice under its own name."""
-        if not self.source.is_sse or len(event.data) <= PART_BYTES // 4:
+        if not self._sse or len(event.data) <= PART_BYTES // 4:
             return [event]  # at most 4 UTF-8 bytes a character: it fits
         slices = utf8_slices(event.data, PART_BYTES)
         if len(slices) == 1:
@@ -776,13 +781,15 @@ class TapRequest:
         return True
 
     def _encode(self, event: Any, request_id: str, seq: int, received: datetime) -> bytes:
-        if self.source.is_sse:
+        if self._sse:
             # The bytes `encode_raw_sse_event` writes for the RawSseEvent of these fields,
             # without making the record: the request's own fields are written once.
             writer = self._writer
             if writer is None or writer.request_id != request_id:
                 writer = self._writer = avro.raw_sse_writer(request_id, self.source, self.tenant)
-            return writer.value(seq, avro.micros_of(received), event.event, event.data, event.id)
+            if received is not self._received:  # one conversion per chunk: one clock reading
+                self._received, self._received_micros = received, avro.micros_of(received)
+            return writer.value(seq, self._received_micros, event.event, event.data, event.id)
         return avro.encode_raw_engine_output(
             RawEngineOutput(
                 request_id=request_id,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -190,3 +191,32 @@ async def test_a_chunks_records_go_into_the_spool_before_an_event_waits_for_room
         waiting.cancel()
         request._chunk_records = None
         await tap.close(timeout=0.1)
+
+
+async def test_a_spool_read_elsewhere_counts_a_batch_as_one_by_one(tmp_path: Path) -> None:
+    """With a sender process reading the files (`read_elsewhere`), a batch's counts are
+    taken at once: the same end, sizes, counts and age checkpoints as appended singly, over
+    a segment roll."""
+    big = [(Source.ANTHROPIC, f"req-{n}", b"x" * 300, None) for n in range(40)]
+    one = Spool(tmp_path / "one", segment_bytes=4096)
+    one.read_elsewhere()
+    for record in big:
+        one.append_many([record])
+    many = Spool(tmp_path / "many", segment_bytes=4096)
+    many.read_elsewhere()
+    many.append_many(big)
+    assert many.appended == one.appended == 40
+    assert (many.end, many.unsent_records, many.unsent_bytes) == (
+        one.end,
+        one.unsent_records,
+        one.unsent_bytes,
+    )
+    assert len(many.segments()) == len(one.segments()) > 2
+    assert [p.stat().st_size for p in many.segments()] == [p.stat().st_size for p in one.segments()]
+    later = time.time() + 5
+    assert many.oldest_unsent_age_s(later) >= 5  # its age checkpoint was taken
+    many.settled(many.end, 40, 0)
+    assert many.unsent_records == 0
+    assert many.oldest_unsent_age_s(later) == 0.0
+    await one.close()
+    await many.close()
