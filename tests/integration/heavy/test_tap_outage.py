@@ -2,12 +2,13 @@
 
 A local aiohttp upstream streams one of our OpenAI transcripts (with its
 usage, as the proxy asks for it: `tests.openai_upstream`) to 1,000 streaming
-calls of ten tenants, released at once (no semaphore; connection limits off).
+calls of ten tenants (no semaphore; connection limits off).
 `ProxyServer` with a real `Tap` (its spool in the test's directory, its own
 topic namespace, its sender in a process of its own as the proxy's default)
 sits in front.  A tenth of the calls *think*: after their
 first events the upstream waits, a few seconds, as a reasoning model may.
-Once they all wait and Kafka has every record so far, the broker is paused
+They go first; once they all wait and Kafka has every record so far, the
+other 900 calls are released at once and, as they stream, the broker is paused
 for `PAUSE_S` seconds (SIGSTOP of the fault stack's Kafka processes, found by
 their pid files; SIGCONT after; `fault_stack`, tests/integration/heavy/conftest.py),
 so that records pile up in the spool while the clients keep being served; the thinking
@@ -95,13 +96,14 @@ TENANTS = 10
 #: the machine before the pause, stays below it by a margin, asserted).
 PAUSE_S = 20.0
 REQUEST_TIMEOUT_S = 12.0
-#: Calls that think: the first tenth released (ten of each tenant) stream `THINK_AFTER`
+#: Calls that think: a tenth, released first (ten of each tenant), stream `THINK_AFTER`
 #: events, then wait until `THINK_S` after the broker was paused.  Their first events are
 #: in Kafka before the pause; their next ones come during it (after a wait below the
 #: request timeout, asserted) and wait in the spool until the broker is back, far longer
 #: than the timeout.  The wait before the pause is the machine's (every thinking call must
-#: wait, and Kafka take what came before: up to 6 s beside a loaded parallel run), so the
-#: wait after it is short.
+#: wait, and Kafka take what came before: up to 6 s beside a loaded parallel run, and up
+#: to 25 s on a slower day while the other calls were released with them, hence first),
+#: so the wait after it is short.
 THINKING_EVERY = 10
 THINK_AFTER = 3
 THINK_S = 1.0
@@ -297,24 +299,32 @@ async def traffic(
                     )
                     await asyncio.sleep(0.05)
                 start = loop.time()
-                calls = asyncio.gather(
-                    *(
-                        call(tenants[i % TENANTS], think=i < CALLS // THINKING_EVERY)
-                        for i in range(CALLS)
-                    )
+                # The thinking calls first: their quiet before the pause is the time they
+                # take to reach their wait and Kafka to take their first events, not the
+                # time the other 900 take to get going on a loaded machine (up to 25 s
+                # beside the parallel integration tier, more than the request timeout).
+                thinkers = CALLS // THINKING_EVERY
+                first = asyncio.gather(
+                    *(call(tenants[i % TENANTS], think=True) for i in range(thinkers))
                 )
+                rest: asyncio.Future[list[tuple[bytes, float]]] | None = None
                 try:
                     # Pause once every thinking call waits and Kafka has all it was sent:
                     # the thinking calls are open in the worker, their first events read.
                     deadline = loop.time() + 60
-                    while len(thinking) < CALLS // THINKING_EVERY:
+                    while len(thinking) < thinkers:
                         assert loop.time() < deadline, f"{len(thinking)} calls think"
                         await asyncio.sleep(0.005)
                     appended = tap.stats.appended
                     while tap.stats.sent < appended:
                         assert loop.time() < deadline, f"Kafka took only {tap.stats.sent} records"
                         await asyncio.sleep(0.005)
-                    assert not calls.done(), "every call ended before the pause"
+                    # Then the other calls, released at once; the pause comes as they stream.
+                    rest = asyncio.gather(
+                        *(call(tenants[i % TENANTS]) for i in range(thinkers, CALLS))
+                    )
+                    await asyncio.sleep(0.2)  # their first events on their way
+                    assert not rest.done(), "every call ended before the pause"
                     pause = broker.pause_for(PAUSE_S)
                     try:
                         seen.paused_at = loop.time() - start
@@ -335,11 +345,13 @@ async def traffic(
                     seen.sent_at_resume = tap.stats.sent
                     seen.appended_at_resume = tap.stats.appended
                     seen.spool_bytes_at_resume = tap.stats.spool_bytes
-                    results = await calls
+                    results = [*await first, *await rest]
                 except BaseException:
-                    calls.cancel()
-                    with contextlib.suppress(BaseException):
-                        await calls
+                    for calls in (first, rest):
+                        if calls is not None:
+                            calls.cancel()
+                            with contextlib.suppress(BaseException):
+                                await calls
                     raise
             for body, ended in results:
                 seen.bodies.append(body)
