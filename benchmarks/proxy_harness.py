@@ -137,8 +137,19 @@ class ProxyStats:
     failed: int
 
 
+#: The topic namespace (and so the spool directory) of the benchmarks' proxy, unless
+#: STREAMTALLY_NAMESPACE names one: a run sends hundreds of thousands of records, which a
+#: worker of the default namespace (a demo's, a test's) would otherwise have to read.
+PROXY_NAMESPACE: Final = "streamtally-bench-proxy"
+
+
+def _namespace() -> str:
+    return os.environ.get("STREAMTALLY_NAMESPACE") or PROXY_NAMESPACE
+
+
 class ProxyProcess:
-    """``streamtally proxy`` in front of `upstream`, on a free port, until `stop`."""
+    """``streamtally proxy`` in front of `upstream`, on a free port, until `stop`: in the
+    topic namespace `PROXY_NAMESPACE` unless STREAMTALLY_NAMESPACE names one."""
 
     def __init__(self, upstream_port: int, bootstrap_servers: str, log: Path) -> None:
         self.log = log
@@ -156,7 +167,7 @@ class ProxyProcess:
             ],
             stdout=self._out,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "STREAMTALLY_NAMESPACE": _namespace()},
         )  # fmt: skip
         self.port = self._wait_listening(60.0)
 
