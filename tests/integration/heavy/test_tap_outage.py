@@ -413,7 +413,11 @@ def test_a_broker_paused_20s_under_1000_streams_only_delays_their_bills(
     # The broker was stopped for PAUSE_S; the proxy kept serving; records piled up in the spool.
     assert seen.pause_status == 0
     assert seen.resumed_at - seen.paused_at >= PAUSE_S
-    assert during > 0, (seen.paused_at, seen.resumed_at, max(seen.ended))
+    # Served during the pause: calls ended in it or, on a machine so loaded that the 1,000
+    # calls all progress together and end after it, records spooled in it (each forwarded
+    # to its client right after its append) more than one per call.
+    served = seen.appended_at_resume - seen.appended_at_pause
+    assert during > 0 or served > CALLS, (seen.paused_at, seen.resumed_at, max(seen.ended), served)
     # The thinking calls went on during the pause, after a wait the worker must not take for
     # a timeout (capture times), shorter than it by a margin for this machine's load.
     assert len(seen.waited) == CALLS // THINKING_EVERY
