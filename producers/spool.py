@@ -823,13 +823,9 @@ class Spool(_Cursor):
             self._write(frames[first] if last == first + 1 else b"".join(frames[first:last]),
                         records[first][1])  # fmt: skip
             position = self._end
-            if self._elsewhere:  # nothing cached: the counts and one checkpoint, at once
-                size = sum(len(frames[n]) for n in range(first, last))
-                self._end = position + size
-                self._segment_size += size
-                self._unsent_records += last - first
-                self.appended += last - first
-                self._checkpoint(position, now)  # one time: the first record's is the only one
+            if self._elsewhere:  # nothing cached: the run's counts at once
+                written = sum(len(frames[n]) for n in range(first, last))
+                self._counted(position, position + written, last - first, now)
             else:
                 for n in range(first, last):
                     end = position + len(frames[n])
@@ -865,12 +861,8 @@ class Spool(_Cursor):
         """The counts, checkpoints and memory cache after the record of `fields` (source,
         key, value, auth) was written from `position` to `end`: its `SpoolRecord` is made
         only to be kept in memory for `take`."""
+        self._counted(position, end, 1, appended_at)
         size = end - position
-        self._end = end
-        self._segment_size += size
-        self._unsent_records += 1
-        self.appended += 1
-        self._checkpoint(position, appended_at)
         if not self._caching and not self._cache and not self._elsewhere:
             self._caching = self._read == position
         if self._caching:
@@ -879,6 +871,16 @@ class Spool(_Cursor):
             self._cache_bytes += size
             if self._cache_bytes > self.memory_bytes:
                 self._caching = False
+
+    def _counted(self, position: int, end: int, records: int, appended_at: float) -> None:
+        """The counts after `records` records, all appended at `appended_at`, were written
+        from `position` to `end`; one age checkpoint, at the first (the others' time is
+        the same)."""
+        self._end = end
+        self._segment_size += end - position
+        self._unsent_records += records
+        self.appended += records
+        self._checkpoint(position, appended_at)
 
     def _checkpoint(self, position: int, appended_at: float) -> None:
         checkpoints = self._checkpoints
