@@ -65,19 +65,41 @@ def raw_sse_body(event: RawSseEvent) -> bytes:
     The record's own checks (`RawSseEvent.__post_init__`: a request id, a
     sequence number from 0, an aware time, an SSE source) hold already.
     """
-    seq = event.seq
-    name = event.event
-    sse_id = event.sse_id
+    return _record(
+        _string(event.request_id, _RAW_SSE),
+        seq=event.seq,
+        middle=_SOURCE_OF[event.source] + _string(event.tenant, _RAW_SSE),
+        micros=_micros(event.received_at),
+        kind=_KIND_OF[event.kind],
+        name=event.event,
+        data=event.data,
+        sse_id=event.sse_id,
+    )
+
+
+def _record(
+    head: bytes,
+    *,
+    seq: int,
+    middle: bytes,
+    micros: int,
+    kind: bytes,
+    name: str,
+    data: str,
+    sse_id: str | None,
+) -> bytes:
+    """The fields in schema order: `head` (what precedes the request id, and it written),
+    `seq`, `middle` (the source and the tenant, written), the receive time, `kind`
+    (written), the event's name, its data and its SSE id."""
     return b"".join(
         (
-            _string(event.request_id, _RAW_SSE),
+            head,
             _SMALL[seq] if seq < _SMALL_LIMIT else _long(seq, _RAW_SSE),
-            _SOURCE_OF[event.source],
-            _string(event.tenant, _RAW_SSE),
-            _long(_micros(event.received_at), _RAW_SSE),
-            _KIND_OF[event.kind],
+            middle,
+            _long(micros, _RAW_SSE),
+            kind,
             _MESSAGE if name == "message" else _string(name, _RAW_SSE),
-            _string(event.data, _RAW_SSE),
+            _string(data, _RAW_SSE),
             _NULL if sse_id is None else _SOME + _string(sse_id, _RAW_SSE),
         )
     )
@@ -111,17 +133,15 @@ class RawSseWriter:
         `received_micros` (microseconds since the epoch, UTC: `micros_of`)."""
         if seq < 0:
             raise ValueError(f"seq must be >= 0, got {seq}")
-        return b"".join(
-            (
-                self._head,
-                _SMALL[seq] if seq < _SMALL_LIMIT else _long(seq, _RAW_SSE),
-                self._middle,
-                _long(received_micros, _RAW_SSE),
-                _EVENT,
-                _MESSAGE if name == "message" else _string(name, _RAW_SSE),
-                _string(data, _RAW_SSE),
-                _NULL if sse_id is None else _SOME + _string(sse_id, _RAW_SSE),
-            )
+        return _record(
+            self._head,
+            seq=seq,
+            middle=self._middle,
+            micros=received_micros,
+            kind=_EVENT,
+            name=name,
+            data=data,
+            sse_id=sse_id,
         )
 
 
