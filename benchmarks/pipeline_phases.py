@@ -59,18 +59,14 @@ def _percentile(ordered: Sequence[float], p: float) -> float:
     return ordered[rank - 1]
 
 
-def batches_of(producer: Any) -> Batches:
-    """The benchmark's records go to Kafka in batches (`Batches`, as the tap's sender
-    sends them), not by ``send`` one at a time: ``send`` costs some 15-30 µs of Python
-    per record, CPU the worker under test would otherwise lose to its load generator on
-    a machine of two cores.  The records, their partitions and the idempotent producer
-    are the same."""
-    return Batches(producer, max_request_bytes=MAX_REQUEST_BYTES)
-
-
 async def produce_all(producer: Any, schedule: list[Send]) -> None:
-    """Send every message of `schedule` (in order), then wait until all are acknowledged."""
-    batches = batches_of(producer)
+    """Send every message of `schedule` (in order), then wait until all are acknowledged.
+
+    In batches (`Batches`, as the tap's sender sends them), not by ``send`` one at a
+    time: ``send`` costs some 15-30 µs of Python per record, CPU the worker under test
+    would otherwise lose to its load generator on a machine of two cores.  The records,
+    their partitions and the idempotent producer are the same."""
+    batches = Batches(producer, max_request_bytes=MAX_REQUEST_BYTES)
     queue = batches.queue
     futures = []
     for n, (topic, key, value, _) in enumerate(schedule):
