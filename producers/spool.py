@@ -29,7 +29,7 @@ needs to produce it: the raw topic kind (the record's `Source`), the key (the
 request id), the value (the Avro raw record the tap encoded, stamped with
 its capture time), the optional ``st-auth`` header, and the wall-clock time
 it was appended (for the age of the oldest unsent record, across restarts).
-See `encode_frame` for the exact layout.
+See `streamtally.producers.spool_frames` for the exact layout.
 
 Durability.  `append` is synchronous and does one ``write()``: when it
 returns, the bytes are in the operating system, so a SIGKILLed process loses
@@ -94,15 +94,20 @@ import logging
 import os
 import struct
 import time
-import zlib
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, NamedTuple
+from typing import Final
 
 from streamtally.core.models import Source
 from streamtally.errors import SpoolClosed, SpoolCorrupt, SpoolError, SpoolLocked
+from streamtally.producers.spool_frames import (
+    FRAME,
+    HEAD,
+    SpoolRecord,
+    decode_frames,
+    encode_frame,
+)
 
 __all__ = [
     "DEFAULT_CURSOR_INTERVAL_S",
@@ -137,15 +142,6 @@ DEFAULT_CURSOR_INTERVAL_S: Final = 0.25
 #: Default bytes of unsent records held in memory for the sender (beyond: read from disk).
 DEFAULT_MEMORY_BYTES: Final = 16 << 20
 
-#: ``[u32 length][u32 crc32]`` before each payload.
-FRAME: Final = struct.Struct("<II")
-#: The payload's head: format version, flags, source length, appended at (unix seconds),
-#: key length, auth length; then the source, the key, the auth and the value.
-HEAD: Final = struct.Struct("<BBBdII")
-FORMAT_VERSION: Final = 1
-FLAG_AUTH: Final = 1
-#: A length field larger than this is corruption, not a record.
-MAX_FRAME_BYTES: Final = 1 << 30
 SEGMENT_SUFFIX: Final = ".seg"
 CURSOR_FILE: Final = "cursor"
 LOCK_FILE: Final = "lock"
@@ -158,121 +154,9 @@ CHECKPOINT_S: Final = 0.01
 READ_BYTES: Final = 1 << 20
 
 
-class SpoolRecord(NamedTuple):
-    """One record of the spool, as the sender produces it.
-
-    A named tuple, not a frozen dataclass: the sender reads one per record it sends,
-    and a frozen dataclass's constructor (a field at a time through
-    ``object.__setattr__``) cost 2.7 µs of it, a tuple's about 1."""
-
-    #: Global byte position of its frame, and of the byte after it.
-    position: int
-    end: int
-    source: Source
-    #: The Kafka key: the request id.
-    key: str
-    value: bytes
-    #: The ``st-auth`` header, when the tap signs its records.
-    auth: bytes | None
-    #: Wall-clock time (unix seconds) it was appended.
-    appended_at: float
-
-    @property
-    def size(self) -> int:
-        """Its framed size: what it counts in `Spool.unsent_bytes`."""
-        return self.end - self.position
-
-
 def segment_name(base: int) -> str:
     """The file name of the segment whose first record is at global position `base`."""
     return f"{base:020d}{SEGMENT_SUFFIX}"
-
-
-_tuple_new: Final[Any] = tuple.__new__
-#: Each source's name as the frame writes it, and the source of each name.
-_SOURCE_NAMES: Final = {source: source.value.encode("ascii") for source in Source}
-_SOURCE_BY_NAME: Final = {name: source for source, name in _SOURCE_NAMES.items()}
-
-
-def encode_frame(
-    source: Source, key: str, value: bytes, auth: bytes | None, appended_at: float
-) -> bytes:
-    """One record framed: ``[u32 length][u32 crc32][payload]``, the payload being
-    `HEAD` (version 1, flags, source length, appended at, key length, auth length),
-    then the source's name, the key (UTF-8), the auth bytes and the value."""
-    src = _SOURCE_NAMES[source]
-    k = key.encode("utf-8", "surrogatepass")
-    flags = 0 if auth is None else FLAG_AUTH
-    a = b"" if auth is None else auth
-    payload = b"".join(
-        (HEAD.pack(FORMAT_VERSION, flags, len(src), appended_at, len(k), len(a)), src, k, a, value)
-    )
-    return FRAME.pack(len(payload), zlib.crc32(payload)) + payload
-
-
-def _decode_payload(payload: bytes, position: int, end: int) -> SpoolRecord:
-    """A payload whose CRC was checked, as its record (ValueError when it is not one)."""
-    if len(payload) < HEAD.size:
-        raise ValueError(f"a payload of {len(payload)} bytes is shorter than its head")
-    version, flags, src_len, appended_at, key_len, auth_len = HEAD.unpack_from(payload)
-    if version != FORMAT_VERSION:
-        raise ValueError(f"record format {version} is not {FORMAT_VERSION}")
-    at = HEAD.size
-    if at + src_len + key_len + auth_len > len(payload):
-        raise ValueError("the lengths in the head run past the payload")
-    name = payload[at : at + src_len]
-    source = _SOURCE_BY_NAME.get(name)
-    if source is None:
-        raise ValueError(f"{name!r} is not a source")
-    at += src_len
-    key = payload[at : at + key_len].decode("utf-8", "surrogatepass")
-    at += key_len
-    auth = payload[at : at + auth_len] if flags & FLAG_AUTH else None
-    at += auth_len
-    # Made by `tuple.__new__`: calling the class runs its generated, interpreted `__new__`.
-    record: SpoolRecord = _tuple_new(
-        SpoolRecord, (position, end, source, key, payload[at:], auth, appended_at)
-    )
-    return record
-
-
-@dataclass(frozen=True, slots=True)
-class _Scan:
-    """What `decode_frames` read: the records, where they end, and what stopped it."""
-
-    records: list[SpoolRecord]
-    #: Bytes of the buffer taken by whole, valid records.
-    valid: int
-    #: Why the bytes after `valid` are not a record (None: the buffer ended on a record).
-    problem: str | None
-    #: The buffer ended inside a frame whose length looked right (more bytes may come).
-    short: bool = False
-
-
-def decode_frames(data: bytes | memoryview, base: int, *, limit: int | None = None) -> _Scan:
-    """The records framed in `data` (the bytes from global position `base` on), at most
-    `limit` of them, stopping at the first one that is cut short or fails its check."""
-    records: list[SpoolRecord] = []
-    view = memoryview(data)
-    at, size = 0, len(view)
-    while at < size and (limit is None or len(records) < limit):
-        if size - at < FRAME.size:
-            return _Scan(records, at, f"{size - at} bytes, less than a frame header", True)
-        length, crc = FRAME.unpack_from(view, at)
-        if length > MAX_FRAME_BYTES:
-            return _Scan(records, at, f"a frame length of {length} bytes")
-        stop = at + FRAME.size + length
-        if stop > size:
-            return _Scan(records, at, f"a frame of {length} bytes cut short", True)
-        payload = bytes(view[at + FRAME.size : stop])
-        if zlib.crc32(payload) != crc:
-            return _Scan(records, at, "a CRC mismatch")
-        try:
-            records.append(_decode_payload(payload, base + at, base + stop))
-        except (ValueError, UnicodeDecodeError) as exc:
-            return _Scan(records, at, f"a record that does not decode ({exc})")
-        at = stop
-    return _Scan(records, at, None)
 
 
 def _fsync_dir(directory: Path) -> None:

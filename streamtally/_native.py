@@ -2,7 +2,8 @@
 
 The worker spends most of its time in a few pure-Python modules (`MODULES`:
 the adapters, the fold, the normaliser, the raw decoders and the chunk
-writer).  ``streamtally native build`` (run by ``make setup``;
+writer); the tap and its sender in the raw writer and the spool's frames.
+``streamtally native build`` (run by ``make setup``;
 `streamtally.ops.native`) compiles the very same sources with mypyc into C
 extensions under ``streamtally/.native/``, with a manifest naming the
 Python they were built for and a digest of every ``.py`` file of the package.
@@ -70,6 +71,7 @@ MODULES: Final = (
     "streamtally.processors.requests",
     "streamtally.processors.sequencing",
     "streamtally.processors.table",
+    "streamtally.producers.spool_frames",
     "streamtally.wire.avro._chunk_writer",
     "streamtally.wire.avro._codec",
     "streamtally.wire.avro._decoders",

@@ -70,6 +70,23 @@ def test_a_frame_is_length_crc_payload_and_decodes_to_its_record() -> None:
     assert decode_frames(unsigned, 0).records[0].auth is None
 
 
+def test_a_frame_has_the_exact_bytes_of_its_format() -> None:
+    """The layout on disk, byte for byte: a format change shows here first (a spool written
+    by one version is read by the next)."""
+    signed = encode_frame(Source.VLLM, "req-é", b"\x00avro\xff", b"signed", 1700000000.5)
+    assert signed == bytes.fromhex(
+        "29000000" "f52895e1"  # length 41, CRC-32 of the payload
+        "01" "01" "04" "00002040fc54d941" "06000000" "06000000"  # version, flags: auth, ...
+        "766c6c6d" "7265712dc3a9" "7369676e6564" "006176726fff"  # vllm, req-é, signed, value
+    )  # fmt: skip
+    unsigned = encode_frame(Source.OPENAI, "k", b"v", None, 1.0)
+    assert unsigned == bytes.fromhex(
+        "1b000000" "0b6d5d49"
+        "01" "00" "06" "000000000000f03f" "01000000" "00000000"  # no auth: flags 0, length 0
+        "6f70656e6169" "6b" "76"
+    )  # fmt: skip
+
+
 def test_every_source_reads_back_and_an_unknown_source_name_does_not_decode() -> None:
     for source in Source:
         (record,) = decode_frames(encode_frame(source, "k", b"v", None, 1.0), 0).records
