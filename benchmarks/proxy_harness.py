@@ -35,6 +35,7 @@ __all__ = [
     "ProxyProcess",
     "ProxyStats",
     "Upstream",
+    "machine_cpu_seconds",
     "rss_bytes",
     "sample_events",
 ]
@@ -70,6 +71,15 @@ def cpu_seconds(pid: int) -> float:
     """User and system CPU seconds process `pid` has used (Linux: /proc/PID/stat)."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def machine_cpu_seconds() -> float:
+    """Busy CPU seconds of the whole machine, every core and process (Linux: the ``cpu``
+    line of /proc/stat: user, nice, system, irq and softirq time; not idle, I/O wait or
+    time stolen by a hypervisor)."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+    user, nice, system, _idle, _iowait, irq, softirq = (int(f) for f in fields[1:8])
+    return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
 def children(pid: int) -> list[int]:

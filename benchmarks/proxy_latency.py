@@ -18,7 +18,12 @@ Kafka).
   and the CPU per event of the proxy and of its sender process (over the
   phase and, for the sender, until it has caught up: it may still be sending
   when the last client is served).  On a machine shared with the clients, the
-  upstream and the broker, CPU per event is the steadier figure.
+  upstream and the broker, CPU per event is the steadier figure.  So is the
+  whole machine's CPU per event (every process, over the phase and the
+  sender's catching up), with the benchmark's own share and the rest (the
+  broker, mostly): where the cores are full, the ratio of plain to tapped in
+  it bounds the ratio in streams/s, and the ratio of the proxy's own CPU is
+  what a proxy whose sender and broker have cores of their own would see.
 
 The tap's counts (records appended to its spool, sent to Kafka, failed) are
 the proxy's own, printed when it stops.
@@ -48,6 +53,7 @@ from benchmarks.proxy_harness import (
     ProxyProcess,
     ProxyStats,
     Upstream,
+    machine_cpu_seconds,
     sample_events,
 )
 from streamtally.settings import Settings
@@ -79,6 +85,12 @@ class Throughput:
     #: phase and until it caught up.
     proxy_cpu_us: float = 0.0
     sender_cpu_us: float = 0.0
+    #: CPU per event (µs) of this process (the clients and the upstream) over the phase;
+    #: of the whole machine over the phase and the sender's catching up; and what the
+    #: machine used beyond these three processes (the broker, mostly).
+    bench_cpu_us: float = 0.0
+    machine_cpu_us: float = 0.0
+    rest_cpu_us: float = 0.0
     #: Seconds the sender took after the last client was served to catch up.
     sender_behind_s: float = 0.0
 
@@ -189,21 +201,32 @@ async def _throughput(
             await _read(session, url, want, None)
 
     proxy_before, sender_before = proxy.cpu()
+    machine_before, bench_before = machine_cpu_seconds(), time.process_time()
     start = time.perf_counter()
     await asyncio.gather(*(client() for _ in range(concurrency)))
     seconds = time.perf_counter() - start
     proxy_cpu = proxy.cpu()[0] - proxy_before
+    bench_cpu = time.process_time() - bench_before
     sender_after, behind = await _sender_settled(proxy)
+    sender_cpu = sender_after - sender_before
+    machine_cpu = machine_cpu_seconds() - machine_before
     events = streams * want.count(b"\n\n")
+
+    def per_event(cpu_seconds: float) -> float:
+        return round(1e6 * cpu_seconds / events, 2)
+
     return Throughput(
         mode,
         streams,
         seconds,
         streams / seconds,
         events / seconds,
-        proxy_cpu_us=round(1e6 * proxy_cpu / events, 2),
-        sender_cpu_us=round(1e6 * (sender_after - sender_before) / events, 2),
+        proxy_cpu_us=per_event(proxy_cpu),
+        sender_cpu_us=per_event(sender_cpu),
         sender_behind_s=round(behind, 2),
+        bench_cpu_us=per_event(bench_cpu),
+        machine_cpu_us=per_event(machine_cpu),
+        rest_cpu_us=per_event(max(0.0, machine_cpu - proxy_cpu - sender_cpu - bench_cpu)),
     )
 
 
@@ -297,6 +320,17 @@ def main() -> None:
             f"({run.streams} streams in {run.seconds:.2f} s); "
             f"CPU per event: proxy {run.proxy_cpu_us:.1f} µs, sender {run.sender_cpu_us:.1f} µs"
             + (f" (caught up {run.sender_behind_s:.1f} s later)" if run.sender_behind_s else "")
+            + f", benchmark {run.bench_cpu_us:.1f} µs, rest {run.rest_cpu_us:.1f} µs;"
+            f" machine {run.machine_cpu_us:.1f} µs"
+        )
+    runs = {run.mode: run for run in figures.throughput}
+    plain, tapped = runs["plain"], runs["tapped"]
+    if plain.streams_per_second and tapped.machine_cpu_us:
+        print(
+            f"tapped/plain: {tapped.streams_per_second / plain.streams_per_second:.2f} in "
+            f"streams/s; {plain.machine_cpu_us / tapped.machine_cpu_us:.2f} in the machine's "
+            f"CPU per event (the bound where the cores are full); "
+            f"{plain.proxy_cpu_us / tapped.proxy_cpu_us:.2f} in the proxy's own"
         )
     tap = figures.tap
     print(
