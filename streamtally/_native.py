@@ -62,6 +62,7 @@ MODULES: Final = (
     "streamtally.core.adapters.usage",
     "streamtally.core.fold",
     "streamtally.core.normalize",
+    "streamtally.core.sse",
     "streamtally.processors._records",
     "streamtally.processors.clock",
     "streamtally.processors.closing",

@@ -41,18 +41,21 @@ that needs it takes it explicitly (see `Adapter.take_trailing_body` and
 The decoder runs in time linear in its input: each read is scanned once, and
 a line spread over many reads is joined once, when it ends.  `scanned` and
 `joined` count that work (characters), so tests can check it without a clock.
+
+The decoder runs once per read of every tapped stream, so it is one of the
+compiled modules (`streamtally._native.MODULES`); the types it gives are in
+`streamtally.core.sse_event` (Python classes either way) and re-exported here.
 """
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from typing import Any, Final
+
+from streamtally.core.sse_event import NOT_A_FIELD, NonSseLine, SseEvent
 
 __all__ = ["NOT_A_FIELD", "NonSseLine", "SseDecoder", "SseEvent", "iter_events"]
-
-#: The reason of every `NonSseLine`: the line is no SSE field, comment or blank line.
-NOT_A_FIELD = "not an SSE field"
 
 _BOM = "\ufeff"
 #: The line ends of `str.splitlines` beyond CRLF, CR and LF: no SSE line ends.
@@ -61,34 +64,12 @@ _OTHER_LINE_ENDS = (*_ASCII_OTHER_LINE_ENDS, "\x85", "\u2028", "\u2029")
 #: Python refuses to convert longer digit strings to int (`sys.get_int_max_str_digits`).
 _MAX_RETRY_DIGITS = 4000
 
-
-@dataclass(frozen=True, slots=True)
-class SseEvent:
-    """One dispatched event: its type (default "message"), data and last event id."""
-
-    data: str
-    event: str = "message"
-    id: str | None = None
-
-
 # `SseEvent(data, event, id)` for the decoder's hot path: a bare instance, then its three
 # slots set directly (the frozen dataclass's `__init__` goes through `object.__setattr__`).
-_new = object.__new__
-_set_data = SseEvent.__dict__["data"].__set__
-_set_event = SseEvent.__dict__["event"].__set__
-_set_id = SseEvent.__dict__["id"].__set__
-
-
-@dataclass(frozen=True, slots=True)
-class NonSseLine:
-    """A line of the stream that is not SSE: reported on the side channel, never an event."""
-
-    #: 1-based number of the line in the stream.
-    number: int
-    #: The whole line, without its line end.
-    text: str
-    #: Why it is not SSE (starts with `NOT_A_FIELD`).
-    reason: str
+_new: Final[Any] = object.__new__
+_set_data: Final[Any] = SseEvent.__dict__["data"].__set__
+_set_event: Final[Any] = SseEvent.__dict__["event"].__set__
+_set_id: Final[Any] = SseEvent.__dict__["id"].__set__
 
 
 class SseDecoder:
