@@ -6,12 +6,14 @@ decoder's own API: reads, the end of input, the side channel, linear time.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterable, Sequence
 from itertools import pairwise
 
 import pytest
 
+from streamtally.core import sse_event
 from streamtally.core.sse import NOT_A_FIELD, SseDecoder, SseEvent, iter_events
 
 
@@ -476,3 +478,18 @@ def test_iter_events_is_lazy_per_read() -> None:
 
 def test_iter_events_does_not_flush_a_complete_json_tail() -> None:
     assert list(iter_events([b'data: {"a":1}'])) == []
+
+
+def test_the_events_are_the_python_classes_frozen_and_hashable_whether_compiled_or_not() -> None:
+    """The decoder may run compiled (`streamtally._native`); what it gives stays the one
+    Python `SseEvent` of `streamtally.core.sse_event`, made by its fast path, as frozen,
+    equal and hashable as one made by the constructor."""
+    decoder = SseDecoder()
+    (event,) = decoder.feed(b"event: delta\nid: 7\ndata: a\ndata: b\n\nnot a field\n")
+    assert type(event) is sse_event.SseEvent is SseEvent
+    assert event == SseEvent("a\nb", "delta", "7")
+    assert hash(event) == hash(SseEvent("a\nb", "delta", "7"))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        event.data = "changed"  # type: ignore[misc]
+    assert [type(line) for line in decoder.non_sse] == [sse_event.NonSseLine]
+    assert str(sse_event.__file__).endswith(".py")
