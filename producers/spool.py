@@ -107,6 +107,7 @@ from streamtally.producers.spool_frames import (
     SpoolRecord,
     decode_frames,
     encode_frame,
+    encode_frames,
 )
 
 __all__ = [
@@ -718,6 +719,27 @@ class Spool(_Cursor):
             first = last
         for listener in self._listeners:
             listener()
+
+    def append_values(self, source: Source, key: str, values: list[bytes]) -> None:
+        """`append_many` of `values`, records of one key without auth (the tap's records of
+        one upstream chunk): framed at once (`encode_frames`) and, when a sender process
+        reads the spool and they fit in the current segment, written and counted at once;
+        otherwise as `append_many` does."""
+        if self._closed:
+            raise SpoolClosed(f"the spool {self.directory} is closed")
+        if not values:
+            return
+        if self._elsewhere and self._fd is not None:
+            now = time.time()
+            data = encode_frames(source, key, values, now)
+            if self._segment_size + len(data) <= self.segment_bytes:
+                self._write(data, key)
+                position = self._end
+                self._counted(position, position + len(data), len(values), now)
+                for listener in self._listeners:
+                    listener()
+                return
+        self.append_many([(source, key, value, None) for value in values])
 
     def _write(self, data: bytes, key: str) -> None:
         """`data` written whole to the current segment, or nothing of it (`SpoolError`)."""

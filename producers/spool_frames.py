@@ -34,6 +34,7 @@ __all__ = [
     "SpoolRecord",
     "decode_frames",
     "encode_frame",
+    "encode_frames",
 ]
 
 #: ``[u32 length][u32 crc32]`` before each payload.
@@ -94,6 +95,21 @@ def encode_frame(
     # The CRC runs over the head, then the value: the payload is never joined but once.
     crc = zlib.crc32(value, zlib.crc32(head))
     return b"".join((FRAME.pack(len(head) + len(value), crc), head, value))
+
+
+def encode_frames(source: Source, key: str, values: list[bytes], appended_at: float) -> bytes:
+    """`encode_frame` of each of `values`, records of one key without auth appended at one
+    time (the tap's records of one upstream chunk), joined: the head is written once."""
+    src = _SOURCE_NAMES[source]
+    k = key.encode("utf-8", "surrogatepass")
+    head = HEAD.pack(FORMAT_VERSION, 0, len(src), appended_at, len(k), 0) + src + k
+    head_crc = zlib.crc32(head)
+    parts: list[bytes] = []
+    for value in values:
+        parts.append(FRAME.pack(len(head) + len(value), zlib.crc32(value, head_crc)))
+        parts.append(head)
+        parts.append(value)
+    return b"".join(parts)
 
 
 def _decode_payload(payload: bytes, position: int, end: int) -> SpoolRecord:

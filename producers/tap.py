@@ -481,6 +481,15 @@ class Tap:
         else:
             self._append(request, [record])
 
+    def _append_values(self, request: TapRequest, request_id: str, values: list[bytes]) -> None:
+        """`_append` for the unsigned records of `values` (`TapRequest._send_chunk`)."""
+        spool = self.spool
+        before = spool.appended
+        try:
+            spool.append_values(request.source, request_id, values)
+        except SpoolError as exc:
+            self._not_spooled(request, request_id, len(values) - (spool.appended - before), exc)
+
     def _append(
         self, request: TapRequest, records: list[tuple[Source, str, bytes, bytes | None]]
     ) -> None:
@@ -492,15 +501,21 @@ class Tap:
             spool.append_many(records)
         except SpoolError as exc:
             lost = len(records) - (spool.appended - before)
-            self._failed += lost
-            log.error(
-                "tap: %d records of request %s (%s, tenant %s) could not be spooled: %s",
-                lost,
-                records[-lost][1],
-                request.source.value,
-                request.tenant,
-                exc,
-            )
+            self._not_spooled(request, records[-lost][1], lost, exc)
+
+    def _not_spooled(
+        self, request: TapRequest, request_id: str, lost: int, exc: SpoolError
+    ) -> None:
+        """`lost` records of `request`, the last ones appended, are not in the spool."""
+        self._failed += lost
+        log.error(
+            "tap: %d records of request %s (%s, tenant %s) could not be spooled: %s",
+            lost,
+            request_id,
+            request.source.value,
+            request.tenant,
+            exc,
+        )
 
 
 class TapRequest:
@@ -576,7 +591,11 @@ class TapRequest:
             if self._sse:
                 if self._decoder is None:
                     self._decoder = SseDecoder()
-                for event in self._decoder.feed(data):
+                events = self._decoder.feed(data)
+                if events and self._whole_chunk(events):
+                    self._send_chunk(events, received)
+                    return
+                for event in events:
                     await self._event(event, received)
                 return
             self._lines += data
@@ -664,6 +683,40 @@ class TapRequest:
         if self.tap.spool.at_limit:  # else no coroutine: nothing to wait for
             await self.tap._wait_for_room(self)
         self._send(pieces, received)
+
+    def _whole_chunk(self, events: list[SseEvent]) -> bool:
+        """Whether the SSE `events` of one chunk can go as one run (`_send_chunk`): as
+        `_event` would send them, one record each, with nothing to wait for or to add.
+        So: the request id known and the request not ended, no signing key and the
+        single-object framing (the records' values as written), the spool not at its
+        limit, and no event cut into parts."""
+        tap = self.tap
+        if self._request_id is None or self._ended or tap.key is not None:
+            return False
+        if tap.framing.headers is not None or tap.spool.at_limit:
+            return False
+        return all(len(event.data) <= PART_BYTES // 4 for event in events)
+
+    def _send_chunk(self, events: list[SseEvent], received: datetime) -> None:
+        """`_event` for each of `events`, one upstream chunk's, once `_whole_chunk`: their
+        records written by one call (`RawSseWriter.values`) and appended to the spool at
+        once (`Spool.append_values`), the same bytes as one by one."""
+        request_id = self._request_id
+        assert request_id is not None
+        writer = self._writer
+        if writer is None or writer.request_id != request_id:
+            writer = self._writer = avro.raw_sse_writer(request_id, self.source, self.tenant)
+        if received is not self._received:
+            self._received, self._received_micros = received, avro.micros_of(received)
+        try:
+            values = writer.values(self._seq, self._received_micros, events)
+        except Exception:  # noqa: BLE001 - one by one: each failure counted, logged, numbered
+            for event in events:
+                self._send([event], received)
+            return
+        self._seq += len(values)
+        self.tap._append_values(self, request_id, values)
+        self._last_append = time.monotonic()
 
     def _expand_held(self) -> list[tuple[list[Any], datetime]]:
         """The held events, each as the records it is sent as; none held any more."""

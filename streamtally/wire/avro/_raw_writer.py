@@ -21,6 +21,7 @@ from datetime import datetime
 from typing import Any, Final
 
 from streamtally.core.models import Source
+from streamtally.core.sse_event import SseEvent
 from streamtally.wire.avro._chunk_writer import (
     _NULL,
     _SMALL,
@@ -143,6 +144,29 @@ class RawSseWriter:
             data=data,
             sse_id=sse_id,
         )
+
+    def values(self, first_seq: int, received_micros: int, events: list[SseEvent]) -> list[bytes]:
+        """`value` of each of `events` (one upstream chunk's), numbered from `first_seq`."""
+        if first_seq < 0:
+            raise ValueError(f"seq must be >= 0, got {first_seq}")
+        head, middle = self._head, self._middle
+        out: list[bytes] = []
+        seq = first_seq
+        for event in events:
+            out.append(
+                _record(
+                    head,
+                    seq=seq,
+                    middle=middle,
+                    micros=received_micros,
+                    kind=_EVENT,
+                    name=event.event,
+                    data=event.data,
+                    sse_id=event.id,
+                )
+            )
+            seq += 1
+        return out
 
 
 def micros_of(moment: datetime) -> int:
