@@ -720,18 +720,20 @@ class Spool(_Cursor):
         for listener in self._listeners:
             listener()
 
-    def append_values(self, source: Source, key: str, values: list[bytes]) -> None:
-        """`append_many` of `values`, records of one key without auth (the tap's records of
-        one upstream chunk): framed at once (`encode_frames`) and, when a sender process
-        reads the spool and they fit in the current segment, written and counted at once;
-        otherwise as `append_many` does."""
+    def append_values(
+        self, source: Source, key: str, values: list[bytes], auths: list[bytes] | None = None
+    ) -> None:
+        """`append_many` of `values`, records of one key (with the ``st-auth`` of the same
+        place in `auths`, when given; the tap's records of one upstream chunk): framed at
+        once (`encode_frames`) and, when a sender process reads the spool and they fit in
+        the current segment, written and counted at once; otherwise as `append_many`."""
         if self._closed:
             raise SpoolClosed(f"the spool {self.directory} is closed")
         if not values:
             return
         if self._elsewhere and self._fd is not None:
             now = time.time()
-            data = encode_frames(source, key, values, now)
+            data = encode_frames(source, key, values, now, auths)
             if self._segment_size + len(data) <= self.segment_bytes:
                 self._write(data, key)
                 position = self._end
@@ -739,7 +741,10 @@ class Spool(_Cursor):
                 for listener in self._listeners:
                     listener()
                 return
-        self.append_many([(source, key, value, None) for value in values])
+        signed = auths if auths is not None else [None] * len(values)
+        self.append_many(
+            [(source, key, value, auth) for value, auth in zip(values, signed, strict=True)]
+        )
 
     def _write(self, data: bytes, key: str) -> None:
         """`data` written whole to the current segment, or nothing of it (`SpoolError`)."""

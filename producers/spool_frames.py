@@ -97,16 +97,35 @@ def encode_frame(
     return b"".join((FRAME.pack(len(head) + len(value), crc), head, value))
 
 
-def encode_frames(source: Source, key: str, values: list[bytes], appended_at: float) -> bytes:
-    """`encode_frame` of each of `values`, records of one key without auth appended at one
-    time (the tap's records of one upstream chunk), joined: the head is written once."""
+def encode_frames(
+    source: Source,
+    key: str,
+    values: list[bytes],
+    appended_at: float,
+    auths: list[bytes] | None = None,
+) -> bytes:
+    """`encode_frame` of each of `values` (with the ``st-auth`` of the same place in `auths`,
+    when given), records of one key appended at one time (the tap's records of one upstream
+    chunk), joined: without auths, the head is written once."""
     src = _SOURCE_NAMES[source]
     k = key.encode("utf-8", "surrogatepass")
-    head = HEAD.pack(FORMAT_VERSION, 0, len(src), appended_at, len(k), 0) + src + k
-    head_crc = zlib.crc32(head)
     parts: list[bytes] = []
-    for value in values:
-        parts.append(FRAME.pack(len(head) + len(value), zlib.crc32(value, head_crc)))
+    if auths is None:
+        head = HEAD.pack(FORMAT_VERSION, 0, len(src), appended_at, len(k), 0) + src + k
+        head_crc = zlib.crc32(head)
+        for value in values:
+            parts.append(FRAME.pack(len(head) + len(value), zlib.crc32(value, head_crc)))
+            parts.append(head)
+            parts.append(value)
+        return b"".join(parts)
+    if len(auths) != len(values):
+        raise ValueError(f"{len(values)} values and {len(auths)} auths")
+    prefix = src + k
+    for n in range(len(values)):
+        value, auth = values[n], auths[n]
+        head = HEAD.pack(FORMAT_VERSION, FLAG_AUTH, len(src), appended_at, len(k), len(auth))
+        head += prefix + auth
+        parts.append(FRAME.pack(len(head) + len(value), zlib.crc32(value, zlib.crc32(head))))
         parts.append(head)
         parts.append(value)
     return b"".join(parts)

@@ -481,12 +481,18 @@ class Tap:
         else:
             self._append(request, [record])
 
-    def _append_values(self, request: TapRequest, request_id: str, values: list[bytes]) -> None:
-        """`_append` for the unsigned records of `values` (`TapRequest._send_chunk`)."""
+    def _append_values(
+        self,
+        request: TapRequest,
+        request_id: str,
+        values: list[bytes],
+        auths: list[bytes] | None = None,
+    ) -> None:
+        """`_append` for the records of `values` (`TapRequest._send_chunk`)."""
         spool = self.spool
         before = spool.appended
         try:
-            spool.append_values(request.source, request_id, values)
+            spool.append_values(request.source, request_id, values, auths)
         except SpoolError as exc:
             self._not_spooled(request, request_id, len(values) - (spool.appended - before), exc)
 
@@ -686,36 +692,47 @@ class TapRequest:
 
     def _whole_chunk(self, events: list[SseEvent]) -> bool:
         """Whether the SSE `events` of one chunk can go as one run (`_send_chunk`): as
-        `_event` would send them, one record each, with nothing to wait for or to add.
-        So: the request id known and the request not ended, no signing key and the
-        single-object framing (the records' values as written), the spool not at its
-        limit, and no event cut into parts."""
-        tap = self.tap
-        if self._request_id is None or self._ended or tap.key is not None:
-            return False
-        if tap.framing.headers is not None or tap.spool.at_limit:
+        `_event` would send them, one record each, with nothing to wait for.  So: the
+        request id known and the request not ended, the spool not at its limit, and no
+        event cut into parts."""
+        if self._request_id is None or self._ended or self.tap.spool.at_limit:
             return False
         return all(len(event.data) <= PART_BYTES // 4 for event in events)
 
     def _send_chunk(self, events: list[SseEvent], received: datetime) -> None:
         """`_event` for each of `events`, one upstream chunk's, once `_whole_chunk`: their
-        records written by one call (`RawSseWriter.values`) and appended to the spool at
-        once (`Spool.append_values`), the same bytes as one by one."""
+        records written by one call (`RawSseWriter.values`), framed (`Tap.framing`) and
+        signed (`Tap.key`) as `Tap._put` does, and appended to the spool at once
+        (`Spool.append_values`): the same records as one by one.  Should any of that
+        fail, the events go one by one, each failure counted and logged as there."""
         request_id = self._request_id
         assert request_id is not None
+        tap = self.tap
         writer = self._writer
         if writer is None or writer.request_id != request_id:
             writer = self._writer = avro.raw_sse_writer(request_id, self.source, self.tenant)
         if received is not self._received:
             self._received, self._received_micros = received, avro.micros_of(received)
+        first = self._seq
+        auths: list[bytes] | None = None
         try:
-            values = writer.values(self._seq, self._received_micros, events)
+            values = writer.values(first, self._received_micros, events)
+            if tap.framing.headers is not None:
+                frame = tap.framing.frame
+                values = [frame(value) for value in values]
+            key = tap.key
+            if key is not None:
+                tenant = self.tenant
+                auths = [
+                    key.sign(tenant=tenant, request_id=request_id, seq=first + n, value=value)
+                    for n, value in enumerate(values)
+                ]
         except Exception:  # noqa: BLE001 - one by one: each failure counted, logged, numbered
             for event in events:
                 self._send([event], received)
             return
-        self._seq += len(values)
-        self.tap._append_values(self, request_id, values)
+        self._seq = first + len(values)
+        tap._append_values(self, request_id, values, auths)
         self._last_append = time.monotonic()
 
     def _expand_held(self) -> list[tuple[list[Any], datetime]]:

@@ -1,12 +1,12 @@
 """One upstream chunk's SSE events as one run: `TapRequest._send_chunk`.
 
-When a chunk's events need nothing of their own (the request id known, no
-signing key, the single-object framing, room in the spool, no event cut into
-parts), the tap writes their records with one call (`RawSseWriter.values`)
-and appends them framed at once (`encode_frames`, `Spool.append_values`).
-The spool must hold the very records the event-by-event path appends: same
-values, same order, same numbering, whatever the chunking; and the other
-cases must still go event by event.
+When a chunk's events need nothing of their own (the request id known, room
+in the spool, no event cut into parts), the tap writes their records with one
+call (`RawSseWriter.values`), frames and signs them as one by one, and appends
+them framed at once (`encode_frames`, `Spool.append_values`).  The spool must
+hold the very records the event-by-event path appends: same values, same
+order, same numbering, same signatures, whatever the chunking and framing;
+and the other cases must still go event by event.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from streamtally.producers.spool import Spool, SpoolClosed, decode_frames
 from streamtally.producers.spool_frames import encode_frame, encode_frames
 from streamtally.producers.tap import Tap, TapRequest
 from streamtally.wire import avro
+from streamtally.wire.framing import Framing
 from streamtally.wire.records import PART_BYTES
 from streamtally.wire.tenant_keys import ProducerKey
 from tests.unit.tap.test_tap import FakeSender
@@ -68,46 +69,62 @@ def event_by_event(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TapRequest, "_whole_chunk", lambda self, events: False)
 
 
+def confluent() -> Framing:
+    """The Confluent framing, the RawSseEvent's writer schema under id 7."""
+    fingerprint = avro.raw_sse_writer("r", Source.OPENAI, "t").value(0, 0, "m", "d", None)[2:10]
+    return Framing({fingerprint: b"\x00\x00\x00\x00\x07"})
+
+
+OPTIONS = {
+    "plain": {},
+    "signed": {"key": ProducerKey("k1", b"s" * 32)},
+    "confluent": {"framing": confluent()},
+}
+
+
+@pytest.mark.parametrize("options", sorted(OPTIONS))
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: f"{p.parent.name}/{p.name}")
 async def test_a_chunk_as_one_run_spools_the_records_event_by_event_does(
-    path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    path: Path, options: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     source = Source(path.parent.name)
     body = path.read_bytes()
     runs: list[int] = []
     real = Tap._append_values
 
-    def counted(self: Tap, request: TapRequest, request_id: str, values: list[bytes]) -> None:
+    def counted(
+        self: Tap, request: TapRequest, request_id: str, values: list[bytes], auths: Any = None
+    ) -> None:
         runs.append(len(values))
-        real(self, request, request_id, values)
+        real(self, request, request_id, values, auths)
 
     monkeypatch.setattr(Tap, "_append_values", counted)
     for n, chunks in enumerate(chunkings(body, seed=len(body))):
-        fast = await spooled(tmp_path, f"fast-{n}", source, chunks)
+        fast = await spooled(tmp_path, f"fast-{n}", source, chunks, **OPTIONS[options])
         with monkeypatch.context() as slow_path:
             event_by_event(slow_path)
-            slow = await spooled(tmp_path, f"slow-{n}", source, chunks)
+            slow = await spooled(tmp_path, f"slow-{n}", source, chunks, **OPTIONS[options])
         assert fast == slow
         assert len(fast) > 1
+        assert all((auth is not None) == (options == "signed") for *_, auth in fast)
+        assert all(v[:1] == (b"\x00" if options == "confluent" else b"\xc3") for *_, v, _ in fast)
     assert sum(runs) > 0  # the run was taken: the comparison is not of one path with itself
 
 
-async def test_signed_framed_large_and_early_events_still_go_event_by_event(
+async def test_large_and_early_events_and_a_framing_failure_go_event_by_event(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runs: list[int] = []
     real = Tap._append_values
 
-    def counted(self: Tap, request: TapRequest, request_id: str, values: list[bytes]) -> None:
+    def counted(
+        self: Tap, request: TapRequest, request_id: str, values: list[bytes], auths: Any = None
+    ) -> None:
         runs.append(len(values))
-        real(self, request, request_id, values)
+        real(self, request, request_id, values, auths)
 
     monkeypatch.setattr(Tap, "_append_values", counted)
     first = b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
-    key = ProducerKey("k1", b"s" * 32)
-    signed = await spooled(tmp_path, "signed", Source.OPENAI, [first, first], key=key)
-    assert runs == []
-    assert all(auth is not None for *_, auth in signed)
     big = "x" * (PART_BYTES + 1)
     large = b'data: {"id":"chatcmpl-2","choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
     parts = await spooled(tmp_path, "large", Source.OPENAI, [first, large % big.encode()])
@@ -117,14 +134,28 @@ async def test_signed_framed_large_and_early_events_still_go_event_by_event(
     assert len(parts) > 3  # the first event, the large one's parts, its last slice, END
     await spooled(tmp_path, "after", Source.OPENAI, [first, first, first])
     assert runs == [1, 1]  # a chunk once the id is known, and nothing else in the way
+    # A framing that knows no schema: the run fails, each event is counted failed one by
+    # one (none spooled), and the numbering goes on as event by event.
+    runs.clear()
+    unknown = await spooled(tmp_path, "unknown", Source.OPENAI, [first, first], framing=Framing({}))
+    assert runs == []
+    assert unknown == []
 
 
 def test_encode_frames_is_encode_frame_of_each_value_joined() -> None:
     values = [b"", b"\x00avro", "é".encode() * 40]
+    auths = [b"sig-0", b"", b"sig-2" * 9]
     for key in ("req-1", "req-é", ""):
         joined = b"".join(encode_frame(Source.GEMINI, key, v, None, 1700000000.25) for v in values)
         assert encode_frames(Source.GEMINI, key, values, 1700000000.25) == joined
+        signed = b"".join(
+            encode_frame(Source.GEMINI, key, v, a, 1700000000.25)
+            for v, a in zip(values, auths, strict=True)
+        )
+        assert encode_frames(Source.GEMINI, key, values, 1700000000.25, auths) == signed
     assert encode_frames(Source.GEMINI, "k", [], 1.0) == b""
+    with pytest.raises(ValueError, match="3 values and 2 auths"):
+        encode_frames(Source.GEMINI, "k", values, 1.0, auths[:2])
 
 
 def test_raw_sse_writer_values_is_value_of_each_event() -> None:
@@ -138,19 +169,24 @@ def test_raw_sse_writer_values_is_value_of_each_event() -> None:
         writer.values(-1, micros, events)
 
 
+@pytest.mark.parametrize("signed", [False, True])
 async def test_append_values_reads_back_as_append_many_over_a_segment_roll(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    signed: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(time, "time", lambda: 1700000000.5)
     values = [b"v%d" % n * 40 for n in range(30)]
+    auths = [b"a%d" % n for n in range(30)] if signed else None
     many = Spool(tmp_path / "many", segment_bytes=2048)
     many.read_elsewhere()
     runs = Spool(tmp_path / "runs", segment_bytes=2048)
     runs.read_elsewhere()
     for start in range(0, 30, 4):
         chunk = values[start : start + 4]
-        many.append_many([(Source.OPENAI, "req-9", v, None) for v in chunk])
-        runs.append_values(Source.OPENAI, "req-9", chunk)
+        signs = None if auths is None else auths[start : start + 4]
+        records = [(Source.OPENAI, "req-9", v, None if signs is None else signs[n])
+                   for n, v in enumerate(chunk)]  # fmt: skip
+        many.append_many(records)
+        runs.append_values(Source.OPENAI, "req-9", chunk, signs)
     assert len(runs.segments()) == len(many.segments()) > 2
     for a, b in zip(runs.segments(), many.segments(), strict=True):
         assert a.name == b.name
@@ -169,9 +205,11 @@ async def test_append_values_in_a_spool_read_in_process_keeps_its_records_for_ta
 ) -> None:
     spool = Spool(tmp_path / "s")
     spool.append_values(Source.OPENAI, "req-1", [b"a", b"b"])
+    spool.append_values(Source.OPENAI, "req-2", [b"c"], [b"signed"])
     taken = spool.take(10)
     assert [(r.key, r.value, r.auth) for r in taken] == [
         ("req-1", b"a", None),
         ("req-1", b"b", None),
+        ("req-2", b"c", b"signed"),
     ]
     await spool.close()
