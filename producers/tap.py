@@ -708,14 +708,10 @@ class TapRequest:
         request_id = self._request_id
         assert request_id is not None
         tap = self.tap
-        writer = self._writer
-        if writer is None or writer.request_id != request_id:
-            writer = self._writer = avro.raw_sse_writer(request_id, self.source, self.tenant)
-        if received is not self._received:
-            self._received, self._received_micros = received, avro.micros_of(received)
         first = self._seq
         auths: list[bytes] | None = None
         try:
+            writer = self._sse_writer(request_id, received)
             values = writer.values(first, self._received_micros, events)
             if tap.framing.headers is not None:
                 frame = tap.framing.frame
@@ -850,15 +846,21 @@ class TapRequest:
         self.tap._stats.keepalives += 1
         return True
 
+    def _sse_writer(self, request_id: str, received: datetime) -> avro.RawSseWriter:
+        """The request's SSE record writer (`avro.raw_sse_writer`), with `received` in
+        microseconds in `_received_micros`: one conversion per chunk, one clock reading."""
+        writer = self._writer
+        if writer is None or writer.request_id != request_id:
+            writer = self._writer = avro.raw_sse_writer(request_id, self.source, self.tenant)
+        if received is not self._received:
+            self._received, self._received_micros = received, avro.micros_of(received)
+        return writer
+
     def _encode(self, event: Any, request_id: str, seq: int, received: datetime) -> bytes:
         if self._sse:
             # The bytes `encode_raw_sse_event` writes for the RawSseEvent of these fields,
             # without making the record: the request's own fields are written once.
-            writer = self._writer
-            if writer is None or writer.request_id != request_id:
-                writer = self._writer = avro.raw_sse_writer(request_id, self.source, self.tenant)
-            if received is not self._received:  # one conversion per chunk: one clock reading
-                self._received, self._received_micros = received, avro.micros_of(received)
+            writer = self._sse_writer(request_id, received)
             return writer.value(seq, self._received_micros, event.event, event.data, event.id)
         return avro.encode_raw_engine_output(
             RawEngineOutput(

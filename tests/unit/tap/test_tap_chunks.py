@@ -142,6 +142,30 @@ async def test_large_and_early_events_and_a_framing_failure_go_event_by_event(
     assert unknown == []
 
 
+async def test_a_run_whose_records_cannot_be_written_fails_as_event_by_event_does(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clock without a time zone: no record can be written.  Each is counted failed and
+    none is spooled, nothing is raised to the caller, whichever path the chunk takes."""
+    first = b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
+    seen: dict[str, tuple[int, int]] = {}
+    for name in ("run", "event by event"):
+        with monkeypatch.context() as patch:
+            if name != "run":
+                event_by_event(patch)
+            tap = Tap(sender=FakeSender(), keepalive_s=None, clock=lambda: datetime(2026, 1, 1))  # noqa: DTZ001
+            spool = Spool(tmp_path / name.replace(" ", "-"))
+            spool.read_elsewhere()
+            tap._spool = spool
+            request = await tap.request(Source.OPENAI, tenant="acme").__aenter__()
+            for _ in range(3):
+                await request.feed(first)
+            request.suspend()  # no END (its record would fail alike, raised by `end`)
+            seen[name] = (tap.stats.failed, spool.appended)
+            await spool.close()
+    assert seen["run"] == seen["event by event"] == (3, 0)
+
+
 def test_encode_frames_is_encode_frame_of_each_value_joined() -> None:
     values = [b"", b"\x00avro", "é".encode() * 40]
     auths = [b"sig-0", b"", b"sig-2" * 9]
