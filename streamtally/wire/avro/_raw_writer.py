@@ -147,26 +147,10 @@ class RawSseWriter:
 
     def values(self, first_seq: int, received_micros: int, events: list[SseEvent]) -> list[bytes]:
         """`value` of each of `events` (one upstream chunk's), numbered from `first_seq`."""
-        if first_seq < 0:
-            raise ValueError(f"seq must be >= 0, got {first_seq}")
-        head, middle = self._head, self._middle
-        out: list[bytes] = []
-        seq = first_seq
-        for event in events:
-            out.append(
-                _record(
-                    head,
-                    seq=seq,
-                    middle=middle,
-                    micros=received_micros,
-                    kind=_EVENT,
-                    name=event.event,
-                    data=event.data,
-                    sse_id=event.id,
-                )
-            )
-            seq += 1
-        return out
+        return [
+            self.value(first_seq + n, received_micros, event.event, event.data, event.id)
+            for n, event in enumerate(events)
+        ]
 
 
 def micros_of(moment: datetime) -> int:

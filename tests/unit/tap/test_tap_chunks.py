@@ -65,6 +65,21 @@ async def spooled(
     return [(r.source, r.key, r.value, r.auth) for r in decode_frames(data, 0).records]
 
 
+def count_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The records of each chunk run (`Tap._append_values`) from now on."""
+    runs: list[int] = []
+    real = Tap._append_values
+
+    def counted(
+        self: Tap, request: TapRequest, request_id: str, values: list[bytes], auths: Any = None
+    ) -> None:
+        runs.append(len(values))
+        real(self, request, request_id, values, auths)
+
+    monkeypatch.setattr(Tap, "_append_values", counted)
+    return runs
+
+
 def event_by_event(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TapRequest, "_whole_chunk", lambda self, events: False)
 
@@ -89,16 +104,7 @@ async def test_a_chunk_as_one_run_spools_the_records_event_by_event_does(
 ) -> None:
     source = Source(path.parent.name)
     body = path.read_bytes()
-    runs: list[int] = []
-    real = Tap._append_values
-
-    def counted(
-        self: Tap, request: TapRequest, request_id: str, values: list[bytes], auths: Any = None
-    ) -> None:
-        runs.append(len(values))
-        real(self, request, request_id, values, auths)
-
-    monkeypatch.setattr(Tap, "_append_values", counted)
+    runs = count_runs(monkeypatch)
     for n, chunks in enumerate(chunkings(body, seed=len(body))):
         fast = await spooled(tmp_path, f"fast-{n}", source, chunks, **OPTIONS[options])
         with monkeypatch.context() as slow_path:
@@ -114,16 +120,7 @@ async def test_a_chunk_as_one_run_spools_the_records_event_by_event_does(
 async def test_large_and_early_events_and_a_framing_failure_go_event_by_event(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    runs: list[int] = []
-    real = Tap._append_values
-
-    def counted(
-        self: Tap, request: TapRequest, request_id: str, values: list[bytes], auths: Any = None
-    ) -> None:
-        runs.append(len(values))
-        real(self, request, request_id, values, auths)
-
-    monkeypatch.setattr(Tap, "_append_values", counted)
+    runs = count_runs(monkeypatch)
     first = b'data: {"id":"chatcmpl-1","choices":[{"index":0,"delta":{"content":"a"}}]}\n\n'
     big = "x" * (PART_BYTES + 1)
     large = b'data: {"id":"chatcmpl-2","choices":[{"index":0,"delta":{"content":"%s"}}]}\n\n'
