@@ -721,7 +721,11 @@ class Spool(_Cursor):
             listener()
 
     def append_values(
-        self, source: Source, key: str, values: list[bytes], auths: list[bytes] | None = None
+        self,
+        source: Source,
+        key: str,
+        values: list[bytes],
+        auths: list[bytes | None] | None = None,
     ) -> None:
         """`append_many` of `values`, records of one key (with the ``st-auth`` of the same
         place in `auths`, when given; the tap's records of one upstream chunk): framed at
@@ -742,9 +746,9 @@ class Spool(_Cursor):
                     listener()
                 return
         signed = auths if auths is not None else [None] * len(values)
-        self.append_many(
-            [(source, key, value, auth) for value, auth in zip(values, signed, strict=True)]
-        )
+        if len(signed) != len(values):
+            raise ValueError(f"{len(values)} values and {len(signed)} auths")
+        self.append_many([(source, key, values[n], signed[n]) for n in range(len(values))])
 
     def _write(self, data: bytes, key: str) -> None:
         """`data` written whole to the current segment, or nothing of it (`SpoolError`)."""

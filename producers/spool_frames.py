@@ -79,22 +79,21 @@ _SOURCE_NAMES: Final = {source: source.value.encode("ascii") for source in Sourc
 _SOURCE_BY_NAME: Final = {name: source for source, name in _SOURCE_NAMES.items()}
 
 
+def _head(src: bytes, k: bytes, appended_at: float, auth: bytes | None) -> bytes:
+    """A payload's `HEAD`, then the source's name `src`, the key `k` and the auth bytes."""
+    if auth is None:
+        return HEAD.pack(FORMAT_VERSION, 0, len(src), appended_at, len(k), 0) + src + k
+    head = HEAD.pack(FORMAT_VERSION, FLAG_AUTH, len(src), appended_at, len(k), len(auth))
+    return head + src + k + auth
+
+
 def encode_frame(
     source: Source, key: str, value: bytes, auth: bytes | None, appended_at: float
 ) -> bytes:
     """One record framed: ``[u32 length][u32 crc32][payload]``, the payload being
     `HEAD` (version 1, flags, source length, appended at, key length, auth length),
     then the source's name, the key (UTF-8), the auth bytes and the value."""
-    src = _SOURCE_NAMES[source]
-    k = key.encode("utf-8", "surrogatepass")
-    if auth is None:
-        head = HEAD.pack(FORMAT_VERSION, 0, len(src), appended_at, len(k), 0) + src + k
-    else:
-        head = HEAD.pack(FORMAT_VERSION, FLAG_AUTH, len(src), appended_at, len(k), len(auth))
-        head += src + k + auth
-    # The CRC runs over the head, then the value: the payload is never joined but once.
-    crc = zlib.crc32(value, zlib.crc32(head))
-    return b"".join((FRAME.pack(len(head) + len(value), crc), head, value))
+    return encode_frames(source, key, [value], appended_at, [auth])
 
 
 def encode_frames(
@@ -102,30 +101,28 @@ def encode_frames(
     key: str,
     values: list[bytes],
     appended_at: float,
-    auths: list[bytes] | None = None,
+    auths: list[bytes | None] | None = None,
 ) -> bytes:
     """`encode_frame` of each of `values` (with the ``st-auth`` of the same place in `auths`,
     when given), records of one key appended at one time (the tap's records of one upstream
-    chunk), joined: without auths, the head is written once."""
+    chunk), joined.  Without auths, one head serves them all."""
     src = _SOURCE_NAMES[source]
     k = key.encode("utf-8", "surrogatepass")
-    parts: list[bytes] = []
-    if auths is None:
-        head = HEAD.pack(FORMAT_VERSION, 0, len(src), appended_at, len(k), 0) + src + k
-        head_crc = zlib.crc32(head)
-        for value in values:
-            parts.append(FRAME.pack(len(head) + len(value), zlib.crc32(value, head_crc)))
-            parts.append(head)
-            parts.append(value)
-        return b"".join(parts)
-    if len(auths) != len(values):
+    if auths is not None and len(auths) != len(values):
         raise ValueError(f"{len(values)} values and {len(auths)} auths")
-    prefix = src + k
+    shared = _head(src, k, appended_at, None)
+    shared_crc = zlib.crc32(shared)
+    parts: list[bytes] = []
     for n in range(len(values)):
-        value, auth = values[n], auths[n]
-        head = HEAD.pack(FORMAT_VERSION, FLAG_AUTH, len(src), appended_at, len(k), len(auth))
-        head += prefix + auth
-        parts.append(FRAME.pack(len(head) + len(value), zlib.crc32(value, zlib.crc32(head))))
+        value = values[n]
+        auth = None if auths is None else auths[n]
+        if auth is None:
+            head, head_crc = shared, shared_crc
+        else:
+            head = _head(src, k, appended_at, auth)
+            head_crc = zlib.crc32(head)
+        # The CRC runs over the head, then the value: the payload is never joined.
+        parts.append(FRAME.pack(len(head) + len(value), zlib.crc32(value, head_crc)))
         parts.append(head)
         parts.append(value)
     return b"".join(parts)

@@ -161,6 +161,8 @@ log = logging.getLogger("streamtally.producers.tap")
 
 #: Default bytes of the spool not yet acknowledged by Kafka (1 GiB).
 DEFAULT_SPOOL_BYTES: Final = DEFAULT_MAX_BYTES
+#: Characters of SSE data that always fit one record: at most 4 UTF-8 bytes a character.
+_WHOLE_CHARS: Final = PART_BYTES // 4
 #: Default milliseconds between two fsyncs of the spool (group commit).
 DEFAULT_SPOOL_SYNC_MS: Final = DEFAULT_SYNC_INTERVAL_S * 1000
 #: Default events a request without a given id holds until the provider's id shows.
@@ -461,19 +463,25 @@ class Tap:
         request._chunk_records = []
         self._append(request, records)
 
+    def _seal(
+        self, tenant: str, request_id: str, seq: int, value: bytes
+    ) -> tuple[bytes, bytes | None]:
+        """`value` as the spool keeps it: framed (`framing`; `AvroEncodeError` when it
+        cannot be), and with a `key` its ``st-auth``, signed over the framed bytes (the
+        signature covers the bytes Kafka gets)."""
+        value = self.framing.frame(value)
+        key = self.key
+        if key is None:
+            return value, None
+        return value, key.sign(tenant=tenant, request_id=request_id, seq=seq, value=value)
+
     def _put(self, request: TapRequest, request_id: str, seq: int, value: bytes) -> None:
-        try:  # framed first: the signature covers the bytes Kafka gets
-            value = self.framing.frame(value)
+        try:
+            value, auth = self._seal(request.tenant, request_id, seq, value)
         except avro.AvroEncodeError as exc:
             self._failed += 1
             log.error("tap: record %d of request %s could not be framed: %s", seq, request_id, exc)
             return
-        key = self.key
-        auth = (
-            None
-            if key is None
-            else key.sign(tenant=request.tenant, request_id=request_id, seq=seq, value=value)
-        )
         record = (request.source, request_id, value, auth)
         chunk = request._chunk_records
         if chunk is not None:  # in `feed`: appended with the rest of the chunk's records
@@ -486,7 +494,7 @@ class Tap:
         request: TapRequest,
         request_id: str,
         values: list[bytes],
-        auths: list[bytes] | None = None,
+        auths: list[bytes | None] | None = None,
     ) -> None:
         """`_append` for the records of `values` (`TapRequest._send_chunk`)."""
         spool = self.spool
@@ -697,32 +705,30 @@ class TapRequest:
         event cut into parts."""
         if self._request_id is None or self._ended or self.tap.spool.at_limit:
             return False
-        return all(len(event.data) <= PART_BYTES // 4 for event in events)
+        return all(len(event.data) <= _WHOLE_CHARS for event in events)
 
     def _send_chunk(self, events: list[SseEvent], received: datetime) -> None:
         """`_event` for each of `events`, one upstream chunk's, once `_whole_chunk`: their
-        records written by one call (`RawSseWriter.values`), framed (`Tap.framing`) and
-        signed (`Tap.key`) as `Tap._put` does, and appended to the spool at once
+        records written by one call (`RawSseWriter.values`), framed and signed as `Tap._put`
+        does (`Tap._seal`), and appended to the spool at once
         (`Spool.append_values`): the same records as one by one.  Should any of that
         fail, the events go one by one, each failure counted and logged as there."""
         request_id = self._request_id
         assert request_id is not None
         tap = self.tap
         first = self._seq
-        auths: list[bytes] | None = None
+        auths: list[bytes | None] | None = None
         try:
             writer = self._sse_writer(request_id, received)
             values = writer.values(first, self._received_micros, events)
-            if tap.framing.headers is not None:
-                frame = tap.framing.frame
-                values = [frame(value) for value in values]
-            key = tap.key
-            if key is not None:
+            if tap.framing.headers is not None or tap.key is not None:
                 tenant = self.tenant
-                auths = [
-                    key.sign(tenant=tenant, request_id=request_id, seq=first + n, value=value)
+                sealed = [
+                    tap._seal(tenant, request_id, first + n, value)
                     for n, value in enumerate(values)
                 ]
+                values = [value for value, _ in sealed]
+                auths = None if tap.key is None else [auth for _, auth in sealed]
         except Exception:  # noqa: BLE001 - one by one: each failure counted, logged, numbered
             for event in events:
                 self._send([event], received)
@@ -750,8 +756,8 @@ class TapRequest:
     def _pieces(self, event: Any) -> list[Any]:
         """The records one event is sent as: itself, or (an SSE event whose data is over
         `PART_BYTES` of UTF-8) its part events, then its last slice under its own name."""
-        if not self._sse or len(event.data) <= PART_BYTES // 4:
-            return [event]  # at most 4 UTF-8 bytes a character: it fits
+        if not self._sse or len(event.data) <= _WHOLE_CHARS:
+            return [event]
         slices = utf8_slices(event.data, PART_BYTES)
         if len(slices) == 1:
             return [event]
