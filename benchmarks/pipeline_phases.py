@@ -36,7 +36,7 @@ from benchmarks.pipeline_workload import (
 )
 from streamtally.core.identity import RequestRef
 from streamtally.errors import StackError
-from streamtally.processors.stages import difference, summarise
+from streamtally.processors.stages import batch_summary, difference, summarise
 from streamtally.producers.batches import Batches
 from streamtally.topics import output_key
 from streamtally.wire.kafka import MAX_REQUEST_BYTES, idempotent_producer
@@ -133,6 +133,7 @@ async def measure_throughput(
     await producer.start()
     try:
         ctx.watcher.expect(ids)
+        stages_before = await ctx.worker.stages()
         cpu_before = ctx.worker.cpu_seconds()
         start = time.perf_counter()
         await produce_all(producer, schedule)
@@ -142,6 +143,12 @@ async def measure_throughput(
     ctx.progress(f"  produced and acked in {produced - start:.2f} s; waiting for Redis …")
     finished = await ctx.watcher.wait(ctx.worker, ctx.progress, "throughput", len(ids))
     cpu = ctx.worker.cpu_seconds() - cpu_before
+    stages_after = await ctx.worker.stages()
+    batches = (
+        {}
+        if stages_before is None or stages_after is None
+        else batch_summary(difference(stages_after, stages_before))
+    )
     done = [ctx.watcher.seen[r] for r in ids if r in ctx.watcher.seen]
     end = max(done) if done else time.perf_counter()
     if not finished:
@@ -176,6 +183,7 @@ async def measure_throughput(
         billing_requests=billed,
         billing_offset_growth=sum(billing_end.values()) - sum(billing_start.values()),
         worker_cpu_seconds=cpu,
+        batches=batches,
     )
     return result, raw_start, raw_end
 
@@ -277,8 +285,11 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
     if stages_before is None or stages_after is None:
         ctx.notes.append("latency: the worker's /stages did not answer: no per-stage figures")
         stages: dict[str, Any] = {}
+        batches: dict[str, Any] = {}
     else:
-        stages = summarise(difference(stages_after, stages_before))
+        between = difference(stages_after, stages_before)
+        stages = summarise(between)
+        batches = batch_summary(between)
     seconds = last_send - start
     measured = [
         (sent_at[r] - start, (ctx.watcher.seen[r] - sent_at[r]) * 1000)
@@ -318,4 +329,5 @@ async def measure_latency(ctx: PhaseContext, requests: list[BenchRequest]) -> La
         worker_cpu_seconds=cpu,
         windows=windows,
         stages=stages,
+        batches=batches,
     )

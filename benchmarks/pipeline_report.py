@@ -102,6 +102,8 @@ class Throughput:
     billing_requests: int
     billing_offset_growth: int
     worker_cpu_seconds: float
+    #: Batches the worker fetched in the phase and their raw messages (`batch_summary`).
+    batches: dict[str, Any] = field(default_factory=dict)
 
     @property
     def raw_events_per_second(self) -> float:
@@ -146,6 +148,8 @@ class Latency:
     #: Inside the worker, per stage of a request's close (`streamtally.processors.stages`):
     #: requests, mean, p50, p90, p99 and p99.9 (ms), over the requests this phase closed.
     stages: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Batches the worker fetched in the phase and their raw messages (`batch_summary`).
+    batches: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,6 +282,17 @@ def format_stages(stages: dict[str, dict[str, Any]]) -> list[str]:
     return lines
 
 
+def format_batches(phase: str, batches: dict[str, Any], cpu_seconds: float) -> list[str]:
+    """A phase's batches: how many, their mean size, the worker's CPU per batch."""
+    count = batches.get("batches") or 0
+    if not count:
+        return []
+    return [
+        f"{phase} batches: {count:,} of {batches['mean_messages']:,.1f} raw messages on "
+        f"average; worker CPU {cpu_seconds / count * 1000:,.2f} ms per batch"
+    ]
+
+
 def _us(cpu_seconds: float, events: int) -> str:
     return f"{cpu_seconds / events * 1e6:,.1f} µs" if events else "-"
 
@@ -345,6 +360,7 @@ def format_report(report: PipelineReport) -> str:
         f"({t.worker_cpu_seconds / t.seconds if t.seconds else 0:.0%} of a core)",
         f"billing: {t.billing_requests:,} of those requests billed by {t.billing_events:,} "
         f"records on the billing topic (its end offsets grew by {t.billing_offset_growth:,})",
+        *format_batches("throughput", t.batches, t.worker_cpu_seconds),
         f"pass-through: {c.messages:,} messages in {c.seconds:.2f} s",
         f"latency: {lat.completed:,}/{lat.requests:,} requests, {lat.raw_events:,} raw events "
         f"over {lat.produce_seconds:.1f} s (target {lat.target_rate:,.0f}/s); "
@@ -352,6 +368,7 @@ def format_report(report: PipelineReport) -> str:
         f"{lat.worker_cpu_seconds:.1f} s",
         "latency p50/max by 5 s window of END sends: "
         + ", ".join(f"{at:g}s {p50:,.0f}/{top:,.0f} ms" for at, _, p50, top in lat.windows),
+        *format_batches("latency", lat.batches, lat.worker_cpu_seconds),
         *format_stages(lat.stages),
         f"memory: peak {mem.peak_rss_mib:,.1f} MiB (sampled max {mem.sampled_peak_rss_mib:,.1f}, "
         f"idle after warm-up {mem.idle_rss_mib:,.1f}, {mem.samples} samples)",

@@ -160,8 +160,10 @@ class BenchWorkers:
 
 def merge_stages(snapshots: list[dict[str, Any]]) -> dict[str, Any]:
     """Several workers' /stages snapshots as one (counts and sums added)."""
-    merged: dict[str, Any] = {**snapshots[0], "stages": {}}
+    merged: dict[str, Any] = {**snapshots[0], "stages": {}, "batches": {}}
     for snapshot in snapshots:
+        for key, n in snapshot.get("batches", {}).items():
+            merged["batches"][key] = merged["batches"].get(key, 0) + n
         for stage, data in snapshot["stages"].items():
             into = merged["stages"].setdefault(
                 stage, {"count": 0, "sum_seconds": 0.0, "buckets": {}}

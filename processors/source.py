@@ -334,6 +334,7 @@ class RawSource:
                 for record in records
             )
             if batch:
+                times.messages = len(batch)
                 yield FetchedBatch(generation, batch, times)
 
     async def commit(self, offsets: Mapping[Any, int]) -> None:

@@ -25,6 +25,12 @@ commit        the batch's released offsets committed (`BatchLoop.commit`: off th
               path, when the commit ends does not delay its Tokens)
 ============  ==============================================================================
 
+Beside the stages, every batch written is counted with its raw messages
+(``batches``), whether it closed a request or not: a batch's fixed costs (the
+fetch, the Redis round trips, the produce request, the loop) are paid per batch,
+so at a low rate, where batches are small, they are most of a record's CPU
+(`batch_summary`).
+
 ``fetch`` and ``total`` compare the producer's wall clock with the worker's: on one
 machine they are the same clock; across machines they include the clocks' skew.
 
@@ -49,6 +55,7 @@ __all__ = [
     "STAGES",
     "BatchTimes",
     "Stages",
+    "batch_summary",
     "bucket_of",
     "bucket_upper",
     "difference",
@@ -117,6 +124,9 @@ class Stages:
 
     def __init__(self) -> None:
         self._histograms = {stage: _Histogram() for stage in STAGES}
+        #: Batches written, and the raw messages they carried.
+        self.batches = 0
+        self.messages = 0
         #: Told each span observed (stage, seconds, requests): the Prometheus histograms.
         self.on_observe: Callable[[str, float, int], None] | None = None
 
@@ -134,11 +144,17 @@ class Stages:
         if self.on_observe is not None:
             self.on_observe(stage, seconds, requests)
 
+    def batch(self, messages: int) -> None:
+        """A batch of `messages` raw messages was written."""
+        self.batches += 1
+        self.messages += messages
+
     def snapshot(self) -> dict[str, Any]:
         """Every stage's counts so far, as JSON (``/stages``)."""
         return {
             "bucket_ratio": BUCKET_RATIO,
             "min_seconds": MIN_SECONDS,
+            "batches": {"count": self.batches, "messages": self.messages},
             "stages": {
                 stage: {
                     "count": h.count,
@@ -166,7 +182,24 @@ def difference(after: Mapping[str, Any], before: Mapping[str, Any] | None) -> di
             "sum_seconds": float(now["sum_seconds"]) - float(then["sum_seconds"]),
             "buckets": buckets,
         }
-    return {**after, "stages": stages}
+    counted = after.get("batches", {"count": 0, "messages": 0})
+    then_counted = {} if before is None else before.get("batches", {})
+    batches = {
+        key: int(counted.get(key, 0)) - int(then_counted.get(key, 0))
+        for key in ("count", "messages")
+    }
+    return {**after, "stages": stages, "batches": batches}
+
+
+def batch_summary(snapshot: Mapping[str, Any]) -> dict[str, Any]:
+    """Batches written and raw messages in them, and their mean size (None: no batch)."""
+    counted = snapshot.get("batches", {})
+    batches, messages = int(counted.get("count", 0)), int(counted.get("messages", 0))
+    return {
+        "batches": batches,
+        "messages": messages,
+        "mean_messages": round(messages / batches, 1) if batches else None,
+    }
 
 
 def summarise(snapshot: Mapping[str, Any], stages: Iterable[str] = STAGES) -> dict[str, Any]:
@@ -216,6 +249,8 @@ class BatchTimes:
     stored_wall: float = 0.0
     #: Wall-clock Kafka timestamps of the END markers of the requests this batch closed.
     ends: list[float] = field(default_factory=list)
+    #: Raw messages the batch carried.
+    messages: int = 0
 
     @staticmethod
     def now() -> float:
@@ -224,9 +259,13 @@ class BatchTimes:
     def record(self, stages: Stages) -> None:
         """Count this batch's spans once per request it closed (`ends`); nothing for a
         batch that closed none (no request waited on it), nor for one never fetched
-        (the timer's closes, batches handed over in tests)."""
+        (the timer's closes, batches handed over in tests).  Every fetched batch is
+        counted with its messages (`Stages.batch`), with outputs or without."""
+        if not self.fetched:
+            return
+        stages.batch(self.messages)
         closed = len(self.ends)
-        if not closed or not self.fetched or not self.stored:
+        if not closed or not self.stored:
             return
         for end in self.ends:
             stages.observe("fetch", self.fetched_wall - end)

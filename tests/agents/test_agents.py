@@ -34,7 +34,7 @@ from streamtally.processors.requests import (
 )
 from streamtally.processors.sinks import Sinks
 from streamtally.processors.source import FetchedBatch, MembershipLost, RawMessage
-from streamtally.processors.stages import BatchTimes, summarise
+from streamtally.processors.stages import BatchTimes, batch_summary, summarise
 from streamtally.producers import raw_records
 from streamtally.settings import Settings
 from streamtally.topics import Topics
@@ -816,7 +816,8 @@ async def test_a_close_decided_elsewhere_and_never_applied_is_closed_where_decid
 async def test_a_fetched_batch_counts_its_stages_once_per_request_it_closed() -> None:
     """The worker times a batch's way (`processors.stages`): a fetched batch that closes a
     request adds each stage once, from its END record's Kafka timestamp to the sink that
-    ends the Tokens' write; a batch that closes none adds nothing."""
+    ends the Tokens' write; a batch that closes none adds no span, but both are counted
+    as batches with their messages."""
 
     class RedisLike(RecordingSink):
         stage = "redis"  # its flush ends the request's write, as RedisSink' does
@@ -839,7 +840,9 @@ async def test_a_fetched_batch_counts_its_stages_once_per_request_it_closed() ->
     )
 
     def fetched(part: tuple[RawMessage, ...]) -> FetchedBatch:
-        times = BatchTimes(fetched=time.perf_counter(), fetched_wall=time.time())
+        times = BatchTimes(
+            fetched=time.perf_counter(), fetched_wall=time.time(), messages=len(part)
+        )
         return FetchedBatch(pipeline.revocations.generation, part, times)
 
     async def stream() -> Any:
@@ -854,6 +857,9 @@ async def test_a_fetched_batch_counts_its_stages_once_per_request_it_closed() ->
     assert 250 <= summary["fetch"]["p50_ms"] < 400
     assert summary["total"]["p50_ms"] >= summary["fetch"]["p50_ms"]
     assert b'streamtally_stage_seconds_count{stage="total"} 1.0' in (pipeline.metrics.exposition())
+    # Both batches were paid for, the one that closed nothing too.
+    assert batch_summary(pipeline.metrics.stages.snapshot())["batches"] == 2
+    assert batch_summary(pipeline.metrics.stages.snapshot())["messages"] == len(messages)
 
 
 async def test_an_idle_agent_leaves_its_write_behind_and_applies_the_next_batch_at_once() -> None:

@@ -77,6 +77,9 @@ def test_records_returned_after_a_revoke_are_of_the_new_assignment_not_stale() -
     assert first.generation == 1  # the generation in force when getmany returned
     assert not source.revocations.stale(key, first.generation)
     assert [(m.offset, m.timestamp) for m in first.messages] == [(7, 1_700_000_000.0)]
+    # each batch's times carry its size (the stages' batch count, `Stages.batch`)
+    assert (first.times.messages, second.times.messages) == (1, 1)
+    assert first.times is not second.times
     # a revoke after a batch was fetched still fences it
     assert second.generation == 1
     assert not source.revocations.stale(key, second.generation)

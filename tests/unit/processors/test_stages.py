@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.pipeline_report import format_stages
+from benchmarks.pipeline_report import format_batches, format_stages
 from benchmarks.pipeline_worker import merge_stages
 from streamtally.processors.stages import (
     BUCKET_RATIO,
     BatchTimes,
     Stages,
+    batch_summary,
     bucket_of,
     bucket_upper,
     difference,
@@ -78,8 +79,34 @@ def test_a_batch_counts_its_spans_once_per_request_it_closed() -> None:
     assert "redis_begin" in table
 
 
-def test_a_batch_that_closed_nothing_or_was_never_fetched_counts_nothing() -> None:
+def test_a_batch_that_closed_nothing_or_was_never_fetched_counts_no_span() -> None:
     stages = Stages()
     BatchTimes(fetched=1.0, fetched_wall=1.0, stored=2.0, stored_wall=2.0).record(stages)
     BatchTimes(stored=2.0, stored_wall=2.0, ends=[1.0]).record(stages)  # the timer's
     assert all(s["requests"] == 0 for s in summarise(stages.snapshot()).values())
+
+
+def test_every_fetched_batch_is_counted_with_its_messages_closing_or_not() -> None:
+    stages = Stages()
+    assert batch_summary(stages.snapshot()) == {
+        "batches": 0, "messages": 0, "mean_messages": None,
+    }  # fmt: skip
+    # Closed nothing, wrote nothing: still a batch the worker paid for.
+    BatchTimes(fetched=1.0, fetched_wall=1.0, messages=30).record(stages)
+    before = stages.snapshot()
+    closing = BatchTimes(fetched=1.0, fetched_wall=1.0, stored=2.0, stored_wall=2.0, messages=7)
+    closing.ends = [0.5]
+    closing.record(stages)
+    BatchTimes(fetched=2.0, fetched_wall=2.0, messages=5).record(stages)
+    BatchTimes(stored=2.0, stored_wall=2.0, ends=[1.0], messages=99).record(stages)  # not fetched
+    assert batch_summary(stages.snapshot()) == {
+        "batches": 3, "messages": 42, "mean_messages": 14.0,
+    }  # fmt: skip
+    between = batch_summary(difference(stages.snapshot(), before))
+    assert between == {"batches": 2, "messages": 12, "mean_messages": 6.0}
+    merged = batch_summary(merge_stages([stages.snapshot(), before]))
+    assert merged == {"batches": 4, "messages": 72, "mean_messages": 18.0}
+    (line,) = format_batches("latency", between, cpu_seconds=0.003)
+    assert "2 of 6.0 raw messages" in line
+    assert "1.50 ms per batch" in line
+    assert format_batches("latency", batch_summary(Stages().snapshot()), 1.0) == []
