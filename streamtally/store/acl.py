@@ -33,10 +33,10 @@ WORKER_COMMANDS: Final = (
     # goes on) and the readiness probe
     "ping",
     "hello",
-    # scripts (redis-py's Script: EVALSHA, then SCRIPT LOAD when Redis lost it)
+    # scripts: EVALSHA, then SCRIPT LOAD when Redis lost it (redis-py's Script, and the
+    # store's pipelines of several shards, which send no SCRIPT EXISTS)
     "evalsha",
     "script|load",
-    "script|exists",
     # the usage read's transaction
     "multi",
     "exec",

@@ -20,6 +20,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError
 
 from streamtally.core.identity import RequestRef
 from streamtally.core.models import USAGE_FIELDS
@@ -156,9 +157,21 @@ class RedisStore:
             return [await script(keys=calls[0].keys, args=calls[0].argv)]
         if self._cluster:
             return list(await asyncio.gather(*(script(keys=c.keys, args=c.argv) for c in calls)))
+        try:
+            return await self._evalsha_pipeline(script, calls)
+        except NoScriptError:
+            # A Redis without the script: restarted, or its cache flushed (then maybe between
+            # two calls).  Each call is idempotent, so the whole pipeline goes again.
+            await self._client.script_load(script.script)
+            return await self._evalsha_pipeline(script, calls)
+
+    async def _evalsha_pipeline(self, script: Any, calls: Sequence[ShardCall]) -> list[Any]:
+        """The calls as EVALSHA of the script's digest in one pipeline.  Not redis-py's
+        scripts in a pipeline: those send a SCRIPT EXISTS before each, a round trip more
+        on every write."""
         async with self._client.pipeline(transaction=False) as pipe:
             for call in calls:
-                await script(keys=call.keys, args=call.argv, client=pipe)
+                pipe.evalsha(script.sha, len(call.keys), *call.keys, *call.argv)
             return list(await pipe.execute())
 
     # ------------------------------------------------------------------ layout

@@ -64,6 +64,7 @@ from streamtally.store.layout import (
     shard_of_row,
     stats_key,
 )
+from streamtally.store.scripts import CLOSE_ONCE_SCRIPT
 from streamtally.wire import avro
 from streamtally.wire.records import BillingEvent
 from tests.integration.isolation import db_url
@@ -880,6 +881,49 @@ async def test_a_close_decision_is_written_once_and_a_different_one_is_reported(
         r1: "41 timeout",
         r2: "7 end",
         r3: "9 end",
+    }
+
+
+def _refs_of_shards(*shards: int) -> list[RequestRef]:
+    """One request of tenant acme in each of `shards`."""
+    found: dict[int, RequestRef] = {}
+    for n in range(SHARDS * 64):
+        ref = RequestRef("acme", f"s-{n}")
+        found.setdefault(shard_of(ref), ref)
+    return [found[shard] for shard in shards]
+
+
+async def _calls(client: aioredis.Redis, command: str) -> int:
+    """How often the server ran `command` (``INFO commandstats``; 0: never)."""
+    stats = await client.info("commandstats")
+    entry = stats.get(f"cmdstat_{command}", {})
+    return int(entry.get("calls", 0)) if isinstance(entry, dict) else 0
+
+
+async def test_a_write_of_several_shards_is_one_round_trip_and_outlives_a_flushed_script_cache(
+    own_client: aioredis.Redis, own_store: RedisStore
+) -> None:
+    """The calls of several shards go in one pipeline of EVALSHA, without redis-py's SCRIPT
+    EXISTS before it; a Redis that lost its scripts (restarted, cache flushed) is sent the
+    script and the calls again, and the decisions are written once."""
+    r1, r2, r3, r4 = _refs_of_shards(0, 1, 2, 3)
+    await own_client.script_load(CLOSE_ONCE_SCRIPT)  # cached, as after the first write
+    exists, evalsha = await _calls(own_client, "script|exists"), await _calls(own_client, "evalsha")
+    assert await own_store.mark_closing({r1: "3 end", r2: "4 end"}) == {}
+    assert await _calls(own_client, "evalsha") - evalsha == 2  # one per shard, pipelined
+    # No test process sends SCRIPT EXISTS since the store stopped doing it.
+    assert await _calls(own_client, "script|exists") == exists
+    await own_client.script_flush()
+    # Every other client of the shared server re-sends its scripts by itself on NOSCRIPT.
+    assert await own_store.mark_closing({r3: "5 end", r4: "6 timeout", r1: "9 end"}) == {
+        r1: "3 end"
+    }
+    markers = await own_store.closed_markers([r1, r2, r3, r4])
+    assert {ref: marker for ref, (marker, _) in markers.items()} == {
+        r1: "3 end",
+        r2: "4 end",
+        r3: "5 end",
+        r4: "6 timeout",
     }
 
 
