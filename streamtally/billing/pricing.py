@@ -52,6 +52,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from datetime import datetime
@@ -120,11 +121,33 @@ def _check_aware(at: datetime | None) -> None:
         raise ValueError(f"a price lookup time must be timezone-aware, got {at!r}")
 
 
+def _exact_rates(rates: Rates, unit: int) -> tuple[tuple[int, int, int, int, int], int]:
+    """`rates` (input, cached input, cache write, output, reasoning) as integers over one
+    common denominator, and that denominator times `unit`: rate = integer / denominator
+    exactly, so a cost is their integer sum over the divisor."""
+    exact = [
+        Fraction(rate)
+        for rate in (
+            rates.input,
+            rates.cached_input,
+            rates.cache_write,
+            rates.output,
+            rates.reasoning,
+        )
+    ]
+    denominator = math.lcm(*(f.denominator for f in exact))
+    n_input, n_cached, n_write, n_output, n_reasoning = (
+        f.numerator * (denominator // f.denominator) for f in exact
+    )
+    return (n_input, n_cached, n_write, n_output, n_reasoning), denominator * unit
+
+
 class PriceVersion:
     """One version of a price table: its entries and rates.  Read-only, safe to share."""
 
     __slots__ = (
         "_exact",
+        "_numerators",
         "_rates",
         "_since",
         "_wildcards",
@@ -146,6 +169,9 @@ class PriceVersion:
     _wildcards: tuple[tuple[str, str], ...]
     #: When an entry comes into force, for the entries that say so.
     _since: dict[str, datetime]
+    #: Per entry, its five rates as integers over one denominator, and the denominator
+    #: times `unit` (`_exact_rates`): a quote is then integer arithmetic.
+    _numerators: dict[str, tuple[tuple[int, int, int, int, int], int]]
 
     def __init__(self, checked: VersionFile) -> None:
         self.version = checked.version
@@ -159,6 +185,7 @@ class PriceVersion:
             if entry.effective_from is not None
         }
         self._exact = {n: r for n, r in self._rates.items() if not is_wildcard(n)}
+        self._numerators = {n: _exact_rates(r, self.unit) for n, r in self._rates.items()}
         self._wildcards = tuple(
             sorted(
                 ((name[:-1], name) for name in self._rates if is_wildcard(name)),
@@ -196,7 +223,7 @@ class PriceVersion:
         entry = self.entry_for(model, at)
         if entry is None:
             return Quote(model=model, entry=None, cost=None, version=self.version)
-        r = self._rates[entry]
+        (n_input, n_cached, n_write, n_output, n_reasoning), divisor = self._numerators[entry]
         notes: list[str] = []
         parts = usage.cached_tokens + usage.cache_write_tokens
         if parts > usage.input_tokens:
@@ -211,22 +238,26 @@ class PriceVersion:
             )
         uncached = max(0, usage.input_tokens - parts)
         visible = max(0, usage.output_tokens - usage.reasoning_tokens)
-        total = (
-            uncached * Fraction(r.input)
-            + usage.cached_tokens * Fraction(r.cached_input)
-            + usage.cache_write_tokens * Fraction(r.cache_write)
-            + visible * Fraction(r.output)
-            + usage.reasoning_tokens * Fraction(r.reasoning)
-        ) / self.unit
-        scaled = total * _SCALE
-        units = round(scaled)  # Fraction.__round__: nearest integer, ties to even
+        # The cost in units of 10**-COST_SCALE is numerator / divisor exactly: the sum of
+        # each count times its rate, over the table's unit.
+        numerator = (
+            uncached * n_input
+            + usage.cached_tokens * n_cached
+            + usage.cache_write_tokens * n_write
+            + visible * n_output
+            + usage.reasoning_tokens * n_reasoning
+        ) * _SCALE
+        units, remainder = divmod(numerator, divisor)
+        # To the nearest integer, ties to even (as `round` of a Fraction).
+        if remainder * 2 > divisor or (remainder * 2 == divisor and units % 2):
+            units += 1
         sign, digits, _ = Decimal(units).as_tuple()
         cost = Decimal((sign, digits, -COST_SCALE))  # exact: no context precision involved
         quote = Quote(
             model=model,
             entry=entry,
             cost=cost,
-            rounded=scaled.denominator != 1,
+            rounded=remainder != 0,
             notes=tuple(notes),
             version=self.version,
         )

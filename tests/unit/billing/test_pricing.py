@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import logging
+import random
 from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +91,65 @@ def test_rounds_half_even_only_when_more_than_12_places() -> None:
     quote = prices.quote("m", Usage(input_tokens=2))  # exactly 1e-12
     assert quote.cost == Decimal("0.000000000001")
     assert not quote.rounded
+
+
+def _reference_scaled(rates: dict[str, str], unit: int, usage: Usage) -> Fraction:
+    """The cost in units of 10**-12 by the definition, in `Fraction`s: each part's count
+    times its rate, over the unit."""
+    r = {k: Fraction(Decimal(v)) for k, v in rates.items()}
+    parts = usage.cached_tokens + usage.cache_write_tokens
+    return (
+        (
+            max(0, usage.input_tokens - parts) * r["input"]
+            + usage.cached_tokens * r["cached_input"]
+            + usage.cache_write_tokens * r["cache_write"]
+            + max(0, usage.output_tokens - usage.reasoning_tokens) * r["output"]
+            + usage.reasoning_tokens * r["reasoning"]
+        )
+        / unit
+        * 10**12
+    )
+
+
+def test_the_integer_quote_equals_the_fraction_definition_on_random_tables() -> None:
+    """The quote's integer arithmetic (rates over one denominator) against the definition
+    in `Fraction`s: rates of up to 15 decimal places, odd units, ties, huge counts."""
+    rng = random.Random(28)
+    ties = rounded = 0
+    for _ in range(3000):
+        rates = {
+            name: format(
+                Decimal(rng.randrange(0, 10 ** rng.randrange(1, 9))).scaleb(-rng.randrange(0, 16)),
+                "f",
+            )
+            for name in ("input", "cached_input", "cache_write", "output", "reasoning")
+        }
+        unit = rng.choice([1, 3, 7, 1000, 1_000_000, 999_983])
+        prices = table({"m": rates}, unit=unit)
+        counts = [
+            rng.choice([0, 1, 2, rng.randrange(10**6), rng.randrange(10**15)]) for _ in range(5)
+        ]
+        usage = Usage(
+            input_tokens=counts[0] + counts[1] + counts[2],
+            cached_tokens=counts[1],
+            cache_write_tokens=counts[2],
+            output_tokens=counts[3] + counts[4],
+            reasoning_tokens=counts[4],
+        )
+        quote = prices.quote("m", usage)
+        scaled = _reference_scaled(rates, unit, usage)
+        expected = Decimal(f"{round(scaled)}E-12")  # half even, exact, 12 places
+        assert (quote.cost, quote.rounded) == (expected, scaled.denominator != 1), (
+            rates,
+            unit,
+            usage,
+        )
+        assert quote.cost is not None
+        assert quote.cost.as_tuple().exponent == -12
+        rounded += scaled.denominator != 1
+        ties += (scaled - int(scaled)) == Fraction(1, 2)
+    assert rounded > 300  # both kinds were drawn
+    assert ties > 0
 
 
 def test_odd_unit_divides_exactly_then_rounds() -> None:
