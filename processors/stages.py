@@ -25,11 +25,11 @@ commit        the batch's released offsets committed (`BatchLoop.commit`: off th
               path, when the commit ends does not delay its Tokens)
 ============  ==============================================================================
 
-Beside the stages, every batch written is counted with its raw messages
-(``batches``), whether it closed a request or not: a batch's fixed costs (the
-fetch, the Redis round trips, the produce request, the loop) are paid per batch,
-so at a low rate, where batches are small, they are most of a record's CPU
-(`batch_summary`).
+Beside the stages, every fetched batch is counted with its raw messages once
+its write ends (``batches``), whether it closed a request or not, with outputs
+or without: a batch's fixed costs (the fetch, the Redis round trips, the
+produce request, the loop) are paid per batch, so at a low rate, where batches
+are small, they are most of a record's CPU (`batch_summary`).
 
 ``fetch`` and ``total`` compare the producer's wall clock with the worker's: on one
 machine they are the same clock; across machines they include the clocks' skew.
@@ -124,7 +124,7 @@ class Stages:
 
     def __init__(self) -> None:
         self._histograms = {stage: _Histogram() for stage in STAGES}
-        #: Batches written, and the raw messages they carried.
+        #: Fetched batches whose write ended, and the raw messages they carried.
         self.batches = 0
         self.messages = 0
         #: Told each span observed (stage, seconds, requests): the Prometheus histograms.
@@ -145,7 +145,7 @@ class Stages:
             self.on_observe(stage, seconds, requests)
 
     def batch(self, messages: int) -> None:
-        """A batch of `messages` raw messages was written."""
+        """The write of a fetched batch of `messages` raw messages ended."""
         self.batches += 1
         self.messages += messages
 
@@ -192,7 +192,8 @@ def difference(after: Mapping[str, Any], before: Mapping[str, Any] | None) -> di
 
 
 def batch_summary(snapshot: Mapping[str, Any]) -> dict[str, Any]:
-    """Batches written and raw messages in them, and their mean size (None: no batch)."""
+    """Batches counted (`Stages.batch`), their raw messages, and their mean size (None:
+    no batch)."""
     counted = snapshot.get("batches", {})
     batches, messages = int(counted.get("count", 0)), int(counted.get("messages", 0))
     return {
