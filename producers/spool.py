@@ -705,20 +705,18 @@ class Spool(_Cursor):
             while last < count and len(frames[last]) <= room:
                 room -= len(frames[last])
                 last += 1
-            self._write(frames[first] if last == first + 1 else b"".join(frames[first:last]),
-                        records[first][1])  # fmt: skip
-            position = self._end
+            data = frames[first] if last == first + 1 else b"".join(frames[first:last])
             if self._elsewhere:  # nothing cached: the run's counts at once
-                written = sum(len(frames[n]) for n in range(first, last))
-                self._counted(position, position + written, last - first, now)
+                self._write_counted(data, records[first][1], last - first, now)
             else:
+                position = self._end
+                self._write(data, records[first][1])
                 for n in range(first, last):
                     end = position + len(frames[n])
                     self._appended(position, end, now, records[n])
                     position = end
             first = last
-        for listener in self._listeners:
-            listener()
+        self._notify()
 
     def append_values(
         self,
@@ -739,16 +737,25 @@ class Spool(_Cursor):
             now = time.time()
             data = encode_frames(source, key, values, now, auths)
             if self._segment_size + len(data) <= self.segment_bytes:
-                self._write(data, key)
-                position = self._end
-                self._counted(position, position + len(data), len(values), now)
-                for listener in self._listeners:
-                    listener()
+                self._write_counted(data, key, len(values), now)
+                self._notify()
                 return
         signed = auths if auths is not None else [None] * len(values)
         if len(signed) != len(values):
             raise ValueError(f"{len(values)} values and {len(signed)} auths")
         self.append_many([(source, key, values[n], signed[n]) for n in range(len(values))])
+
+    def _notify(self) -> None:
+        """Tell the listeners that records were appended."""
+        for listener in self._listeners:
+            listener()
+
+    def _write_counted(self, data: bytes, key: str, records: int, appended_at: float) -> None:
+        """`_write` of `data`, `records` frames appended at `appended_at`, then their counts
+        (`_counted`): a sender process reads them, so nothing is cached."""
+        position = self._end
+        self._write(data, key)
+        self._counted(position, position + len(data), records, appended_at)
 
     def _write(self, data: bytes, key: str) -> None:
         """`data` written whole to the current segment, or nothing of it (`SpoolError`)."""
