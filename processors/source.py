@@ -224,7 +224,9 @@ class RawSource:
             auto_offset_reset="earliest",
             max_poll_records=settings.batch_size,
             fetch_max_bytes=FETCH_BYTES,
-            fetch_max_wait_ms=50,  # the broker answers an idle fetch within a batch window
+            # The broker answers once it has this many bytes, or the wait is over.
+            fetch_min_bytes=settings.fetch_min_bytes,
+            fetch_max_wait_ms=round(settings.fetch_wait * 1000),
             max_partition_fetch_bytes=PARTITION_FETCH_BYTES,
             session_timeout_ms=int(settings.session_timeout * 1000),
             heartbeat_interval_ms=int(heartbeat_interval(settings.session_timeout) * 1000),

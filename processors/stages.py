@@ -10,7 +10,8 @@ request it closed adds the batch's spans to `Stages`:
 stage         from → to
 ============  ==============================================================================
 fetch         the END record's Kafka timestamp (its producer's clock) → ``getmany`` returned it
-              (producer linger, broker, the consumer's fetch and its buffer)
+              (producer linger, broker, the fetch the broker holds for more records
+              (`STREAMTALLY_FETCH_MIN_BYTES`, `STREAMTALLY_FETCH_WAIT`), the consumer's buffer)
 decode        fetched → decoded and checked (`BatchLoop.decode`: schema ids, `examine_batch`)
 queue         decoded → the agent starts on the batch (the channel and the batch lock)
 apply         the agent's work on the batch (`BatchLoop.apply`), less `lookup`

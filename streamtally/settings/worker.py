@@ -116,6 +116,21 @@ class WorkerSection(BaseModel):
     )
     #: Seconds to wait for a batch to fill.
     batch_within: float = Field(0.05, gt=0)
+    #: Bytes of raw records the broker gathers before it answers the worker's fetch
+    #: (Kafka's ``fetch.min.bytes``), unless `fetch_wait` passes first: fewer, fuller
+    #: batches under load, each paying the batch's fixed costs once (docs/scaling.md).
+    fetch_min_bytes: int = Field(
+        32 << 10,
+        ge=1,
+        le=8 << 20,  # at most a partition's fetch (`processors.source.PARTITION_FETCH_BYTES`)
+        validation_alias=env("STREAMTALLY_FETCH_MIN_BYTES", "fetch_min_bytes"),
+    )
+    #: Seconds the broker holds a fetch for `fetch_min_bytes` (``fetch.max.wait.ms``): the
+    #: longest a record waits at the broker for the ones after it, also when records are
+    #: scarce, and how often an idle worker asks.
+    fetch_wait: float = Field(
+        0.01, ge=0.001, le=0.5, validation_alias=env("STREAMTALLY_FETCH_WAIT", "fetch_wait")
+    )
     #: The worker's static member id in the processors' group (Kafka's
     #: ``group.instance.id``; ``streamtally worker --instance-id`` wins): a worker that
     #: restarts with the same id within its session gets its partitions back without a

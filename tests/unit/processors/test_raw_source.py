@@ -137,6 +137,17 @@ async def test_a_static_member_joins_with_its_id_and_a_session_that_outlasts_a_r
     assert dynamic._consumer._heartbeat_interval_ms == 1_000
 
 
+async def test_the_broker_gathers_a_fetch_until_its_bytes_or_its_wait() -> None:
+    topics = Topics.in_namespace("unit")
+    default = RawSource(Settings.load({}), topics, lambda _: asyncio.sleep(0), Revocations())
+    assert default._consumer._fetch_min_bytes == 32 << 10
+    assert default._consumer._fetch_max_wait_ms == 10
+    settings = Settings.load({"STREAMTALLY_FETCH_MIN_BYTES": "1", "STREAMTALLY_FETCH_WAIT": "0.05"})
+    eager = RawSource(settings, topics, lambda _: asyncio.sleep(0), Revocations())
+    assert eager._consumer._fetch_min_bytes == 1
+    assert eager._consumer._fetch_max_wait_ms == 50
+
+
 def test_the_heartbeat_is_a_tenth_of_the_session_within_bounds() -> None:
     assert heartbeat_interval(6.0) == 0.6
     assert heartbeat_interval(10.0) == 1.0
