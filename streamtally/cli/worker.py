@@ -192,6 +192,13 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
         else f"static, instance id {settings.worker_instance_id!r}",
         settings.session_timeout,
     )
+    logging.getLogger(STATUS_LOGGER).info(
+        "fetches: the broker answers at %d bytes of raw records or after %g s "
+        "(STREAMTALLY_FETCH_MIN_BYTES, STREAMTALLY_FETCH_WAIT), batches of at most %d records",
+        settings.fetch_min_bytes,
+        settings.fetch_wait,
+        settings.batch_size,
+    )
     trust = pipeline.processor.trust
     if trust is None:
         logging.getLogger(STATUS_LOGGER).warning(

@@ -210,8 +210,8 @@ def test_the_worker_gives_faust_its_log_format(
     main(["worker", "--log-format", "json", "--loglevel", "info"])
     err = capsys.readouterr().err
     # the start line is a record of the chosen format too, as are the trust-everyone warning
-    # and the content policy, the framing and the group membership
-    start, framing, membership, trust, content = map(json.loads, err.splitlines())
+    # and the content policy, the framing, the group membership and the fetches
+    start, framing, membership, fetches, trust, content = map(json.loads, err.splitlines())
     assert (framing["level"], framing["logger"]) == ("INFO", "streamtally.cli")
     assert framing["message"] == (
         "avro framing: single-object (STREAMTALLY_AVRO_FRAMING), schema registry none "
@@ -221,6 +221,11 @@ def test_the_worker_gives_faust_its_log_format(
     assert membership["message"] == (
         "group membership: dynamic (no STREAMTALLY_WORKER_INSTANCE_ID), session timeout 10 s "
         "(STREAMTALLY_SESSION_TIMEOUT)"
+    )
+    assert (fetches["level"], fetches["logger"]) == ("INFO", "streamtally.cli")
+    assert fetches["message"] == (
+        "fetches: the broker answers at 32768 bytes of raw records or after 0.01 s "
+        "(STREAMTALLY_FETCH_MIN_BYTES, STREAMTALLY_FETCH_WAIT), batches of at most 2000 records"
     )
     assert (content["level"], content["logger"]) == ("INFO", "streamtally.cli")
     assert content["message"] == (
