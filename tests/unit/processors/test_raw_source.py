@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 
+from streamtally.errors import InputError
 from streamtally.processors.source import (
+    PARTITION_FETCH_BYTES,
     MembershipLost,
     RawSource,
     Revocations,
@@ -146,6 +148,15 @@ async def test_the_broker_gathers_a_fetch_until_its_bytes_or_its_wait() -> None:
     eager = RawSource(settings, topics, lambda _: asyncio.sleep(0), Revocations())
     assert eager._consumer._fetch_min_bytes == 1
     assert eager._consumer._fetch_max_wait_ms == 50
+
+
+def test_the_fetch_bytes_setting_is_bounded_by_a_partitions_fetch() -> None:
+    # The setting's bound is a literal (settings cannot import the processors): a broker
+    # waiting for more bytes than one partition's fetch returns would wait its full wait.
+    most = Settings.load({"STREAMTALLY_FETCH_MIN_BYTES": str(PARTITION_FETCH_BYTES)})
+    assert most.fetch_min_bytes == PARTITION_FETCH_BYTES
+    with pytest.raises(InputError, match="STREAMTALLY_FETCH_MIN_BYTES"):
+        Settings.load({"STREAMTALLY_FETCH_MIN_BYTES": str(PARTITION_FETCH_BYTES + 1)})
 
 
 def test_the_heartbeat_is_a_tenth_of_the_session_within_bounds() -> None:
