@@ -70,21 +70,47 @@ def _total(samples: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: 
     return sum(v for (n, _), v in samples.items() if n == name)
 
 
+#: A worker logs this once its server listens; faust's "Ready" line can come first, as the
+#: server is one of the app's tasks.
+LISTENING = "metrics, health and readiness on http://127.0.0.1:{port}/"
+#: It logs this instead when the port is taken (another process took the free port first).
+NOT_STARTED = "metrics server not started on 127.0.0.1:{port}"
+
+
+def _listening(worker: Any, port: int, timeout: float) -> bool:
+    """Whether the worker's server came up on `port`: False if the port was taken."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = worker.log_text()
+        if LISTENING.format(port=port) in text:
+            return True
+        if NOT_STARTED.format(port=port) in text:
+            return False
+        worker.check()
+        time.sleep(0.1)
+    pytest.fail(f"the worker's server did not come up in {timeout:g} s\n{worker.describe()}")
+
+
 @pytest.fixture
 def scene(
     stack_endpoints: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[tuple[Settings, str]]:
-    port = _free_port()
-    monkeypatch.setenv("STREAMTALLY_WEB_PORT", str(port))
-    with own_worker(
-        stack_endpoints.bootstrap_servers,
-        stack_endpoints.redis_url,
-        prefix="metrics",
-        log=tmp_path / "worker.log",
-        request_timeout=30,
-    ) as (settings, worker):
-        yield settings, f"http://127.0.0.1:{port}"
-        worker.check()
+    for attempt in range(3):
+        port = _free_port()
+        monkeypatch.setenv("STREAMTALLY_WEB_PORT", str(port))
+        with own_worker(
+            stack_endpoints.bootstrap_servers,
+            stack_endpoints.redis_url,
+            prefix="metrics",
+            log=tmp_path / f"worker-{attempt}.log",
+            request_timeout=30,
+        ) as (settings, worker):
+            if not _listening(worker, port, 30):
+                continue
+            yield settings, f"http://127.0.0.1:{port}"
+            worker.check()
+            return
+    pytest.fail("three free ports were taken before the worker could listen on them")
 
 
 async def _send(settings: Settings) -> int:
