@@ -56,11 +56,13 @@ import contextlib
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Final
 
 from redis.exceptions import RedisError
 
 from benchmarks import passthrough
+from benchmarks.affinity import CpuSplit, Pinning, stack_pids
 from benchmarks.pipeline_kafka import KafkaProbe
 from benchmarks.pipeline_phases import (
     PhaseContext,
@@ -103,6 +105,9 @@ from benchmarks.pipeline_workload import (
 from streamtally.connection import as_connection
 from streamtally.errors import StackError
 from streamtally.settings import Settings, project_root
+from streamtally.stack import kafka as kafka_stack
+from streamtally.stack import redis as redis_stack
+from streamtally.stack import registry as registry_stack
 from streamtally.stack.config import StackConfig
 from streamtally.wire.framing import SINGLE_OBJECT, Framing, register_topics
 from streamtally.wire.kafka import ensure_topics
@@ -147,7 +152,9 @@ async def _bench(
     steady: list[BenchRequest],
     worker: BenchWorkers,
     progress: Progress,
+    joined: Callable[[], None] = lambda: None,
 ) -> tuple[Throughput, Ceiling, Latency, Memory, str | None, list[str]]:
+    """The phases; `joined` is called once every worker is in the group."""
     notes: list[str] = []
     client, db, redis_version = await redis_client(settings.redis_url)
     kafka = KafkaProbe(settings.bootstrap_servers, names)
@@ -166,6 +173,7 @@ async def _bench(
         dead_start = await kafka.end_offsets(dead_tps)
 
         await _wait_for_members(kafka, worker, settings.workers, progress)
+        joined()
         await warm_up(ctx, warm)
         idle_rss = worker.rss_kib() or 0
         throughput, raw_start, raw_end = await measure_throughput(ctx, load)
@@ -215,6 +223,25 @@ def _framing(framing: str, app_settings: Settings, names: Names) -> Framing:
     return register_topics(registry, [names.topics.raw_sse, names.topics.raw_engine])
 
 
+def _local_stack(app_settings: Settings) -> dict[str, int]:
+    """The broker(s), Redis server(s) and registry `streamtally stack` runs on this
+    machine, by name (none when the stack runs in containers or elsewhere)."""
+    cfg = StackConfig.from_settings(app_settings)
+    found = [*kafka_stack.statuses(cfg), *redis_stack.statuses(cfg), registry_stack.status(cfg)]
+    return stack_pids({s.name: s.pid for s in found if s.running})
+
+
+def _cpus(cpus: frozenset[int]) -> str:
+    return ",".join(str(c) for c in sorted(cpus))
+
+
+def _describe_pinning(split: CpuSplit, services: dict[str, int]) -> str:
+    moved = ", ".join(f"{name} (pid {pid})" for name, pid in sorted(services.items()))
+    return f"{split.describe()}: this benchmark and " + (
+        moved if moved else "no local stack process (the stack runs elsewhere)"
+    )
+
+
 def run(
     settings: PipelineSettings, app_settings: Settings, progress: Progress = print
 ) -> PipelineReport:
@@ -253,26 +280,51 @@ def run(
         STREAMTALLY_NAMESPACE=names.namespace,
         STREAMTALLY_AVRO_FRAMING=settings.framing,
     )
-    worker = BenchWorkers(env, log, settings.workers)
-    pids = ", ".join(str(m.pid) for m in worker.members)
-    progress(f"started {settings.workers} worker(s) (pid {pids}, log {log})")
-    try:
-        throughput, ceiling, latency, memory, redis_version, notes = asyncio.run(
-            _bench(
-                settings=settings,
-                names=names,
-                workload=workload,
-                warm=warm,
-                load=load,
-                steady=steady,
-                worker=worker,
-                progress=progress,
+    split = CpuSplit.of(settings.worker_cpus) if settings.worker_cpus else None
+    services = _local_stack(app_settings) if split is not None else {}
+    pinning = Pinning(split, services) if split is not None else None
+    with pinning or contextlib.nullcontext():
+        worker = BenchWorkers(env, log, settings.workers)
+        pids = ", ".join(str(m.pid) for m in worker.members)
+        progress(f"started {settings.workers} worker(s) (pid {pids}, log {log})")
+
+        def pin_workers() -> None:
+            # Again once they have joined: a thread made before the first pin is caught.
+            if pinning is not None:
+                for member in worker.members:
+                    pinning.worker(member.pid)
+
+        pin_workers()
+        if split is not None:
+            progress(f"CPUs: {_describe_pinning(split, services)}")
+        try:
+            throughput, ceiling, latency, memory, redis_version, notes = asyncio.run(
+                _bench(
+                    settings=settings,
+                    names=names,
+                    workload=workload,
+                    warm=warm,
+                    load=load,
+                    steady=steady,
+                    worker=worker,
+                    progress=progress,
+                    joined=pin_workers,
+                )
             )
+        finally:
+            worker.shut_down(progress)
+    if split is not None:
+        notes.append(
+            "the pass-through ran in this benchmark's process, beside the broker on CPU "
+            f"{_cpus(split.others)}: its ceiling, and the worker / pass-through ratio, do not "
+            "compare with a run without --worker-cpus"
         )
-    finally:
-        worker.shut_down(progress)
     return PipelineReport(
-        machine=describe_machine(load_before, redis_version),
+        machine=describe_machine(
+            load_before,
+            redis_version,
+            _describe_pinning(split, services) if split is not None else "",
+        ),
         workload=Workload(
             run_id=run_id,
             tenant=TENANT,

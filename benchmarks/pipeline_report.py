@@ -65,6 +65,8 @@ class Machine:
     faust: str | None
     #: Whether the worker ran the compiled hot path (`streamtally._native`), and if not why.
     hot_path: str = ""
+    #: Which CPUs the workers and the rest ran on (``--worker-cpus``); "": not pinned.
+    pinning: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +241,7 @@ def _cores() -> int:
         return os.cpu_count() or 1
 
 
-def describe_machine(load_before: float, redis_version: str | None) -> Machine:
+def describe_machine(load_before: float, redis_version: str | None, pinning: str = "") -> Machine:
     """This machine and the versions of what ran; the load average is read again now."""
     return Machine(
         cores=_cores(),
@@ -253,6 +255,7 @@ def describe_machine(load_before: float, redis_version: str | None) -> Machine:
         aiokafka=_version("aiokafka"),
         faust=_version("faust-streaming"),
         hot_path=_native.status().describe(),
+        pinning=pinning,
     )
 
 
@@ -332,6 +335,7 @@ def format_report(report: PipelineReport) -> str:
         f"         {m.python}, Kafka {m.kafka or '?'}, Redis {m.redis or '?'}, "
         f"aiokafka {m.aiokafka or '?'}, faust-streaming {m.faust or '?'}",
         f"         hot path: {m.hot_path}",
+        f"         CPUs: {m.pinning or 'not pinned (every process on any core)'}",
         f"requests: {mix} (tenant {report.workload.tenant!r}, "
         f"{report.workload.concurrency} interleaved)"
         + (

@@ -23,6 +23,7 @@ from typing import Any, Final
 
 from aiokafka import TopicPartition
 
+from benchmarks.affinity import CpuSplit
 from benchmarks.fold import engine_stream
 from streamtally.connection import KafkaConnection
 from streamtally.core.models import Source
@@ -78,6 +79,9 @@ class PipelineSettings:
     #: The Kafka (with its security: `Settings.kafka`), or plain servers.
     bootstrap_servers: KafkaConnection | str = "127.0.0.1:9092"
     redis_url: str = "redis://127.0.0.1:6379/0"
+    #: CPUs of the workers' own (``--worker-cpus``): the benchmark and the local stack's
+    #: processes run on the others (`benchmarks.affinity`); empty: nothing is pinned.
+    worker_cpus: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if self.events < 1 or self.rate <= 0 or self.seconds <= 0 or self.concurrency < 1:
@@ -88,6 +92,8 @@ class PipelineSettings:
             raise ValueError("workers must be 1 to 6 (the raw topics' partitions)")
         if self.framing not in FRAMINGS:
             raise ValueError(f"framing must be one of {', '.join(FRAMINGS)}")
+        if self.worker_cpus:
+            CpuSplit.of(self.worker_cpus)  # refused now, not after the encoding
 
 
 @dataclass(frozen=True, slots=True)

@@ -73,6 +73,18 @@ def add_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) 
             "STREAMTALLY_SCHEMA_REGISTRY_URL; both: one run with each, one after the other"
         ),
     )
+    pipeline.add_argument(
+        "--worker-cpus",
+        metavar="LIST",
+        default=None,
+        help=(
+            "run the workers on these CPUs (as Linux writes them: 1, 0,2, 2-3) and this "
+            "benchmark and the local stack's broker, Redis and registry on the others, which "
+            "get their CPUs back at the end: what a core of its own gives a worker; the "
+            "pass-through then runs beside the broker, so its ratio does not compare with an "
+            "unpinned run (default: nothing pinned)"
+        ),
+    )
     pipeline.add_argument("--json", action="store_true", help="print results as JSON")
     pipeline.set_defaults(func=run_pipeline)
 
@@ -126,7 +138,7 @@ def run_fold(args: argparse.Namespace, settings: Settings) -> int:
 
 def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
     try:
-        from benchmarks import pipeline
+        from benchmarks import affinity, pipeline
     except ModuleNotFoundError as exc:
         if exc.name != "benchmarks":
             raise
@@ -135,6 +147,9 @@ def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
     chosen = args.framing or settings.avro_framing
     framings = ("single-object", "confluent") if chosen == "both" else (chosen,)
     try:
+        cpus = (
+            affinity.parse_cpus(args.worker_cpus) if args.worker_cpus is not None else frozenset()
+        )
         benches = [
             pipeline.PipelineSettings(
                 events=args.events,
@@ -145,6 +160,7 @@ def run_pipeline(args: argparse.Namespace, settings: Settings) -> int:
                 bootstrap_servers=settings.kafka,
                 redis_url=settings.redis_url,
                 framing=framing,
+                worker_cpus=cpus,
             )
             for framing in framings
         ]
