@@ -48,7 +48,15 @@ from streamtally.processors.stages import BatchTimes
 from streamtally.settings import Settings
 from streamtally.topics import Topics
 
-__all__ = ["FetchedBatch", "MembershipLost", "RawMessage", "RawSource", "Revocations"]
+__all__ = [
+    "IDLE_FETCH_WAIT_MS",
+    "FetchPace",
+    "FetchedBatch",
+    "MembershipLost",
+    "RawMessage",
+    "RawSource",
+    "Revocations",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +71,43 @@ FETCH_BYTES = 64 << 20
 #: may read on before it hears that it was (a tenth of the session, at most this).
 MAX_HEARTBEAT_S = 1.0
 MIN_HEARTBEAT_S = 0.5
+
+
+#: An idle worker's fetch (its last `getmany` returned nothing): the broker answers at
+#: the first byte, or after this long.  A worker with no traffic asks twice a second
+#: instead of at every `fetch_wait` (at 10 ms: 12 % of a core, against 4 % at 50 ms), and
+#: the first record after a quiet spell is not held to fill a batch.
+IDLE_FETCH_WAIT_MS: Final = 500
+
+
+class FetchPace:
+    """How long the broker holds a consumer's fetches, busy or idle; `fetched(consumer, n)`
+    after each `getmany` that returned `n` records.
+
+    Busy (records came): the settings' bytes or wait (`fetch_min_bytes`, `fetch_wait`),
+    fewer and fuller batches under load.  Idle (none came): one byte or
+    `IDLE_FETCH_WAIT_MS`.  aiokafka reads both from its fetcher (the private
+    ``_fetcher._fetch_min_bytes`` and ``_fetch_max_wait_ms``) as it builds each fetch
+    request, so the request after a change has the new pace;
+    tests/unit/processors/test_raw_source.py pins that this is still so.
+    """
+
+    def __init__(self, min_bytes: int, wait_ms: int) -> None:
+        self._busy = (min_bytes, wait_ms)
+        #: Whether the fetches are idle ones now.
+        self.idle = False
+
+    def fetched(self, consumer: Any, records: int) -> None:
+        idle = records == 0
+        if idle == self.idle:
+            return
+        fetcher = getattr(consumer, "_fetcher", None)
+        if fetcher is None:  # not started: nothing to pace yet
+            return
+        self.idle = idle
+        min_bytes, wait_ms = (1, IDLE_FETCH_WAIT_MS) if idle else self._busy
+        fetcher._fetch_min_bytes = min_bytes
+        fetcher._fetch_max_wait_ms = wait_ms
 
 
 def heartbeat_interval(session_timeout: float) -> float:
@@ -231,6 +276,7 @@ class RawSource:
             session_timeout_ms=int(settings.session_timeout * 1000),
             heartbeat_interval_ms=int(heartbeat_interval(settings.session_timeout) * 1000),
         )
+        self._pace = FetchPace(settings.fetch_min_bytes, round(settings.fetch_wait * 1000))
         self._revocations = revocations
         static = settings.worker_instance_id is not None
         self._listener = _Listener(revocations, on_revoked, self._lost if static else None)
@@ -335,6 +381,7 @@ class RawSource:
                 for tp, records in fetched.items()
                 for record in records
             )
+            self._pace.fetched(self._consumer, len(batch))
             if batch:
                 times.messages = len(batch)
                 yield FetchedBatch(generation, batch, times)

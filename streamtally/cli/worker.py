@@ -140,7 +140,7 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
 
     from streamtally.processors.app import create_app
     from streamtally.processors.sinks import KafkaSink, RedisSink, Sinks
-    from streamtally.processors.source import MembershipLost
+    from streamtally.processors.source import IDLE_FETCH_WAIT_MS, MembershipLost
     from streamtally.store import RedisStore
 
     if args.instance_id is not None:
@@ -194,10 +194,12 @@ def run(args: argparse.Namespace, settings: Settings) -> NoReturn:
     )
     logging.getLogger(STATUS_LOGGER).info(
         "fetches: the broker answers at %d bytes of raw records or after %g s "
-        "(STREAMTALLY_FETCH_MIN_BYTES, STREAMTALLY_FETCH_WAIT), batches of at most %d records",
+        "(STREAMTALLY_FETCH_MIN_BYTES, STREAMTALLY_FETCH_WAIT), batches of at most %d records; "
+        "while idle, at the first record or after %g s",
         settings.fetch_min_bytes,
         settings.fetch_wait,
         settings.batch_size,
+        IDLE_FETCH_WAIT_MS / 1000,
     )
     trust = pipeline.processor.trust
     if trust is None:

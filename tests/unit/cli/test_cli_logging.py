@@ -225,7 +225,8 @@ def test_the_worker_gives_faust_its_log_format(
     assert (fetches["level"], fetches["logger"]) == ("INFO", "streamtally.cli")
     assert fetches["message"] == (
         "fetches: the broker answers at 32768 bytes of raw records or after 0.01 s "
-        "(STREAMTALLY_FETCH_MIN_BYTES, STREAMTALLY_FETCH_WAIT), batches of at most 2000 records"
+        "(STREAMTALLY_FETCH_MIN_BYTES, STREAMTALLY_FETCH_WAIT), batches of at most 2000 records; "
+        "while idle, at the first record or after 0.5 s"
     )
     assert (content["level"], content["logger"]) == ("INFO", "streamtally.cli")
     assert content["message"] == (

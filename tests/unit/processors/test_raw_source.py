@@ -20,7 +20,9 @@ from aiokafka import TopicPartition
 
 from streamtally.errors import InputError
 from streamtally.processors.source import (
+    IDLE_FETCH_WAIT_MS,
     PARTITION_FETCH_BYTES,
+    FetchPace,
     MembershipLost,
     RawSource,
     Revocations,
@@ -244,3 +246,84 @@ def test_any_other_revoke_is_a_rebalance_as_before(
     assert task.exception() is None
     assert seen == [revoked]
     assert lost == []
+
+
+def _fetcher(min_bytes: int = 32 << 10, wait_ms: int = 10) -> SimpleNamespace:
+    return SimpleNamespace(_fetch_min_bytes=min_bytes, _fetch_max_wait_ms=wait_ms)
+
+
+def test_an_idle_consumer_fetches_at_the_first_byte_or_after_the_idle_wait() -> None:
+    pace = FetchPace(32 << 10, 10)
+    consumer = SimpleNamespace(_fetcher=_fetcher())
+    pace.fetched(consumer, 120)  # busy, as it was built
+    assert (consumer._fetcher._fetch_min_bytes, consumer._fetcher._fetch_max_wait_ms) == (
+        32 << 10,
+        10,
+    )
+    pace.fetched(consumer, 0)
+    assert pace.idle
+    assert (consumer._fetcher._fetch_min_bytes, consumer._fetcher._fetch_max_wait_ms) == (
+        1,
+        IDLE_FETCH_WAIT_MS,
+    )
+    pace.fetched(consumer, 0)  # still idle: nothing to change
+    assert pace.idle
+    pace.fetched(consumer, 3)  # records again: the settings' pace
+    assert not pace.idle
+    assert (consumer._fetcher._fetch_min_bytes, consumer._fetcher._fetch_max_wait_ms) == (
+        32 << 10,
+        10,
+    )
+
+
+def test_a_consumer_not_started_is_paced_once_it_has_a_fetcher() -> None:
+    pace = FetchPace(32 << 10, 10)
+    pace.fetched(SimpleNamespace(_fetcher=None), 0)
+    assert not pace.idle  # nothing paced: tried again at the next empty fetch
+    consumer = SimpleNamespace(_fetcher=_fetcher())
+    pace.fetched(consumer, 0)
+    assert pace.idle
+    assert consumer._fetcher._fetch_max_wait_ms == IDLE_FETCH_WAIT_MS
+
+
+class _QuietThenBusy:
+    """A consumer whose first fetch returns nothing and whose second returns a record; it
+    notes its fetcher's pace as each call begins."""
+
+    def __init__(self, tp: TopicPartition) -> None:
+        self._tp = tp
+        self._fetcher = _fetcher()
+        self.seen: list[tuple[int, int]] = []
+
+    async def getmany(self, **_: Any) -> dict[TopicPartition, list[_Record]]:
+        self.seen.append((self._fetcher._fetch_min_bytes, self._fetcher._fetch_max_wait_ms))
+        if len(self.seen) == 1:
+            return {}
+        return {self._tp: [_Record(len(self.seen), None, None, b"v")]}
+
+
+async def test_the_source_paces_its_fetches_by_what_the_last_one_returned() -> None:
+    topics = Topics.in_namespace("unit")
+    consumer = _QuietThenBusy(TopicPartition(topics.raw_sse.name, 0))
+    source = RawSource(Settings.load({}), topics, lambda _: asyncio.sleep(0), Revocations())
+    source._consumer = consumer  # type: ignore[assignment]
+    batches = source.batches()
+    first = await anext(batches)
+    second = await anext(batches)
+    await batches.aclose()
+    assert [m.offset for m in (*first.messages, *second.messages)] == [2, 3]
+    # busy at first; idle after the empty fetch; busy again after the records
+    assert consumer.seen == [(32 << 10, 10), (1, IDLE_FETCH_WAIT_MS), (32 << 10, 10)]
+
+
+def test_aiokafka_builds_each_fetch_request_from_the_fetchers_pace() -> None:
+    """`FetchPace` sets aiokafka's private ``_fetcher._fetch_min_bytes`` and
+    ``_fetch_max_wait_ms``: pinned here, so an upgrade that reads them elsewhere (or once)
+    fails this test instead of leaving an idle worker's fetches at the busy pace."""
+    from aiokafka.consumer import consumer as consumer_module
+    from aiokafka.consumer.fetcher import Fetcher
+
+    assert "self._fetcher = Fetcher(" in inspect.getsource(consumer_module.AIOKafkaConsumer.start)
+    built = inspect.getsource(Fetcher._get_actions_per_node)
+    assert "FetchRequest(\n                self._fetch_max_wait_ms,\n" in built
+    assert "self._fetch_min_bytes," in built
