@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
-__all__ = ["CpuSplit", "Pinning", "parse_cpus", "pin", "stack_pids"]
+__all__ = ["CpuSplit", "Pinning", "cpu_list", "parse_cpus", "pin", "stack_pids"]
 
 
 def parse_cpus(text: str) -> frozenset[int]:
@@ -59,21 +59,22 @@ class CpuSplit:
         if missing:
             raise ValueError(
                 f"CPU {', '.join(map(str, missing))} is not one this process may use "
-                f"(it may use {_cpu_list(have)})"
+                f"(it may use {cpu_list(have)})"
             )
         others = have - workers
         if not others:
             raise ValueError(
-                f"--worker-cpus {_cpu_list(workers)} leaves no CPU for the broker, Redis and "
-                f"the benchmark (this process may use {_cpu_list(have)})"
+                f"--worker-cpus {cpu_list(workers)} leaves no CPU for the broker, Redis and "
+                f"the benchmark (this process may use {cpu_list(have)})"
             )
         return cls(workers, others)
 
     def describe(self) -> str:
-        return f"workers on CPU {_cpu_list(self.workers)}, the rest on CPU {_cpu_list(self.others)}"
+        return f"workers on CPU {cpu_list(self.workers)}, the rest on CPU {cpu_list(self.others)}"
 
 
-def _cpu_list(cpus: Iterable[int]) -> str:
+def cpu_list(cpus: Iterable[int]) -> str:
+    """CPUs as Linux lists them, one by one: ``0,2,3``."""
     return ",".join(str(c) for c in sorted(cpus))
 
 

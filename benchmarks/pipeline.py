@@ -62,7 +62,7 @@ from typing import Final
 from redis.exceptions import RedisError
 
 from benchmarks import passthrough
-from benchmarks.affinity import CpuSplit, Pinning, stack_pids
+from benchmarks.affinity import CpuSplit, Pinning, cpu_list, stack_pids
 from benchmarks.pipeline_kafka import KafkaProbe
 from benchmarks.pipeline_phases import (
     PhaseContext,
@@ -231,10 +231,6 @@ def _local_stack(app_settings: Settings) -> dict[str, int]:
     return stack_pids({s.name: s.pid for s in found if s.running})
 
 
-def _cpus(cpus: frozenset[int]) -> str:
-    return ",".join(str(c) for c in sorted(cpus))
-
-
 def _describe_pinning(split: CpuSplit, services: dict[str, int]) -> str:
     moved = ", ".join(f"{name} (pid {pid})" for name, pid in sorted(services.items()))
     return f"{split.describe()}: this benchmark and " + (
@@ -283,6 +279,7 @@ def run(
     split = CpuSplit.of(settings.worker_cpus) if settings.worker_cpus else None
     services = _local_stack(app_settings) if split is not None else {}
     pinning = Pinning(split, services) if split is not None else None
+    pinned = _describe_pinning(split, services) if split is not None else ""
     with pinning or contextlib.nullcontext():
         worker = BenchWorkers(env, log, settings.workers)
         pids = ", ".join(str(m.pid) for m in worker.members)
@@ -295,8 +292,8 @@ def run(
                     pinning.worker(member.pid)
 
         pin_workers()
-        if split is not None:
-            progress(f"CPUs: {_describe_pinning(split, services)}")
+        if pinned:
+            progress(f"CPUs: {pinned}")
         try:
             throughput, ceiling, latency, memory, redis_version, notes = asyncio.run(
                 _bench(
@@ -316,15 +313,11 @@ def run(
     if split is not None:
         notes.append(
             "the pass-through ran in this benchmark's process, beside the broker on CPU "
-            f"{_cpus(split.others)}: its ceiling, and the worker / pass-through ratio, do not "
+            f"{cpu_list(split.others)}: its ceiling, and the worker / pass-through ratio, do not "
             "compare with a run without --worker-cpus"
         )
     return PipelineReport(
-        machine=describe_machine(
-            load_before,
-            redis_version,
-            _describe_pinning(split, services) if split is not None else "",
-        ),
+        machine=describe_machine(load_before, redis_version, pinned),
         workload=Workload(
             run_id=run_id,
             tenant=TENANT,

@@ -261,6 +261,7 @@ class RawSource:
         it.  One object for all three, given here, so the three cannot drift apart."""
         self.settings = settings
         self._topics = topics
+        wait_ms = round(settings.fetch_wait * 1000)
         self._consumer = AIOKafkaConsumer(
             **client_options(settings.kafka),
             group_id=topics.processors_group,
@@ -271,12 +272,12 @@ class RawSource:
             fetch_max_bytes=FETCH_BYTES,
             # The broker answers once it has this many bytes, or the wait is over.
             fetch_min_bytes=settings.fetch_min_bytes,
-            fetch_max_wait_ms=round(settings.fetch_wait * 1000),
+            fetch_max_wait_ms=wait_ms,
             max_partition_fetch_bytes=PARTITION_FETCH_BYTES,
             session_timeout_ms=int(settings.session_timeout * 1000),
             heartbeat_interval_ms=int(heartbeat_interval(settings.session_timeout) * 1000),
         )
-        self._pace = FetchPace(settings.fetch_min_bytes, round(settings.fetch_wait * 1000))
+        self._pace = FetchPace(settings.fetch_min_bytes, wait_ms)
         self._revocations = revocations
         static = settings.worker_instance_id is not None
         self._listener = _Listener(revocations, on_revoked, self._lost if static else None)

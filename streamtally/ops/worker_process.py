@@ -164,12 +164,22 @@ class WorkerProcess:
 
         The whole log counts, lines of an earlier run appended to it included.
         """
+        self.wait_for_any((needle,), timeout)
+
+    def wait_for_any(self, needles: Sequence[str], timeout: float) -> str:
+        """Wait until the log holds one of `needles` and return it (the first of them, in
+        their order, when several are there); `WorkerError` as `wait_for_log`."""
+        wanted = " or ".join(repr(n) for n in needles)
         deadline = time.monotonic() + timeout
-        while needle not in self.log_text():
+        while True:
+            text = self.log_text()
+            for needle in needles:
+                if needle in text:
+                    return needle
             if self.returncode is not None:
-                raise WorkerError(f"worker exited before logging {needle!r}\n{self.describe()}")
+                raise WorkerError(f"worker exited before logging {wanted}\n{self.describe()}")
             if time.monotonic() > deadline:
-                raise WorkerError(f"no {needle!r} in {timeout:g} s\n{self.describe()}")
+                raise WorkerError(f"no {wanted} in {timeout:g} s\n{self.describe()}")
             time.sleep(_POLL_S)
 
     def wait_until_ready(self, timeout: float) -> None:

@@ -79,16 +79,8 @@ NOT_STARTED = "metrics server not started on 127.0.0.1:{port}"
 
 def _listening(worker: Any, port: int, timeout: float) -> bool:
     """Whether the worker's server came up on `port`: False if the port was taken."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        text = worker.log_text()
-        if LISTENING.format(port=port) in text:
-            return True
-        if NOT_STARTED.format(port=port) in text:
-            return False
-        worker.check()
-        time.sleep(0.1)
-    pytest.fail(f"the worker's server did not come up in {timeout:g} s\n{worker.describe()}")
+    started = LISTENING.format(port=port)
+    return worker.wait_for_any((started, NOT_STARTED.format(port=port)), timeout) == started
 
 
 @pytest.fixture

@@ -188,3 +188,15 @@ def test_the_environment_and_directory_are_the_callers(tmp_path: Path) -> None:
     ).start()
     assert worker.proc.wait(timeout=10) == 0
     assert worker.log_text() == f"{tmp_path} given\n"
+
+
+def test_wait_for_any_returns_the_line_logged_and_names_all_when_none_comes(
+    tmp_path: Path,
+) -> None:
+    worker = WorkerProcess(tmp_path / "w.log", command=_python(GRACEFUL)).start()
+    try:
+        assert worker.wait_for_any(("port taken", READY_LINE), timeout=10) == READY_LINE
+        with pytest.raises(WorkerError, match=r"no 'port taken' or 'listening' in 0.2 s"):
+            worker.wait_for_any(("port taken", "listening"), timeout=0.2)
+    finally:
+        assert worker.stop(timeout=10)[0] == 0
